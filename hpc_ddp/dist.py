@@ -1,0 +1,192 @@
+"""Start and stop the process group: the only module that calls ``init_process_group``.
+
+Three things users hit on real clusters shape this module:
+
+* A rank that never arrives (wrong MASTER_ADDR, firewalled port, a node that failed to start)
+  makes ``init_process_group`` wait for its whole timeout, 30 minutes by default. We rendezvous
+  through our own TCPStore first, with a short ``connect_timeout_s``, and name the missing ranks.
+* One dead rank leaves the others blocked in a collective. NCCL's async error handling tears the
+  communicator down; with Gloo the peers see a closed socket. Either way, bounded.
+* Gloo processes sometimes abort in a C++ destructor at interpreter exit, after all work is done
+  (shared/facts.md: 10-30 % of runs). ``shutdown_and_exit`` destroys the group, flushes and leaves
+  with ``os._exit`` so a finished job can never be turned into a failed one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from hpc_ddp.cluster import DistEnv, detect_env
+from hpc_ddp.errors import HpcDdpError, LaunchEnvError
+from hpc_ddp.network import choose_backend
+
+# NCCL reads these when the communicator is created; "3" = tear down on error and let the
+# process exit instead of blocking the next collective forever.
+_NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+_ARRIVED_KEY = "hpc_ddp/arrived"
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What a training process needs after init: who it is, how it talks, where it computes."""
+
+    env: DistEnv
+    backend: str
+    device: torch.device
+    reason: str
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """All devices this process drives (several in the one-process-per-node layout)."""
+        if self.device.type != "cuda":
+            return [self.device]
+        return [torch.device("cuda", g) for g in self.env.gpus]
+
+
+def init_distributed(
+    env: DistEnv | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 1800.0,
+    connect_timeout_s: float = 120.0,
+) -> DistContext:
+    """Bind the device, rendezvous with a short deadline, then start the process group.
+
+    A single process (world size 1) still gets a process group, so the trainer has one code path.
+    """
+    env = env or detect_env()
+    cuda = torch.cuda.is_available() and bool(env.gpus)
+    choice = choose_backend(cuda_available=cuda, requested=backend, env=env)
+    for key, value in {**_NCCL_DEFAULTS, **choice.env}.items():
+        os.environ.setdefault(key, value)  # a user's explicit setting always wins
+
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", env.gpus[0])
+        torch.cuda.set_device(device)  # before init: NCCL binds its communicator to this device
+
+    store = _rendezvous(env, connect_timeout_s)
+    kwargs = {"device_id": device} if choice.backend == "nccl" else {}
+    dist.init_process_group(
+        backend=choice.backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return DistContext(env=env, backend=choice.backend, device=device, reason=choice.reason)
+
+
+def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
+    """Meet every rank on rank 0's TCPStore within ``connect_timeout_s``, or say who is missing."""
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=timedelta(seconds=connect_timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as err:
+        if env.rank == 0:
+            raise LaunchEnvError(
+                f"rank 0 could not listen on {where}: {err}",
+                hint="another job on this node may hold the port; set MASTER_PORT to a free port",
+            ) from err
+        raise LaunchEnvError(
+            f"rank {env.rank} on {socket.gethostname()} could not reach rank 0 at {where} "
+            f"within {connect_timeout_s:.0f} s: {err}",
+            hint="check that rank 0 started, that MASTER_ADDR resolves to its host from here "
+            "and that the port is not firewalled (hpc-ddp env shows what each rank derived)",
+        ) from err
+
+    store.set(f"hpc_ddp/host/{env.rank}", socket.gethostname())
+    store.add(_ARRIVED_KEY, 1)
+    deadline = time.monotonic() + connect_timeout_s
+    while int(store.add(_ARRIVED_KEY, 0)) < env.world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(env.world_size) if not store.check([f"hpc_ddp/host/{r}"])]
+            raise LaunchEnvError(
+                f"rank {env.rank}: after {connect_timeout_s:.0f} s, {len(missing)} of "
+                f"{env.world_size} ranks never reached {where}: missing ranks {missing[:16]}",
+                hint="a node or task failed to start, or ranks disagree on WORLD_SIZE/MASTER_ADDR;"
+                " look at the missing ranks' logs first",
+            )
+        time.sleep(0.05)  # polling a local TCP counter; the deadline above bounds the wait
+    return store
+
+
+def shutdown_and_exit(code: int = 0) -> NoReturn:
+    """Leave without running C++ static destructors (the Gloo exit abort), flushing first."""
+    if code == 0 and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # the work is done; a teardown hiccup must not fail the job
+            print(f"hpc-ddp: warning: destroy_process_group failed: {err}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def rank_prefix() -> str:
+    """``[rank R/W host]`` from the process group if up, else from the launcher's variables."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+        world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "?"))
+    return f"[rank {rank}/{world} {socket.gethostname()}]"
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Run a worker entry point and exit through ``shutdown_and_exit`` whatever happens.
+
+    Errors are printed with the rank that raised them, so a failure on rank 5 of node 2 still
+    reaches the user even though only rank 0 logs progress. On error the process group is not
+    destroyed (that can block on peers); the process exits and the peers' collectives fail.
+    """
+    try:
+        code = int(main() or 0)
+    except HpcDdpError as err:
+        print(f"{rank_prefix()} error: {err}", file=sys.stderr)
+        code = err.exit_code
+    except KeyboardInterrupt:
+        print(f"{rank_prefix()} interrupted", file=sys.stderr)
+        code = 130
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        text = traceback.format_exc()
+        prefix = rank_prefix()
+        sys.stderr.write("".join(f"{prefix} {line}\n" for line in text.splitlines()))
+        code = 1
+    shutdown_and_exit(code)
