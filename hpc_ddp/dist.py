@@ -14,6 +14,7 @@ Three things users hit on real clusters shape this module:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -150,10 +151,8 @@ def shutdown_and_exit(code: int = 0) -> NoReturn:
         except Exception as err:  # the work is done; a teardown hiccup must not fail the job
             print(f"hpc-ddp: warning: destroy_process_group failed: {err}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe must not block exit
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class HpcDdpError(Exception):
-    """A problem the user can act on. ``hint`` says how to fix it; the CLI prints both and exits 2."""
+    """A problem the user can act on; ``hint`` says how to fix it. The CLI prints both, exits 2."""
 
     exit_code = 2
 

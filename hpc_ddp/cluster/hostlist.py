@@ -61,7 +61,7 @@ def _expand_ranges(body: str, text: str) -> list[str]:
             raise _bad(text, f"range {item!r} goes backwards")
         if len(values) + hi - lo + 1 > _MAX_HOSTS:
             raise _bad(text, f"more than {_MAX_HOSTS} hosts")
-        # Zero padding follows the lower bound, as Slurm does: a[01-3] -> a01..a03, a[1-03] -> a1..a3.
+        # Padding follows the lower bound, as in Slurm: a[01-3] -> a01..a03, a[1-03] -> a1..a3.
         width = len(lo_text)
         values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
     return values

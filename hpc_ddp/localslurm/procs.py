@@ -6,6 +6,7 @@ Never by name: several clusters (other test sessions, the demo) run on one machi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    # "pid (comm) state ppid ...": comm may contain spaces and parentheses, so split after the last ")".
+    # "pid (comm) state ppid ...": comm may hold spaces and ")", so split after the last ")".
     return text[text.rfind(")") + 2 :].split()
 
 
@@ -69,6 +70,11 @@ def _ancestors() -> set[int]:
         pids.add(pid)
         pid = parent_of(pid) or 0
     return pids
+
+
+def pids_with_args(*args: str) -> set[int]:
+    """Live processes whose command line contains every one of ``args`` (e.g. our conf path)."""
+    return {pid for pid in all_pids() if alive(pid) and set(args) <= set(cmdline(pid))}
 
 
 def _uses_dir(pid: int, root: str) -> bool:
@@ -126,10 +132,8 @@ def terminate(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
     targets = {p for p in pids if alive(p)}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in targets:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         targets = wait_gone(targets, grace_s)
         if not targets:
             break

@@ -1,0 +1,91 @@
+"""Who am I, who are my peers: one DistEnv from whichever launcher started this process.
+
+Pure Python; never imports torch (``hpc-ddp env`` must answer in well under a second).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from types import ModuleType
+
+from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchrun
+from hpc_ddp.cluster._vars import check_rank, parse_int
+from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus
+from hpc_ddp.cluster.env import SOURCES, DistEnv
+from hpc_ddp.errors import LaunchEnvError
+
+__all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]
+
+# THE precedence list. Launchers nest (srun starts torchrun, pdsh starts torchrun, sbatch starts
+# mpirun or a submitit controller), and a process inherits the variables of every launcher above
+# it; the innermost launcher set its variables for this very process, so it is believed first:
+# 1. torchrun/elastic: under `srun torchrun` or pdsh+torchrun its per-worker RANK is the truth;
+#    SLURM_PROCID there numbers the torchrun agents.
+# 2. hpc-ddp's pdsh/clush launcher: only ever started inside an allocation or from a login node,
+#    so any SLURM_* beside it are leftovers of the enclosing shell.
+# 3. submitit's LocalExecutor: it sets SUBMITIT_LOCAL_* per task; SLURM_* beside them can only
+#    be inherited from a batch shell around the local controller (which would read as "srun
+#    forgotten"). On a real cluster submitit uses srun and sets no SUBMITIT_LOCAL_*.
+# 4. Slurm srun tasks, before MPI: srun --mpi=pmix/pmi2 sets both, consistently; the Slurm reader
+#    refuses an MPI world size that disagrees (mpirun inside an allocation).
+# 5. MPI (mpirun/mpiexec) outside Slurm.
+# 6. Nothing: one process.
+PRECEDENCE: tuple[ModuleType, ...] = (torchrun, launcher, submitit_local, slurm, mpi, single)
+
+GPUS_PER_PROCESS_VAR = "HPC_DDP_GPUS_PER_PROCESS"
+
+
+def detect_source(environ: Mapping[str, str]) -> ModuleType:
+    return next(source for source in PRECEDENCE if source.detect(environ))
+
+
+def _gpus_per_process(environ: Mapping[str, str], requested: int | None) -> int:
+    from_env = environ.get(GPUS_PER_PROCESS_VAR)
+    env_value = parse_int(from_env, GPUS_PER_PROCESS_VAR, minimum=1) if from_env else None
+    if requested is not None:
+        if requested < 1:
+            raise LaunchEnvError(
+                f"gpus_per_process={requested} must be at least 1",
+                hint="1 = one process per GPU; G = one process drives G GPUs",
+            )
+        if env_value is not None and env_value != requested:
+            raise LaunchEnvError(
+                f"gpus_per_process={requested} was asked for but "
+                f"{GPUS_PER_PROCESS_VAR}={env_value} (set by the job script) says otherwise",
+                hint=f"make them agree, or drop one (unset {GPUS_PER_PROCESS_VAR})",
+            )
+        return requested
+    return env_value or 1
+
+
+def detect_env(
+    environ: Mapping[str, str] | None = None,
+    *,
+    gpus_per_process: int | None = None,
+    visible_gpus: int | None = None,
+    proc_root: str = "/proc",
+) -> DistEnv:
+    """The distributed environment of this process; LaunchEnvError (with a HINT) if it is wrong.
+
+    ``gpus_per_process`` defaults to $HPC_DDP_GPUS_PER_PROCESS, else 1. ``visible_gpus`` lets a
+    caller that already imported torch pass ``torch.cuda.device_count()``; otherwise the count
+    comes from CUDA_VISIBLE_DEVICES or /proc/driver/nvidia/gpus (``proc_root`` for tests).
+    """
+    environ = os.environ if environ is None else environ
+    gpp = _gpus_per_process(environ, gpus_per_process)
+    source = detect_source(environ)
+    env = source.read(environ, gpus_per_process=gpp)
+    assert env.source in SOURCES, env.source
+    check_rank("node rank", env.node_rank, env.num_nodes, env.source)
+    check_rank("local rank", env.local_rank, env.local_world_size, env.source)
+    check_rank("rank", env.rank, env.world_size, env.source)
+    visible = count_visible_gpus(environ, proc_root) if visible_gpus is None else visible_gpus
+    gpus = assign_gpus(
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        gpus_per_process=gpp,
+        visible=visible,
+    )
+    return dataclasses.replace(env, gpus=gpus)

@@ -1,0 +1,41 @@
+"""No launcher at all: one process, rank 0 of 1, on this host."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hpc_ddp.cluster.env import DistEnv
+from hpc_ddp.cluster.port import free_port, parse_port
+from hpc_ddp.errors import LaunchEnvError
+
+
+def detect(environ: Mapping[str, str]) -> bool:
+    return True
+
+
+def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
+    # RANK/WORLD_SIZE exported by hand with no launcher: believing them would make this process
+    # wait for peers nobody starts; ignoring them would silently train alone. Say so instead.
+    rank, world = environ.get("RANK", "0").strip(), environ.get("WORLD_SIZE", "1").strip()
+    if rank != "0" or world != "1":
+        raise LaunchEnvError(
+            f"RANK={rank} WORLD_SIZE={world} are set, but no launcher (torchrun, srun, mpirun, "
+            "hpc-ddp launch, submitit) started this process",
+            hint="start the processes with torchrun or srun, or unset RANK and WORLD_SIZE "
+            "to run a single process",
+        )
+    port_text = environ.get("MASTER_PORT")
+    return DistEnv(
+        source="single",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        # Nobody has to agree on the port of a one-process group: take any free one.
+        master_port=parse_port(port_text) if port_text else free_port(),
+        job_id=None,
+        gpus_per_process=gpus_per_process,
+    )

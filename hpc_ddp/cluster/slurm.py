@@ -1,0 +1,152 @@
+"""Slurm, one process per srun task.
+
+Step-level variables come first: a step (``srun -N2 -n2`` inside a 3-node job) can be smaller
+than the allocation, and only SLURM_STEP_* describe the processes that actually run. The batch
+script itself also has SLURM_PROCID=0 (Slurm 22.05) but no SLURM_STEP_ID: that is how a
+forgotten ``srun`` is told apart from task 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hpc_ddp.cluster._vars import first_int, get_int, get_opt_int
+from hpc_ddp.cluster.env import DistEnv
+from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
+from hpc_ddp.cluster.port import derive_port, parse_port
+from hpc_ddp.errors import LaunchEnvError
+
+# Other launchers' sizes that, when present beside an srun step, must describe the same world
+# (srun --mpi=pmix/pmi2 sets them consistently; mpirun inside an allocation does not).
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def detect(environ: Mapping[str, str]) -> bool:
+    return "SLURM_JOB_ID" in environ or "SLURM_JOBID" in environ
+
+
+def _job_id(environ: Mapping[str, str]) -> str:
+    return environ.get("SLURM_JOB_ID") or environ["SLURM_JOBID"]
+
+
+def _in_step(environ: Mapping[str, str]) -> bool:
+    return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
+
+
+def _outside_step(environ: Mapping[str, str], gpus_per_process: int) -> DistEnv:
+    """The batch script or an salloc shell: fine for a one-task job, a mistake otherwise."""
+    job_id = _job_id(environ)
+    tasks = first_int(environ, ("SLURM_NTASKS", "SLURM_NPROCS"), minimum=1) or 1
+    nodes = first_int(environ, ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"), minimum=1) or 1
+    if tasks > 1 or nodes > 1:
+        where = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        job = f"a job of {tasks} task(s) on {nodes} node(s)" + (f": {where}" if where else "")
+        raise LaunchEnvError(
+            f"srun forgotten: SLURM_JOB_ID={job_id} is set ({job}), but this process is not an "
+            "srun task (no SLURM_STEP_ID): it is the batch script or an salloc shell itself, "
+            f"which would run 1 process instead of {tasks}",
+            hint="start the processes with `srun <command>` in the batch script "
+            "(to inspect what each task sees: `srun hpc-ddp env`)",
+        )
+    port_text = environ.get("MASTER_PORT")
+    return DistEnv(
+        source="slurm",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=parse_port(port_text) if port_text else derive_port(job_id),
+        job_id=job_id,
+        gpus_per_process=gpus_per_process,
+    )
+
+
+def _check_same(environ: Mapping[str, str], name: str, expected: int, truth: str) -> None:
+    value = get_opt_int(environ, name)
+    if value is not None and value != expected:
+        raise LaunchEnvError(
+            f"contradictory variables: {name}={value} but {truth}={expected} in this srun task",
+            hint=f"remove the `export {name}=...` from the job script (Slurm's value is used), "
+            "or, for mpirun inside an allocation, launch the ranks with `srun --mpi=pmix` instead",
+        )
+
+
+def _check_gpus_per_node(environ: Mapping[str, str], local_world: int, gpp: int) -> None:
+    on_node = get_opt_int(environ, "SLURM_GPUS_ON_NODE")
+    if not on_node or local_world * gpp == on_node:
+        return
+    raise LaunchEnvError(
+        f"tasks per node do not match GPUs per node: {local_world} task(s) on this node x "
+        f"{gpp} GPU(s) per process = {local_world * gpp}, but the job has {on_node} GPU(s) here "
+        "(SLURM_GPUS_ON_NODE)",
+        hint=f"use --ntasks-per-node={on_node // gpp} with --gpus-per-node={on_node}, or set "
+        f"HPC_DDP_GPUS_PER_PROCESS={max(on_node // max(local_world, 1), 1)} for one process "
+        "driving several GPUs",
+    )
+
+
+def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
+    if not _in_step(environ):
+        return _outside_step(environ, gpus_per_process)
+    job_id = _job_id(environ)
+    rank = get_int(environ, "SLURM_PROCID")
+    local_rank = get_int(environ, "SLURM_LOCALID")
+    node_rank = get_int(environ, "SLURM_NODEID")
+    world = first_int(environ, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), minimum=1)
+    tpn_text = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    nodelist = (
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST")
+    )
+    if world is None or tpn_text is None or nodelist is None:
+        raise LaunchEnvError(
+            "srun task without its step size, tasks per node or node list "
+            "(SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NODELIST)",
+            hint="run under a real `srun`; do not export SLURM_PROCID by hand",
+        )
+    hosts = expand_hostlist(nodelist)
+    tasks_per_node = expand_tasks_per_node(tpn_text)
+    num_nodes = first_int(
+        environ, ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"), minimum=1
+    )
+    num_nodes = len(hosts) if num_nodes is None else num_nodes
+    if not len(hosts) == len(tasks_per_node) == num_nodes or sum(tasks_per_node) != world:
+        raise LaunchEnvError(
+            f"inconsistent Slurm step: {num_nodes} node(s), node list {nodelist!r} "
+            f"({len(hosts)} hosts), tasks per node {tpn_text!r} (sum {sum(tasks_per_node)} on "
+            f"{len(tasks_per_node)} nodes), {world} tasks",
+            hint="these come from srun; look for SLURM_* variables exported by hand or "
+            "inherited from another job",
+        )
+    if not 0 <= node_rank < num_nodes:
+        raise LaunchEnvError(
+            f"slurm: node rank {node_rank} is outside the step's {num_nodes} node(s)",
+            hint="SLURM_NODEID does not belong to this step; do not export it by hand",
+        )
+    local_world = tasks_per_node[node_rank]
+    _check_same(environ, "RANK", rank, "SLURM_PROCID")
+    _check_same(environ, "LOCAL_RANK", local_rank, "SLURM_LOCALID")
+    _check_same(environ, "WORLD_SIZE", world, "SLURM_STEP_NUM_TASKS")
+    for name in _MPI_SIZES:
+        _check_same(environ, name, world, "SLURM_STEP_NUM_TASKS")
+    _check_gpus_per_node(environ, local_world, gpus_per_process)
+    port_text = environ.get("MASTER_PORT")
+    return DistEnv(
+        source="slurm",
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        # An exported MASTER_ADDR (e.g. an InfiniBand hostname) is the user's choice; otherwise
+        # the first host in Slurm's order, where task 0 runs.
+        master_addr=environ.get("MASTER_ADDR") or hosts[0],
+        master_port=parse_port(port_text) if port_text else derive_port(job_id),
+        job_id=job_id,
+        gpus_per_process=gpus_per_process,
+    )

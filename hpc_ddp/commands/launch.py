@@ -1,0 +1,203 @@
+"""``hpc-ddp launch pdsh|clush|stop``: run a DDP job on hosts that have ssh but no scheduler.
+
+    hpc-ddp launch pdsh --hosts 'node[01-02]' --gpus-per-node 8 -- --epochs 10 --run-dir runs/a
+    hpc-ddp launch clush --hosts 'node[01-02]' --mode processes -- python3 my_worker.py
+    hpc-ddp launch stop --hosts 'node[01-02]' --launch-id 20261126-011400-a1b2c3
+
+Node rank = position of the host in SORTED order (clush's order; pdsh is given that order).
+After '--': a command, or arguments for the trainer if the first one is an option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hpc_ddp.deploy.shell_launch import (
+    MODES,
+    RCMDS,
+    TOOLS,
+    forwarded_env,
+    launch_command,
+    make_spec,
+    stop_command,
+)
+from hpc_ddp.errors import ConfigError
+
+ACTIONS = (*TOOLS, "stop")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("action", choices=ACTIONS, help="the tool to launch with, or stop")
+    parser.add_argument("--hosts", required=True, help="host list, e.g. 'node[01-04],gpu7'")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=1,
+        help="GPUs per host (process slots on CPU-only hosts)",
+    )
+    parser.add_argument(
+        "--gpus-per-process",
+        type=int,
+        default=1,
+        help="1: one process per GPU; G: one process drives G GPUs",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="torchrun",
+        help="one torchrun per host, or one process per slot via the node agent",
+    )
+    parser.add_argument(
+        "--rcmd",
+        choices=RCMDS,
+        default="ssh",
+        help="ssh to real hosts; exec runs every 'host' on this machine",
+    )
+    parser.add_argument("--master-addr", help="default: first host (127.0.0.1 with --rcmd exec)")
+    parser.add_argument(
+        "--master-port", type=int, help="default: derived from the launch id (hpc_ddp.cluster.port)"
+    )
+    parser.add_argument("--launch-id", help="name of this launch (pid files, port); default: new")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="export on every host (repeatable)",
+    )
+    parser.add_argument(
+        "--no-forward-env",
+        action="store_true",
+        help="do not export this shell's NCCL_*/GLOO_*/PYTHONPATH/OMP_NUM_THREADS",
+    )
+    parser.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="SHELL",
+        help="shell line run on every host first, e.g. 'source venv/bin/activate'",
+    )
+    parser.add_argument("--workdir", help="directory on every host (default: this one)")
+    parser.add_argument("--python", default="python3", help="python on the hosts")
+    parser.add_argument(
+        "--state-dir", help="host-local dir for pid files (default /tmp/hpc-ddp-launch-$USER)"
+    )
+    parser.add_argument(
+        "--timeout", type=int, help="pdsh/clush -u: kill a host's command after N s"
+    )
+    parser.add_argument(
+        "--rendezvous-timeout",
+        type=int,
+        default=120,
+        help="seconds a node waits for the master's store (torchrun mode)",
+    )
+    parser.add_argument("--stop-grace", type=int, default=10, help="SIGTERM -> SIGKILL seconds")
+    parser.add_argument("--tool-path", help="pdsh/clush executable (default: from PATH)")
+    parser.add_argument("--via", choices=TOOLS, default="pdsh", help="tool that runs `stop`")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the exact command, run nothing"
+    )
+    parser.add_argument(
+        "--render-script",
+        type=Path,
+        metavar="FILE",
+        help="write a standalone bash script of this launch and exit",
+    )
+    parser.usage = "hpc-ddp launch {pdsh,clush,stop} --hosts HOSTS [options] [-- COMMAND...]"
+    # argparse cannot take options, then '--', then a command whose own options it must not
+    # read (a positional after '--' is "unrecognized"); so split at the first '--' ourselves.
+    parser.parse_args = _parse_with_command(parser.parse_args)  # type: ignore[method-assign]
+
+
+def _parse_with_command(
+    parse: Callable[..., argparse.Namespace],
+) -> Callable[..., argparse.Namespace]:
+    def parse_args(
+        args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        args = list(sys.argv[1:] if args is None else args)
+        cut = args.index("--") if "--" in args else len(args)
+        ns = parse(args[:cut], namespace)
+        ns.command = args[cut + 1 :]
+        return ns
+
+    return parse_args
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {pair!r} is not K=V", hint="e.g. --env NCCL_DEBUG=INFO")
+        env[key] = value
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    stopping = args.action == "stop"
+    if stopping:
+        if not args.launch_id:
+            raise ConfigError("stop needs --launch-id", hint="the launch printed it when it began")
+        command = ["true"]  # the spec wants a command; stop never runs it
+    env = {} if args.no_forward_env else forwarded_env(os.environ)
+    env.update(_parse_env(args.env))
+    spec = make_spec(
+        tool=args.via if stopping else args.action,
+        hosts=args.hosts,
+        command=command,
+        rcmd=args.rcmd,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        launch_id=args.launch_id,
+        env=env,
+        python=args.python,
+        workdir=args.workdir,
+        state_dir=args.state_dir,
+        gpus_per_node=args.gpus_per_node,
+        gpus_per_process=args.gpus_per_process,
+        mode=args.mode,
+        setup=tuple(args.setup),
+        timeout_s=args.timeout,
+        rendezvous_timeout_s=args.rendezvous_timeout,
+        stop_grace_s=args.stop_grace,
+        tool_path=args.tool_path,
+    )
+    if stopping:
+        from hpc_ddp.deploy.launch_runner import stop_all
+
+        if args.dry_run:
+            print(stop_command(spec).shell())
+            return 0
+        return stop_all(spec, out=sys.stdout)
+    if args.render_script:
+        from hpc_ddp.deploy.launch_script import write_launch_script
+
+        invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
+        produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
+        write_launch_script(spec, args.render_script, produced_by=produced_by)
+        print(
+            f"wrote {args.render_script} (launch {spec.launch_id}); run: bash "
+            f"{args.render_script}; stop: bash {args.render_script} stop",
+            file=sys.stderr,
+        )
+        return 0
+    if args.dry_run:
+        print(
+            f"# launch {spec.launch_id}: hosts in node-rank order {','.join(spec.hosts)}; "
+            f"master {spec.master_addr}:{spec.master_port}",
+            file=sys.stderr,
+        )
+        print(launch_command(spec).shell())
+        return 0
+    from hpc_ddp.deploy.launch_runner import run_launch
+
+    return run_launch(spec)

@@ -1,0 +1,117 @@
+"""``hpc-ddp render``: a job description (spec file and/or flags) to an sbatch script.
+
+Flags are generated from JobSpec's fields, so the schema lives in one place. Flags win over the
+file. Every check runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.deploy.examples import JOBS_DIR, examples, render_all, stale_examples, write_atomic
+from hpc_ddp.deploy.render import render
+from hpc_ddp.deploy.spec import JobSpec, build_spec
+from hpc_ddp.errors import ConfigError
+
+_SKIP = {"args"}  # given after `--`
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per JobSpec field (dest ``spec_<name>``, default None = not given)."""
+    parser.add_argument("-c", "--config", metavar="FILE", help="job spec file (.toml or .json)")
+    group = parser.add_argument_group("job spec fields (override the file)")
+    for f in fields(JobSpec):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f"spec_{f.name}", "default": None, "help": f.metadata["help"]}
+        kind = str(f.type)
+        if kind == "int":
+            group.add_argument(flag, type=int, metavar="N", **kw)
+        elif kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif kind == "list[str]":
+            group.add_argument(flag, action="append", metavar="VALUE", **kw)
+        elif kind == "dict[str, str]":
+            group.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
+        else:
+            group.add_argument(flag, metavar="VALUE", **kw)
+    parser.add_argument("args", nargs="*", help="program arguments (after --)")
+
+
+def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(JobSpec):
+        value = getattr(args, f"spec_{f.name}", None)
+        if f.name == "args":
+            value = list(args.args) if args.args else None
+        if value is None:
+            continue
+        if str(f.type) == "dict[str, str]":
+            pairs = {}
+            for item in value:
+                key, sep, val = item.partition("=")
+                if not sep:
+                    raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
+                pairs[key] = val
+            value = pairs
+        out[f.name] = value
+    return out
+
+
+def spec_from_args(args: argparse.Namespace) -> JobSpec:
+    return build_spec(args.config, spec_overrides(args))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output-file", metavar="FILE", help="write the script here")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    parser.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
+    parser.add_argument(
+        "--all-examples",
+        action="store_true",
+        help="re-render every jobs/specs/* into jobs/*.sbatch",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="with --all-examples: only report stale renders"
+    )
+    parser.add_argument("--jobs-dir", type=Path, default=JOBS_DIR, help=argparse.SUPPRESS)
+    add_spec_arguments(parser)
+
+
+def _recorded_command() -> str:
+    if sys.argv[1:2] == ["render"]:
+        return shlex.join(["hpc-ddp", *sys.argv[1:]])
+    return "hpc-ddp render"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.all_examples:
+        return _all_examples(args)
+    spec = spec_from_args(args)
+    text = render(spec, command=_recorded_command())
+    if args.dry_run or not args.output_file:
+        sys.stdout.write(text)
+        return 0
+    write_atomic(Path(args.output_file), text, force=args.force, mode=0o755)
+    print(f"wrote {args.output_file} ({spec.layout}, {spec.world_size} processes)", file=sys.stderr)
+    return 0
+
+
+def _all_examples(args: argparse.Namespace) -> int:
+    if args.check or args.dry_run:
+        stale = stale_examples(args.jobs_dir)
+        for ex in stale:
+            print(f"stale: {ex.script_path} (re-render from {ex.spec_path})")
+        print(f"{len(examples(args.jobs_dir)) - len(stale)} up to date, {len(stale)} stale")
+        return 1 if stale else 0
+    changed = render_all(args.jobs_dir)
+    for path in changed:
+        print(f"rendered {path}")
+    print(f"{len(examples(args.jobs_dir))} examples, {len(changed)} changed")
+    return 0

@@ -1,0 +1,76 @@
+"""The environment a new job is submitted with: nothing of the job we may be running inside.
+
+sbatch/srun read many SLURM_* and SBATCH_*/SRUN_* variables as defaults, and Slurm copies the
+submitter's environment into the job. A job submitted from inside a 2x8 job would otherwise
+inherit its node count, task layout or GPU binding, and its MASTER_PORT/RANK would override what
+the new job's ranks derive. SLURM_CONF is kept: it says which cluster to talk to.
+(submitit.helpers.clean_env drops SLURM_CONF too, hence our own.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+
+SCRUB_PREFIXES = (
+    "SLURM_",
+    "SLURMD_",
+    "SBATCH_",
+    "SALLOC_",
+    "SRUN_",
+    "SUBMITIT_",
+    "TORCHELASTIC_",
+    "PMI_",
+    "PMIX_",
+    "OMPI_",
+)
+SCRUB_NAMES = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "HPC_DDP_LAUNCHER",
+        "HPC_DDP_NODE_RANK",
+        "HPC_DDP_NUM_NODES",
+        "HPC_DDP_LOCAL_RANK",
+        "HPC_DDP_LOCAL_WORLD_SIZE",
+        "HPC_DDP_MASTER_ADDR",
+        "HPC_DDP_MASTER_PORT",
+        "HPC_DDP_RDZV_ENDPOINT",
+        "HPC_DDP_GPUS_PER_PROCESS",
+        "CUDA_VISIBLE_DEVICES",  # set by Slurm for *this* allocation's GPUs
+    }
+)
+KEEP = frozenset({"SLURM_CONF"})
+
+
+def is_scrubbed(name: str) -> bool:
+    if name in KEEP:
+        return False
+    return name in SCRUB_NAMES or name.startswith(SCRUB_PREFIXES)
+
+
+def submission_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: ours) without the variables of any enclosing job."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not is_scrubbed(k)}
+
+
+@contextlib.contextmanager
+def scrubbed_environ(extra: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Temporarily scrub ``os.environ`` (for libraries such as submitit that read it directly)."""
+    saved = dict(os.environ)
+    try:
+        for key in [k for k in os.environ if is_scrubbed(k)]:
+            del os.environ[key]
+        os.environ.update(extra or {})
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -1,0 +1,61 @@
+"""The host list of a scheduler-less launch, in the one order both pdsh and clush agree on.
+
+pdsh numbers hosts (``%n``) in the order written on ``-w`` and keeps duplicates; clush numbers
+them in ClusterShell's sorted, de-duplicated order. A node rank (and with it MASTER_ADDR, the
+host of node rank 0) must not depend on which tool ran the job, so ``hpc-ddp launch`` puts the
+hosts in *sorted* order (what clush does anyway), removes duplicates, and gives pdsh that exact
+list. The remote script then checks that ``%n`` names the host it expects, so a tool that numbers
+differently fails loudly instead of training with two nodes that both think they are rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpc_ddp.cluster.hostlist import expand_hostlist
+from hpc_ddp.errors import ConfigError, HpcDdpError
+
+# A host name that survives every shell layer unquoted and cannot smuggle in a pdsh/clush
+# placeholder: letters, digits, '.', '-', '_' (what DNS and /etc/hosts allow, plus '_').
+_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(host: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key matching ClusterShell's NodeSet order: text parts as text, numbers as numbers.
+
+    ``node9`` < ``node10`` and ``gpu1`` < ``node1``; a zero-padded ``node01`` sorts by value.
+    (0, text) / (1, number) tags keep mixed tuples comparable.
+    """
+    parts: list[tuple[int, int | str]] = []
+    for i, piece in enumerate(_DIGITS.split(host)):
+        if i % 2:
+            parts.append((1, int(piece)))
+        elif piece:
+            parts.append((0, piece))
+    return tuple(parts)
+
+
+def canonical_hosts(text: str) -> list[str]:
+    """Expand ``node[01-02],gpu7`` and return the hosts sorted and de-duplicated.
+
+    Raises ConfigError for an empty or malformed list and for names no shell can carry safely.
+    """
+    try:
+        hosts = expand_hostlist(text)
+    except HpcDdpError as err:
+        raise ConfigError(err.message, hint=err.hint) from err
+    if not hosts:
+        raise ConfigError(
+            f"--hosts {text!r} names no host",
+            hint="give at least one host, e.g. --hosts 'node[01-02]' or --hosts a1,a2",
+        )
+    bad = [h for h in hosts if not _HOST.match(h)]
+    if bad:
+        raise ConfigError(
+            f"host name(s) {bad[:5]} contain characters a launch cannot pass through ssh and "
+            "pdsh/clush safely",
+            hint="use plain host names (letters, digits, '.', '-', '_'), as in /etc/hosts",
+        )
+    # Sorting makes clush's %n and pdsh's %n agree (see the module docstring).
+    return sorted(set(hosts), key=natural_key)

@@ -1,0 +1,235 @@
+"""Run a scheduler-less launch and make every failure loud and bounded.
+
+pdsh and clush alone are not enough: they wait for *all* hosts, so one failed host leaves the
+others blocked (torchrun's exit barrier alone waits 300 s), and ``pdsh -S`` reports 0 when a
+host's command was killed by a signal. So the runner reads the tools' output as it streams,
+and at the first host failure it runs the stop command on every host (which ends each host's
+recorded process group), waits a bounded time for the tool to return, and exits non-zero
+naming the host. Ctrl-C / SIGTERM on the runner do the same.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from hpc_ddp.cluster.hostlist import expand_hostlist
+from hpc_ddp.deploy.shell_launch import LaunchSpec, ToolCommand, launch_command, stop_command
+from hpc_ddp.errors import HpcDdpError
+
+TAG = "hpc-ddp launch:"
+# The tools' own per-host failure lines (pdsh on stderr, clush on stderr; clush may fold hosts
+# into a node set) and the host script's exit line (prefixed "host: " by the tool).
+_PDSH = re.compile(
+    r"^pdsh@\S+: (?P<hosts>[^\s:]+): (?:\S+ exited with exit code (?P<code>\d+)"
+    r"|\S+ killed by signal (?P<sig>\d+)|(?P<timeout>command timeout))"
+)
+_CLUSH = re.compile(
+    r"^clush: (?P<hosts>\S+): (?:exited with exit code (?P<code>\d+)"
+    r"|killed by signal (?P<sig>\d+)|(?P<timeout>command timeout))"
+)
+_SCRIPT = re.compile(r"^(?P<hosts>\S+): hpc-ddp-launch: host=\S+ node_rank=\d+ exit=(?P<code>\d+)")
+TIMEOUT_CODE = 124  # what timeout(1) returns
+
+
+@dataclass(frozen=True)
+class HostFailure:
+    hosts: tuple[str, ...]
+    code: int
+    line: str
+
+
+def parse_failure(line: str) -> HostFailure | None:
+    """A HostFailure if ``line`` reports a host whose command failed, else None."""
+    for pattern in (_PDSH, _CLUSH, _SCRIPT):
+        match = pattern.match(line)
+        if not match:
+            continue
+        groups = match.groupdict()
+        if groups.get("timeout"):
+            code = TIMEOUT_CODE
+        elif groups.get("sig"):
+            code = 128 + int(groups["sig"])
+        else:
+            code = int(groups["code"])
+        if code == 0:
+            return None
+        try:
+            hosts = tuple(expand_hostlist(match.group("hosts")))
+        except HpcDdpError:
+            hosts = (match.group("hosts"),)
+        return HostFailure(hosts, code, line)
+    return None
+
+
+def _pump(stream: IO[str], sink: IO[str], events: queue.Queue[HostFailure | None]) -> None:
+    """Copy a tool stream line by line to ours, reporting failure lines; None at EOF."""
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+        failure = parse_failure(line.rstrip("\n"))
+        if failure:
+            events.put(failure)
+    events.put(None)
+
+
+def _start(cmd: ToolCommand, *, capture: bool) -> subprocess.Popen[str]:
+    try:
+        return subprocess.Popen(
+            list(cmd.argv),
+            env={**os.environ, **dict(cmd.env)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.PIPE if capture else None,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # our signal handling decides what the tool gets
+        )
+    except FileNotFoundError as err:
+        raise HpcDdpError(
+            f"{cmd.argv[0]!r} not found: {err}",
+            hint="install pdsh / clustershell (Debian: apt-get install pdsh clustershell), or "
+            "pass --tool-path",
+        ) from err
+
+
+def _kill_tree(proc: subprocess.Popen[str], grace_s: float) -> None:
+    """End the local tool (and its ssh/exec children): TERM its session, then KILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def stop_all(spec: LaunchSpec, out: IO[str] | None = None) -> int:
+    """Run the stop script on every host (bounded by the tool's -u); its exit code."""
+    out = out or sys.stderr
+    cmd = stop_command(spec)
+    proc = subprocess.run(
+        list(cmd.argv),
+        env={**os.environ, **dict(cmd.env)},
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=out,
+        timeout=spec.stop_grace_s + 60,  # the tool's -u bounds it already; this is a backstop
+        check=False,
+    )
+    return proc.returncode
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
+    """Start the launch; return 0 only if every host's command exited 0."""
+    cmd = launch_command(spec)
+    print(
+        f"{TAG} {spec.launch_id}: {spec.num_nodes} host(s) {','.join(spec.hosts)} x "
+        f"{spec.nproc_per_node} process(es), {spec.mode}, master "
+        f"{spec.master_addr}:{spec.master_port} (stop: hpc-ddp launch stop --hosts "
+        f"{','.join(spec.hosts)} --launch-id {spec.launch_id})",
+        file=sys.stderr,
+        flush=True,
+    )
+    events: queue.Queue[HostFailure | None] = queue.Queue()
+    proc = _start(cmd, capture=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    pumps = [
+        threading.Thread(target=_pump, args=(s, sink, events), daemon=True)
+        for s, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+    ]
+    for pump in pumps:
+        pump.start()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise _Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    failures: list[HostFailure] = []
+    interrupted: int | None = None
+    open_streams = len(pumps)
+    try:
+        while open_streams:
+            event = events.get()
+            if event is None:
+                open_streams -= 1
+            elif not failures:
+                failures.append(event)
+                print(
+                    f"{TAG} host {','.join(event.hosts)} failed (exit code {event.code}); "
+                    "stopping the job on every host",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+            else:
+                failures.append(event)
+    except _Interrupted as sig:
+        interrupted = sig.signum
+        print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
+    finally:
+        # A second Ctrl-C during the stop must not leave hosts running: ignore it.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+    try:
+        if failures or interrupted:
+            stop_all(spec)
+        deadline = time.monotonic() + settle_s
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(
+                f"{TAG} {spec.tool} still running {settle_s:.0f} s after stop; killing it",
+                file=sys.stderr,
+            )
+            _kill_tree(proc, 5.0)
+        for pump in pumps:
+            pump.join(timeout=max(0.1, deadline - time.monotonic()))
+        while True:  # failure lines that arrived after the first one
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                break
+            if event is not None:
+                failures.append(event)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return _summarize(spec, proc.returncode, failures, interrupted)
+
+
+def _summarize(
+    spec: LaunchSpec, tool_rc: int | None, failures: list[HostFailure], interrupted: int | None
+) -> int:
+    if interrupted:
+        return 128 + interrupted
+    if failures:
+        by_host: dict[str, int] = {}
+        for failure in failures:
+            for host in failure.hosts:
+                by_host.setdefault(host, failure.code)
+        listing = ", ".join(f"{h} (exit {c})" for h, c in by_host.items())
+        print(f"{TAG} FAILED on {listing}; first: {failures[0].line}", file=sys.stderr)
+        return failures[0].code if 0 < failures[0].code < 256 else 1
+    if tool_rc:
+        print(f"{TAG} {spec.tool} exited with code {tool_rc}", file=sys.stderr)
+        return tool_rc
+    print(f"{TAG} all {spec.num_nodes} host(s) finished with exit code 0", file=sys.stderr)
+    return 0

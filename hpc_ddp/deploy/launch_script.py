@@ -1,0 +1,37 @@
+"""Render a scheduler-less launch as a plain bash script a user can keep (``--render-script``).
+
+The script carries the very argv ``hpc-ddp launch`` would run (built by ``shell_launch``, quoted
+once with ``shlex``), a ``stop`` action, and the same fail-fast watch as ``launch_runner``: at the
+first failed host it stops every host. It needs bash, pdsh or clush, nothing from hpc-ddp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc_ddp import __version__
+from hpc_ddp.deploy.render import _environment  # one Jinja2 setup for every template
+from hpc_ddp.deploy.shell_launch import LaunchSpec, launch_command, stop_command
+
+TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}
+
+
+def render_launch_script(
+    spec: LaunchSpec, *, produced_by: str = "hpc-ddp launch", script_name: str = "launch.sh"
+) -> str:
+    launch, stop = launch_command(spec), stop_command(spec)
+    template = _environment().get_template(TEMPLATES[spec.tool])
+    return template.render(
+        spec=spec,
+        version=__version__,
+        produced_by=produced_by,
+        script_name=script_name,
+        launch_env=list(launch.env),
+        launch_argv=list(launch.argv),
+        stop_argv=list(stop.argv),
+    )
+
+
+def write_launch_script(spec: LaunchSpec, path: Path, *, produced_by: str) -> None:
+    path.write_text(render_launch_script(spec, produced_by=produced_by, script_name=path.name))
+    path.chmod(0o755)

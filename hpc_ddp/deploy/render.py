@@ -1,0 +1,193 @@
+"""``render(spec) -> str``: a JobSpec becomes an sbatch script. Pure: reads templates only.
+
+The shell fragments that need quoting are built here with ``shlex`` (quoted once, in one place);
+the templates in ``templates/`` only arrange them and carry the comments a reader of the job needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from hpc_ddp import __version__
+from hpc_ddp.deploy.spec import JobSpec
+
+# The trainer's "checkpointed, please requeue" exit code (EX_TEMPFAIL; docs/architecture.md).
+EXIT_REQUEUE = 75
+TEMPLATE_DIR = Path(
+    os.environ.get("HPC_DDP_TEMPLATES", Path(__file__).resolve().parents[2] / "templates")
+)
+TEMPLATES = {
+    "per-gpu": "srun.sbatch.j2",
+    "per-node": "srun.sbatch.j2",
+    "cpu": "srun.sbatch.j2",
+    "torchrun": "torchrun.sbatch.j2",
+}
+DEFAULT_COMMAND = "hpc-ddp render"
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """Everything a template sees, already quoted for the shell."""
+
+    spec: JobSpec
+    version: str
+    command: str
+    layout_text: str
+    directives: list[str]
+    env: list[tuple[str, str]]
+    step_command: str
+    preflight_command: str
+    python_q: str
+    exit_requeue: int = EXIT_REQUEUE
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,  # a typo in a template fails instead of printing ""
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,  # shell, not HTML: quoting is done with shlex
+    )
+    env.filters["shquote"] = shlex.quote
+    return env
+
+
+def layout_text(spec: JobSpec) -> str:
+    n, g, ppn = spec.nodes, spec.gpus_per_node, spec.ppn
+    total = f"{spec.world_size} process{'es' if spec.world_size != 1 else ''}"
+    if spec.layout == "torchrun":
+        dev = f"{g} GPUs" if g else f"{ppn} CPU processes"
+        return f"torchrun, one task per node: {n} nodes x {dev} = {total}"
+    if spec.layout == "per-node":
+        return f"one process per node driving {g} GPUs: {n} nodes = {total}"
+    if spec.layout == "per-gpu":
+        return f"one process per GPU (srun): {n} nodes x {g} GPUs = {total}"
+    return f"CPU/Gloo (srun): {n} nodes x {ppn} processes = {total}"
+
+
+def sbatch_directives(spec: JobSpec) -> list[str]:
+    tasks_per_node = 1 if spec.launcher == "torchrun" else spec.ppn
+    d = [f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks_per_node}"]
+    cpt = task_cpus(spec)
+    if cpt:
+        d.append(f"--cpus-per-task={cpt}")
+    if spec.gpus_per_node:
+        if spec.gpu_binding == "gpus-per-task":
+            per_task = spec.gpus_per_node if spec.launcher == "torchrun" else spec.gpus_per_process
+            d.append(f"--gpus-per-task={per_task}")
+        else:
+            d.append(f"--gpus-per-node={spec.gpus_per_node}")
+    if spec.mem:
+        d.append(f"--mem={spec.mem}")
+    d.append(f"--time={spec.time}")
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(spec, key)
+        if value:
+            d.append(f"--{key}={shlex.quote(value)}")
+    if spec.signal_lead_s:
+        # No "B:": Slurm signals every task of the job's steps, i.e. the training processes.
+        d.append(f"--signal={spec.signal}@{spec.signal_lead_s}")
+    d.append("--requeue" if spec.requeue else "--no-requeue")
+    # A requeued job writes to the same file; without append the first run's log is lost.
+    d.append("--open-mode=append")
+    d.append(f"--output={spec.output}")
+    if spec.error:
+        d.append(f"--error={spec.error}")
+    if spec.workdir:
+        d.append(f"--chdir={spec.workdir}")
+    d.extend(spec.extra_sbatch)
+    return d
+
+
+def task_cpus(spec: JobSpec) -> int:
+    """CPUs of one Slurm task: a torchrun task hosts all of its node's processes."""
+    if not spec.cpus_per_task:
+        return 0
+    return spec.cpus_per_task * (spec.ppn if spec.launcher == "torchrun" else 1)
+
+
+def job_env(spec: JobSpec) -> list[tuple[str, str]]:
+    """Derived settings first, then the spec's own env (which wins by coming last)."""
+    env: dict[str, str] = {}
+    # One BLAS/OpenMP thread pool per process sized to its CPUs, not to the whole node.
+    env["OMP_NUM_THREADS"] = str(spec.cpus_per_task or 1)
+    if spec.layout == "per-node":
+        env["HPC_DDP_GPUS_PER_PROCESS"] = str(spec.gpus_per_process)
+    env.update(spec.env)
+    return list(env.items())
+
+
+def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
+    argv = ["srun", "--kill-on-bad-exit=1", f"--wait={spec.exit_wait_s}"]
+    tasks_per_node = 1 if spec.launcher == "torchrun" else spec.ppn
+    argv += [f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks_per_node}"]
+    cpt = task_cpus(spec)
+    if cpt:
+        # Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch.
+        argv.append(f"--cpus-per-task={cpt}")
+    if spec.per_rank_logs and logs:
+        argv += [f"--output={spec.output}.rank%t", "--open-mode=append"]
+    return argv
+
+
+def step_command(spec: JobSpec) -> str:
+    if spec.launcher == "torchrun":
+        inner = (
+            f'trap "" {spec.signal}; exec torchrun --nnodes="${{SLURM_JOB_NUM_NODES}}" '
+            f"--nproc-per-node={spec.ppn} --rdzv-backend=c10d "
+            '--rdzv-endpoint="${HPC_DDP_RDZV_ENDPOINT}" --rdzv-id="${SLURM_JOB_ID}" '
+            '--max-restarts=0 "$@"'
+        )
+        argv = [*_srun_prefix(spec), "bash", "-c", inner, "torchrun", *spec.program]
+    else:
+        argv = [*_srun_prefix(spec), spec.python, "-u", *spec.program]
+    return _wrap(shlex.join(argv))
+
+
+def preflight_command(spec: JobSpec) -> str:
+    """The same task geometry as the training step, running the torch-free preflight."""
+    if not spec.preflight:
+        return ""
+    argv = [*_srun_prefix(spec, logs=False), spec.python, "-m", "hpc_ddp.deploy.preflight"]
+    return _wrap(shlex.join(argv))
+
+
+def _wrap(line: str, width: int = 100) -> str:
+    """Break a long command at argument boundaries, with ``\\`` continuations."""
+    words = shlex.split(line)
+    quoted = [shlex.quote(w) for w in words]
+    lines, cur = [], ""
+    for word in quoted:
+        if cur and len(cur) + 1 + len(word) > width - 2:
+            lines.append(cur)
+            cur = "  " + word
+        else:
+            cur = f"{cur} {word}" if cur else word
+    lines.append(cur)
+    return " \\\n".join(lines)
+
+
+def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
+    """The sbatch script for ``spec``. ``command`` is recorded in the header (what produced it)."""
+    ctx = RenderContext(
+        spec=spec,
+        version=__version__,
+        command=command,
+        layout_text=layout_text(spec),
+        directives=sbatch_directives(spec),
+        env=job_env(spec),
+        step_command=step_command(spec),
+        preflight_command=preflight_command(spec),
+        python_q=shlex.quote(spec.python),
+    )
+    template = _environment().get_template(TEMPLATES[spec.layout])
+    return template.render(r=ctx)

@@ -1,0 +1,189 @@
+"""Submit a rendered script with real sbatch, follow its log, wait for it, report its result.
+
+Waiting reads ``scontrol show job`` (works without accounting, as on the local cluster); a
+requeued job goes back to PENDING and is followed through its restart. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from hpc_ddp.deploy.environ import submission_env
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
+
+_OUTPUT = re.compile(r"^#SBATCH\s+(?:--output|-o)[= ]\s*(\S+)", re.M)
+_JOBNAME = re.compile(r"^#SBATCH\s+(?:--job-name|-J)[= ]\s*(\S+)", re.M)
+_CHDIR = re.compile(r"^#SBATCH\s+(?:--chdir|-D)[= ]\s*(\S+)", re.M)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    output: Path | None  # the batch log, once %j/%x are known
+
+
+@dataclass(frozen=True)
+class Finished:
+    job_id: str
+    state: str
+    exit_code: int
+    restarts: int
+    output: Path | None
+
+
+def _expand(pattern: str, job_id: str, name: str) -> str:
+    return pattern.replace("%j", job_id).replace("%x", name).replace("%%", "%")
+
+
+def script_output(text: str, job_id: str, cwd: Path) -> Path | None:
+    """Where the batch log of ``text`` goes once it has an id (None: Slurm's default name)."""
+    out = _OUTPUT.search(text)
+    name_m = _JOBNAME.search(text)
+    chdir = _CHDIR.search(text)
+    base = Path(shlex.split(chdir.group(1))[0]) if chdir else cwd
+    if out is None:
+        return base / f"slurm-{job_id}.out"
+    name = shlex.split(name_m.group(1))[0] if name_m else "sbatch"
+    return base / _expand(shlex.split(out.group(1))[0], job_id, name)
+
+
+def prepare_output_dir(text: str, cwd: Path) -> None:
+    """Slurm does not create the log's directory; a missing one makes the job fail silently."""
+    out = _OUTPUT.search(text)
+    if out is None:
+        return
+    pattern = shlex.split(out.group(1))[0]
+    parent = Path(pattern).parent
+    if "%" not in str(parent):
+        chdir = _CHDIR.search(text)
+        base = Path(shlex.split(chdir.group(1))[0]) if chdir else cwd
+        (base / parent).mkdir(parents=True, exist_ok=True)
+
+
+def run_dir_of(text: str, cwd: Path) -> Path | None:
+    """The trainer's --run-dir in a rendered script, if it names one."""
+    m = re.search(r"--run-dir[= ](?:\\\n\s*)?(\S+)", text)
+    if not m:
+        return None
+    return cwd / shlex.split(m.group(1))[0]
+
+
+def sbatch(
+    script: Path,
+    cluster_env: Mapping[str, str],
+    *,
+    cwd: Path,
+    extra_args: tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Submitted:
+    """Real sbatch with a scrubbed environment (no SLURM_* of an enclosing job, SLURM_CONF kept)."""
+    text = script.read_text()
+    prepare_output_dir(text, cwd)
+    env = submission_env(environ)
+    env.update(cluster_env)
+    client = SlurmClient(env)
+    proc = client.run(["sbatch", "--parsable", *extra_args, str(script.resolve())], cwd=cwd)
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise HpcDdpError(f"sbatch printed {proc.stdout!r}, not a job id")
+    return Submitted(job_id, script_output(text, job_id, cwd))
+
+
+class LogFollower:
+    """Prints what is appended to a file (the job log), from where it stood last time."""
+
+    def __init__(self, path: Path | None, sink: TextIO | None) -> None:
+        self.path, self.sink, self.pos = path, sink, 0
+
+    def poll(self) -> None:
+        if self.sink is None or self.path is None or not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        # Only whole lines: a half-written line is printed when it is complete.
+        end = chunk.rfind(b"\n") + 1
+        if end:
+            self.sink.write(chunk[:end].decode(errors="replace"))
+            self.sink.flush()
+            self.pos += end
+
+
+def wait_job(
+    job_id: str,
+    cluster_env: Mapping[str, str],
+    *,
+    timeout_s: float,
+    output: Path | None = None,
+    follow: TextIO | None = None,
+    on_poll: Callable[[dict[str, str]], None] | None = None,
+) -> Finished:
+    """Until the job is in a terminal state (requeues are followed); cancel it at the deadline."""
+    client = SlurmClient({**submission_env(), **cluster_env})
+    follower = LogFollower(output, follow)
+    deadline = time.monotonic() + timeout_s
+    info: dict[str, str] = {}
+    while True:
+        info = client.job_info(job_id)
+        follower.poll()
+        if on_poll is not None:
+            on_poll(info)
+        if info.get("JobState") in TERMINAL:
+            break
+        if not info:
+            raise HpcDdpError(f"Slurm no longer knows job {job_id}", hint="check squeue/sacct")
+        if time.monotonic() > deadline:
+            client.run(["scancel", job_id], check=False)
+            raise HpcDdpError(
+                f"job {job_id} still {info.get('JobState')} after {timeout_s:.0f} s: cancelled it",
+                hint="raise --timeout, or look at the job log",
+            )
+        time.sleep(0.2)
+    time.sleep(0.1)
+    follower.poll()
+    code, _, sig = info.get("ExitCode", "0:0").partition(":")
+    exit_code = int(code) if int(code or 0) else (128 + int(sig) if int(sig or 0) else 0)
+    return Finished(
+        job_id, info["JobState"], exit_code, int(info.get("Restarts", "0") or 0), output
+    )
+
+
+def result_summary(run_dir: Path | None) -> str:
+    """A few lines from the trainer's result.json, or why there are none."""
+    if run_dir is None:
+        return "no --run-dir in the job: no result.json to show"
+    path = run_dir / "result.json"
+    if not path.exists():
+        return f"{path} was not written"
+    data = json.loads(path.read_text())
+    keys = [
+        k
+        for k in (
+            "status",
+            "epochs",
+            "steps",
+            "world_size",
+            "test_accuracy",
+            "train_loss",
+            "params_sha256",
+            "wall_s",
+        )
+        if k in data
+    ]
+    lines = [f"result ({path}):"] + [f"  {k}: {data[k]}" for k in keys]
+    return "\n".join(lines)
+
+
+def print_finished(done: Finished, sink: TextIO = sys.stdout) -> None:
+    sink.write(
+        f"job {done.job_id}: {done.state}, exit code {done.exit_code}, restarts {done.restarts}\n"
+    )

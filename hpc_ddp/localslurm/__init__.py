@@ -1,0 +1,17 @@
+"""The embedded local Slurm cluster: real slurmctld + slurmd daemons on this machine.
+
+``LocalCluster`` starts and stops one cluster in a dir; ``ensure_local_cluster`` is the
+toolkit's default when no Slurm is configured. See docs/local-cluster.md.
+"""
+
+from hpc_ddp.localslurm.client import JobResult, SlurmClient, wait_for
+from hpc_ddp.localslurm.daemons import ClusterStartError, LocalCluster, check_prerequisites
+
+__all__ = [
+    "ClusterStartError",
+    "JobResult",
+    "LocalCluster",
+    "SlurmClient",
+    "check_prerequisites",
+    "wait_for",
+]

@@ -1,0 +1,309 @@
+"""Start, stop and inspect one local Slurm cluster: slurmctld + N slurmd on loopback.
+
+Debian's slurm-wlm is built with multiple-slurmd support, so N ``slurmd -N nodeK`` on this one
+machine, each on its own port, are N nodes to Slurm. Everything a cluster writes lives under
+its root dir except one tagged /etc/hosts line (hosts.py); its processes are found by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import shutil
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.localslurm import hosts, procs
+from hpc_ddp.localslurm.client import SlurmClient, client_env, wait_for
+from hpc_ddp.localslurm.config import (
+    NODE_ADDR,
+    ClusterConfig,
+    render_gres_conf,
+    render_slurm_conf,
+)
+from hpc_ddp.localslurm.ports import free_ports, port_in_use
+
+BINARIES = ("slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun")
+DAEMON_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+PORT_RETRIES = 3
+BIND_ERROR = "Address already in use"
+DAEMONIZE_GRACE_S = 0.5
+# Error lines that appear on every (first) start and explain nothing.
+LOG_NOISE = ("pmix", "state file", "Trying backup state save file", "specified more than once")
+# Where Debian (and other multiarch builds) install the plugin; RHEL-style builds drop it.
+AUTH_NONE_PLUGIN = ("/usr/lib/*/slurm-wlm/auth_none.so", "/usr/lib*/slurm/auth_none.so")
+
+
+class ClusterStartError(HpcDdpError):
+    """The daemons did not come up; the message carries the relevant log lines."""
+
+
+def check_prerequisites() -> None:
+    missing = [b for b in BINARIES if shutil.which(b) is None]
+    if missing:
+        raise ConfigError(
+            f"Slurm is not installed: {', '.join(missing)} not found on PATH",
+            hint="apt-get install slurm-wlm   (Debian/Ubuntu; the local cluster needs the daemons)",
+        )
+    if os.geteuid() != 0:
+        raise ConfigError(
+            "starting the local Slurm cluster needs root (slurmd runs jobs as their user "
+            "and edits /etc/hosts)",
+            hint="run it as root (sudo hpc-ddp cluster up), or point SLURM_CONF at an existing "
+            "Slurm cluster",
+        )
+    if not any(glob.glob(pattern) for pattern in AUTH_NONE_PLUGIN):
+        raise ConfigError(
+            "this Slurm build has no auth/none plugin (auth_none.so), which the local cluster uses",
+            hint="use Debian/Ubuntu's slurm-wlm package, which ships it",
+        )
+
+
+class LocalCluster:
+    """A real Slurm cluster on this machine, rooted at ``root``.
+
+    ``port`` is slurmctld's port; the slurmd ports follow it. None picks free ports (and retries
+    with new ones if another process takes one before the daemon binds it).
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        nodes: int = 2,
+        cpus_per_node: int = 4,
+        gpus_per_node: int = 0,
+        port: int | None = None,
+        *,
+        node_prefix: str = "node",
+        first_job_id: int | None = None,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        self.root = Path(root).absolute()
+        self.port = port
+        # Validated now (bad input fails before anything starts); ports are filled in by start().
+        self._wanted = ClusterConfig(
+            root=self.root,
+            nodes=nodes,
+            cpus_per_node=cpus_per_node,
+            gpus_per_node=gpus_per_node,
+            ctld_port=port or 1,
+            node_ports=tuple(range((port or 1) + 1, (port or 1) + 1 + nodes)),
+            node_prefix=node_prefix,
+            first_job_id=first_job_id or random.randrange(1000, 60000) * 100,
+            extra=dict(extra or {}),
+        )
+        self.config = self._load_state() or self._wanted
+
+    @classmethod
+    def attach(cls, root: Path | str) -> LocalCluster:
+        """The cluster recorded in ``root`` (started by any process)."""
+        cluster = cls(root)
+        if cluster._load_state() is None:
+            raise HpcDdpError(
+                f"no local cluster in {cluster.root}", hint="start one: hpc-ddp cluster up"
+            )
+        return cluster
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def conf_path(self) -> Path:
+        return self.config.conf_path
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return self.config.node_names
+
+    def env(self) -> dict[str, str]:
+        """Variables a Slurm client (sbatch, srun, squeue...) needs to talk to this cluster."""
+        return {"SLURM_CONF": str(self.conf_path)}
+
+    def client(self, base_env: dict[str, str] | None = None) -> SlurmClient:
+        return SlurmClient(client_env(self.conf_path, base_env), workdir=self.root / "jobs")
+
+    def _load_state(self) -> ClusterConfig | None:
+        path = self.root / "run" / "cluster.json"
+        try:
+            return ClusterConfig.from_json(path.read_text())
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def _pids(self) -> dict[str, int]:
+        path = self.root / "run" / "pids"
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return {}
+        return {role: int(pid) for role, pid in (line.split() for line in lines if line.strip())}
+
+    def _daemon_alive(self, pid: int) -> bool:
+        """Alive AND still our daemon: the pid file may be stale and the pid reused."""
+        argv = procs.cmdline(pid)
+        return procs.alive(pid) and str(self.conf_path) in argv
+
+    def is_running(self) -> bool:
+        pids = self._pids()
+        if self._load_state() is None or len(pids) != self.config.nodes + 1:
+            return False
+        return all(self._daemon_alive(p) for p in pids.values()) and self.client().ping()
+
+    # ------------------------------------------------------------------ start
+    def start(self, timeout_s: float = 30) -> None:
+        """Start the daemons and wait until every node is idle. Undoes itself on failure."""
+        check_prerequisites()
+        if self.is_running():
+            raise HpcDdpError(
+                f"a local cluster is already running in {self.root}",
+                hint="use it (LocalCluster.attach / hpc-ddp cluster env) or stop it first",
+            )
+        if self._load_state() is not None or self._pids():
+            self.stop()  # leftovers of a crashed cluster: clean them before reusing the dir
+        if self.port is not None:
+            wanted = range(self.port, self.port + 1 + self._wanted.nodes)
+            taken = [p for p in wanted if port_in_use(p)]
+            if taken:
+                raise ConfigError(
+                    f"port(s) {taken} already in use: the local cluster needs "
+                    f"{self.port}..{self.port + self._wanted.nodes}",
+                    hint="leave port=None (hpc-ddp cluster up without --port) to pick free ports",
+                )
+        attempts = 1 if self.port is not None else PORT_RETRIES
+        for attempt in range(1, attempts + 1):
+            if self.port is None:
+                ctld, *nodes = free_ports(1 + self._wanted.nodes)
+                self.config = replace(self._wanted, ctld_port=ctld, node_ports=tuple(nodes))
+            else:
+                self.config = self._wanted
+            try:
+                self._start_once(timeout_s)
+                return
+            except ClusterStartError as err:
+                if attempt == attempts or BIND_ERROR not in str(err):
+                    raise
+
+    def _start_once(self, timeout_s: float) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + timeout_s
+        shutil.rmtree(self.root, ignore_errors=True)  # old state would resurrect old jobs
+        for d in cfg.dirs():
+            d.mkdir(parents=True, exist_ok=True)
+        cfg.conf_path.write_text(render_slurm_conf(cfg))
+        if cfg.gpus_per_node:
+            cfg.gres_path.write_text(render_gres_conf(cfg))
+            for dev in cfg.gpu_devices():
+                os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a char device, like /dev/null
+        cfg.state_path.write_text(cfg.to_json())
+        try:
+            hosts.add_names(cfg.node_names, self.root, NODE_ADDR)
+            hosts.check_resolves(cfg.node_names)
+            self._spawn("slurmctld", ["slurmctld", "-f", str(cfg.conf_path)], deadline)
+            for name in cfg.node_names:
+                argv = ["slurmd", "-f", str(cfg.conf_path), "-N", name]
+                self._spawn(f"slurmd-{name}", argv, deadline)
+            self._wait_idle(deadline)
+        except BaseException as err:
+            detail = self._log_excerpt()
+            self.stop(graceful=False)
+            if isinstance(err, HpcDdpError):
+                raise ClusterStartError(f"{err.message}\n{detail}", hint=err.hint) from err
+            raise
+
+    def _spawn(self, role: str, argv: list[str], deadline: float) -> None:
+        """Run a daemon (it forks itself into the background) and record its pid."""
+        env = {"PATH": DAEMON_PATH, "SLURM_CONF": str(self.conf_path), "LANG": "C"}
+        with open(self.config.log_dir / f"{role}.stdout", "ab") as out:
+            proc = subprocess.run(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=30
+            )
+        if proc.returncode != 0:
+            raise ClusterStartError(f"{role} exited {proc.returncode} while starting")
+        # slurmd's parent can exit before the daemon writes its pid file: wait for the file,
+        # but stop waiting as soon as the daemon is gone or cannot bind its port (it would retry).
+        pid_file = self.root / "run" / f"{role}.pid"
+        log = self.config.log_dir / f"{role}.log"
+        seen_at = time.monotonic()
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            now = time.monotonic()
+            if log.exists() and BIND_ERROR in log.read_text(errors="replace"):
+                raise ClusterStartError(f"{role} could not bind its port: {BIND_ERROR}")
+            if procs.pids_with_args(*argv):
+                seen_at = now
+            # While daemonizing, the process is briefly invisible: only a lasting absence is death.
+            if now - seen_at > DAEMONIZE_GRACE_S or now > deadline:
+                raise ClusterStartError(f"{role} did not start (no pid file {pid_file})")
+            time.sleep(0.02)
+        with open(self.root / "run" / "pids", "a") as fh:
+            fh.write(f"{role} {int(pid_file.read_text().split()[0])}\n")
+
+    def _wait_idle(self, deadline: float) -> None:
+        client = self.client()
+        want = set(self.config.node_names)
+        while True:
+            dead = [r for r, p in self._pids().items() if not self._daemon_alive(p)]
+            if dead:
+                raise ClusterStartError(f"{', '.join(dead)} died while starting")
+            if want <= set(client.nodes_in_state("idle")):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterStartError("not every node became idle in time")
+            time.sleep(0.05)
+
+    def _log_excerpt(self, per_file: int = 12) -> str:
+        """The error lines of each daemon log, which say why a start failed."""
+        out = []
+        for log in sorted(self.config.log_dir.glob("*")) if self.config.log_dir.exists() else []:
+            lines = log.read_text(errors="replace").splitlines()
+            bad = [ln for ln in lines if "error" in ln.lower() or "fatal" in ln.lower()]
+            bad = [ln for ln in bad if not any(n in ln for n in LOG_NOISE)]
+            if bad:
+                out.append(f"--- {log.name}:")
+                out.extend(bad[-per_file:])
+        return "\n".join(out) if out else "(no error lines in the daemon logs)"
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, timeout_s: float = 20, keep_dir: bool = False, graceful: bool = True) -> None:
+        """Cancel jobs, shut the daemons down, kill stragglers by pid, clean up. Idempotent.
+
+        ``graceful=False`` skips the cancel and `scontrol shutdown` round trips (a half-started
+        cluster has no jobs, and slurmctld would wait on nodes that never registered).
+        """
+        # Recorded pids, plus any daemon of this conf that died before writing its pid file.
+        recorded = {p for p in self._pids().values() if self._daemon_alive(p)}
+        daemons = recorded | procs.pids_with_args("-f", str(self.conf_path))
+        ctld = self._pids().get("slurmctld")
+        if graceful and ctld in recorded and self.conf_path.exists():
+            self._cancel_jobs(timeout_s / 2)
+            # slurmstepd and job tasks outlive `scontrol shutdown`, hence the cancel above.
+            self.client().run(["scontrol", "shutdown"], check=False, timeout_s=10)
+            daemons = procs.wait_gone(daemons, timeout_s / 4)
+        procs.terminate(daemons)
+        stragglers = procs.cluster_pids(self.root, self.conf_path)
+        left = procs.terminate(stragglers, grace_s=2)
+        hosts.remove_names(self.root)
+        if keep_dir:
+            for name in ("pids", "cluster.json"):
+                (self.root / "run" / name).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
+        if left:
+            raise HpcDdpError(f"processes {sorted(left)} of {self.root} survived SIGKILL")
+
+    def _cancel_jobs(self, timeout_s: float) -> None:
+        client = self.client()
+        listed = client.run(["squeue", "-h", "-o", "%i"], check=False, timeout_s=10)
+        jobs = listed.stdout.split()
+        if not jobs:
+            return
+        client.run(["scancel", *jobs], check=False, timeout_s=10)
+
+        def queue_empty() -> bool:
+            return not client.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+
+        # KillWait=5: a task ignoring SIGTERM gets SIGKILL 5 s later. Past the deadline, the
+        # straggler sweep in stop() kills what is left.
+        with contextlib.suppress(TimeoutError):
+            wait_for(queue_empty, timeout_s, what="cancelled jobs to end")

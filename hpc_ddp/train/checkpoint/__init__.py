@@ -1,0 +1,25 @@
+"""Atomic, verified, barrier-safe checkpoints for DDP jobs. See docs/checkpoints.md."""
+
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    RunDirLockedError,
+    UnsafeCheckpointContentError,
+)
+from .loader import Loaded
+from .lock import RunDirLock
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "Loaded",
+    "RunDirLock",
+    "RunDirLockedError",
+    "UnsafeCheckpointContentError",
+]

@@ -1,0 +1,231 @@
+"""Checkpointer: every rank writes, all agree, rank 0 commits with a manifest, then ``latest``.
+
+The commit protocol (see docs/checkpoints.md for the diagram and the failure table):
+
+1. prepare  rank 0 removes leftovers of crashed saves and creates ``.tmp-step-N``     agree
+2. write    rank 0 writes shared.pt, every rank its rank-R.pt; each fsynced           agree
+3. commit   rank 0 hashes, writes manifest.json, renames to ``step-N``, fsyncs the
+            root, moves ``latest``, prunes                                             agree
+
+Each phase ends in an agreement every rank reaches even when its own part failed, so a failure
+anywhere makes every rank raise instead of one raising and the rest hanging in a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import layout
+from .comm import Agree, Agreement, choose_agree
+from .errors import CheckpointError, CheckpointWriteError
+from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
+from .fsutil import write_durably as _write_durably
+from .loader import Loaded, load_latest
+from .manifest import (
+    MANIFEST,
+    SHARED_FILE,
+    TRASH_PREFIX,
+    build_manifest,
+    check_meta,
+    manifest_bytes,
+    rank_file,
+    step_dir_name,
+    tmp_dir_name,
+)
+from .payload import check_plain, prepare_shared
+
+Log = Callable[[str], None]
+Phase = Callable[[str], None]
+
+
+class Checkpointer:
+    """Atomic, verified, barrier-safe checkpoints of a DDP job in ``root``.
+
+    Call :meth:`save` and :meth:`load_latest` on every rank, with the same arguments where they
+    are shared. ``agree`` (optional) is ``all_ok = agree(local_ok)`` across ranks; without it the
+    initialised torch.distributed group is used, else ``barrier``. ``on_phase`` is called with
+    "prepared" and "written" (every rank, when its local part is done, before the agreement),
+    then "manifest", "renamed", "committed" (rank 0): tests use it to crash a rank at a chosen
+    point.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep: int = 2,
+        barrier: Callable[[], None] = lambda: None,
+        log: Log = print,
+        agree: Agree | None = None,
+        on_phase: Phase | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise CheckpointError(
+                f"rank {rank} is not in a world of size {world_size}",
+                hint="pass the DistEnv's rank and world_size",
+            )
+        if keep < 1:
+            raise CheckpointError(
+                f"keep={keep}: at least the newest checkpoint must be kept",
+                hint="use keep=2 (the default) so a corrupt newest one can fall back",
+            )
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep = keep
+        self.log = log
+        self._barrier = barrier
+        self._agree: Agreement = choose_agree(world_size, agree, barrier)
+        self._on_phase = on_phase or (lambda _phase: None)
+        with raising_io("create the run directory", self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self, step: int, *, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]
+    ) -> Path:
+        """Write checkpoint ``step``; return its final directory on every rank.
+
+        ``shared`` is only read on rank 0 (its ``model`` loses DDP's ``module.`` prefix);
+        ``per_rank`` is this rank's own state (RNG); ``meta`` is small JSON (epoch, model name)
+        copied into the manifest. Raises on every rank if any rank failed; then nothing new is
+        visible and ``latest`` still names the previous checkpoint.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        tmp = self.root / tmp_dir_name(step)
+        final = self.root / step_dir_name(step)
+        state: dict[str, Any] = {}
+
+        def prepare() -> None:
+            check_meta(meta)
+            check_plain(per_rank, "per_rank")
+            if self.rank == 0:
+                state["shared"] = prepare_shared(shared)
+                layout.clean_leftovers(self.root, self.log)
+                with raising_io("create", tmp):
+                    tmp.mkdir()
+                    fsync_dir(self.root)
+            self._on_phase("prepared")
+
+        self._phase("prepare", step, prepare)
+
+        def write() -> None:
+            if self.rank == 0:
+                state["files"] = {SHARED_FILE: self._torch_save(tmp / SHARED_FILE, state["shared"])}
+            state["own"] = self._torch_save(tmp / rank_file(self.rank), per_rank)
+            with raising_io("fsync", tmp):
+                fsync_dir(tmp)
+            self._on_phase("written")
+
+        try:
+            self._phase("write", step, write)
+        except CheckpointError:
+            # This save can no longer commit: rank 0 drops the tmp dir now rather than leaving
+            # it to the next save (a straggler still writing into it fails and raises too).
+            if self.rank == 0:
+                remove_tree(tmp, self.log)
+            raise
+
+        def commit() -> None:
+            if self.rank == 0:
+                self._commit(step, tmp, final, meta, state)
+
+        self._phase("commit", step, commit)
+        return final
+
+    def _torch_save(self, path: Path, obj: Any) -> tuple[int, str]:
+        # The directory is fsynced once after all files instead of once per file.
+        return _write_durably(path, lambda w: torch.save(obj, w), fsync_parent=False)
+
+    def _commit(
+        self, step: int, tmp: Path, final: Path, meta: dict[str, Any], state: dict[str, Any]
+    ) -> None:
+        files: dict[str, tuple[int, str]] = dict(state["files"])
+        files[rank_file(0)] = state["own"]
+        for r in range(1, self.world_size):
+            path = tmp / rank_file(r)
+            try:  # other ranks' files: read back through the shared file system
+                files[rank_file(r)] = sha256_file(path)
+            except OSError as exc:
+                raise CheckpointWriteError(
+                    f"rank {r}'s file {path} is not visible to rank 0 ({exc.strerror})",
+                    hint="the run directory must be on a file system shared by all nodes "
+                    "(not node-local /tmp)",
+                ) from exc
+        manifest = build_manifest(step, self.world_size, meta, files)
+        try:
+            write_bytes_durably(tmp / MANIFEST, manifest_bytes(manifest))
+            self._on_phase("manifest")
+            with raising_io("rename into place", final):
+                if final.exists():  # same step saved again (after a roll-back): replace it
+                    os.rename(final, self.root / f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
+                os.rename(tmp, final)
+                fsync_dir(self.root)
+        except BaseException:
+            remove_tree(tmp, self.log)
+            raise
+        self._on_phase("renamed")
+        try:
+            layout.write_latest(self.root, final.name)
+        except BaseException:
+            # Not committed: drop the directory so the next load does not have to explain it.
+            remove_tree(final, self.log)
+            raise
+        self._on_phase("committed")
+        nbytes = sum(size for size, _ in files.values())
+        self.log(f"checkpoint: saved {final} ({nbytes / 2**20:.1f} MiB, {len(files)} files)")
+        try:
+            layout.clean_leftovers(self.root, self.log)
+            layout.prune(self.root, step, self.keep, self.log)
+        except OSError as exc:  # the checkpoint is committed; pruning can wait for next time
+            self.log(f"checkpoint: pruning failed ({exc}); will retry at the next save")
+
+    def _phase(self, name: str, step: int, body: Callable[[], None]) -> None:
+        """Run one phase locally, then agree; raise on every rank if any rank failed."""
+        error: BaseException | None = None
+        try:
+            body()
+        except Exception as exc:  # reported after the agreement, so peers are not left waiting
+            error = exc
+        try:
+            all_ok, who = self._agree(error is None)
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"rank {self.rank} lost contact with the other ranks while saving step {step} "
+                f"({name} phase): {exc}",
+                hint="another rank probably died or timed out; see its log. The previous "
+                "checkpoint is intact.",
+            ) from (error or exc)
+        if error is not None:
+            raise error
+        if not all_ok:
+            raise CheckpointWriteError(
+                f"checkpoint step {step} was not saved: {who} failed in the {name} phase",
+                hint="the failing rank's log has the cause. The previous checkpoint is intact.",
+            )
+
+    # ------------------------------------------------------------------ load
+    def load_latest(
+        self, *, map_location: Any = "cpu", expect: dict[str, Any] | None = None
+    ) -> Loaded | None:
+        """The newest checkpoint that verifies, loaded for this rank; None if there is none.
+
+        See :func:`hpc_ddp.train.checkpoint.loader.load_latest` for the fallback rules.
+        """
+        return load_latest(
+            self.root,
+            rank=self.rank,
+            world_size=self.world_size,
+            map_location=map_location,
+            expect=expect,
+            agree=self._agree,
+            log=self.log,
+        )

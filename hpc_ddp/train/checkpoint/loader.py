@@ -1,0 +1,181 @@
+"""Find the newest checkpoint that verifies, load it safely, and say why others were skipped.
+
+Order of trust: ``latest`` names the committed checkpoint; if it fails verification, older
+ones are tried newest first; if the pointer itself is missing or garbage, every step directory
+is a candidate. Directories newer than the pointer were never committed and are ignored.
+Checkpoints that exist but all fail raise: silently training from scratch would hide the loss.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import layout
+from .comm import Agreement, dist_ready, dist_same_int
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .manifest import SHARED_FILE, VerifyFailure, parse_step, rank_file, step_dirs, verify_dir
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Loaded:
+    """A verified checkpoint as seen by one rank."""
+
+    shared: dict[str, Any]
+    per_rank: dict[str, Any] | None  # None when this rank did not exist in the saved world
+    manifest: dict[str, Any]
+    path: Path
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def world_size(self) -> int:
+        """The world size that saved it: the trainer compares it with its own to refuse or
+        re-shard (per-rank RNG states only exist for the saved ranks)."""
+        return int(self.manifest["world_size"])
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return dict(self.manifest.get("meta") or {})
+
+
+def candidates(root: Path, log: Log) -> list[Path]:
+    """Directories to try, best first, with a log line for every one skipped up front."""
+    dirs = step_dirs(root)
+    name, problem = layout.read_latest(root)
+    if problem:
+        log(f"checkpoint: {problem}; trying every step directory, newest first")
+        return [path for _, path in dirs]
+    if name is None:
+        if dirs:
+            log("checkpoint: no 'latest' pointer; trying every step directory, newest first")
+        return [path for _, path in dirs]
+    pointed = parse_step(name)
+    assert pointed is not None  # read_latest validated the name
+    if not (root / name).is_dir():
+        log(f"checkpoint: 'latest' names {name}, which does not exist; trying older ones")
+    for step, path in dirs:
+        if step > pointed:
+            log(f"checkpoint: ignoring {path.name}: newer than 'latest' ({name}), never committed")
+    return [path for step, path in dirs if step <= pointed]
+
+
+def _check_expect(manifest: dict[str, Any], path: Path, expect: dict[str, Any]) -> None:
+    found = dict(manifest.get("meta") or {})
+    found["world_size"] = manifest["world_size"]
+    for key, want in expect.items():
+        have = found.get(key)
+        if have != want:
+            what = "world size" if key == "world_size" else f"meta[{key!r}]"
+            raise CheckpointMismatchError(
+                f"checkpoint {path} has {what} = {have!r}, but this run expects {want!r}",
+                hint="point the run at its own directory, or start a fresh one; for a world "
+                "size change, load without expect={'world_size': ...} and re-shard",
+            )
+
+
+def _load_one(path: Path, manifest: dict[str, Any], rank: int, map_location: Any) -> Loaded:
+    def load(name: str) -> Any:
+        try:
+            return torch.load(path / name, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise VerifyFailure(path, f"{name} refused by weights_only=True ({first})") from None
+
+    shared = load(SHARED_FILE)
+    per_rank = load(rank_file(rank)) if rank < int(manifest["world_size"]) else None
+    return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path)
+
+
+def _try_one(path: Path, rank: int, map_location: Any, expect: dict[str, Any] | None) -> Loaded:
+    """Verify what this rank reads (manifest, shared file, its own file), then load it."""
+    manifest = verify_dir(path, only={SHARED_FILE, rank_file(rank)})
+    if expect:
+        _check_expect(manifest, path, expect)
+    return _load_one(path, manifest, rank, map_location)
+
+
+def _choose(
+    root: Path,
+    rank: int,
+    map_location: Any,
+    expect: dict[str, Any] | None,
+    agree: Agreement,
+    log: Log,
+) -> Loaded | None:
+    """Walk the candidates together: a checkpoint is used only if every rank could use it.
+
+    Two agreements per candidate: first whether any rank hit a fatal error (a mismatch: raise
+    everywhere), then whether every rank verified and loaded its part (else all move on).
+    """
+    failures: list[str] = []
+    for path in candidates(root, log):
+        loaded: Loaded | None = None
+        fatal: BaseException | None = None
+        reason = ""
+        try:
+            loaded = _try_one(path, rank, map_location, expect)
+        except VerifyFailure as failure:
+            reason = str(failure)
+        except Exception as exc:  # raised after the agreement so peers do not wait on us
+            fatal = exc
+        no_fatal, who = agree(fatal is None)
+        if fatal is not None:
+            raise fatal
+        if not no_fatal:
+            raise CheckpointError(f"{who} refused {path}; see its log")
+        all_ok, who = agree(loaded is not None)
+        if all_ok:
+            if failures:
+                log(f"checkpoint: fell back to {path.name} after {len(failures)} unusable one(s)")
+            assert loaded is not None
+            return loaded
+        reason = reason or f"{path.name}: {who} could not verify or load its part"
+        failures.append(reason)
+        log(f"checkpoint: skipping {reason}")
+    if failures:
+        raise CheckpointCorruptError(
+            f"no usable checkpoint in {root}: {'; '.join(failures)}",
+            hint="restore the directory from a backup, or move it aside to start from scratch "
+            "deliberately (refusing to silently discard the run's progress)",
+        )
+    return None
+
+
+def load_latest(
+    root: Path,
+    *,
+    rank: int,
+    world_size: int,
+    map_location: Any,
+    expect: dict[str, Any] | None,
+    agree: Agreement,
+    log: Log,
+) -> Loaded | None:
+    """Load on every rank; all ranks must end on the same checkpoint or all raise."""
+    if rank == 0 and root.is_dir():
+        layout.clean_leftovers(root, log)
+    loaded = _choose(root, rank, map_location, expect, agree, log) if root.is_dir() else None
+    step = loaded.step if loaded else -1
+    if world_size > 1 and dist_ready(world_size) and not dist_same_int(step):
+        # Only possible when nodes see different file-system states (a non-shared run dir,
+        # or NFS attribute caching): training on from different steps would silently diverge.
+        raise CheckpointError(
+            f"ranks chose different checkpoints (this rank: step {step})",
+            hint="the run directory must be one shared file system seen identically by all nodes",
+        )
+    if loaded and loaded.world_size != world_size:
+        log(
+            f"checkpoint: {loaded.path.name} was saved by {loaded.world_size} ranks, this run "
+            f"has {world_size}; per-rank state exists only for ranks < {loaded.world_size}"
+        )
+    return loaded

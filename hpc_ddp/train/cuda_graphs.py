@@ -1,0 +1,246 @@
+"""``--cuda-graphs``: one training step (forward, backward, gradient all-reduce, optimizer) as a
+CUDA graph replayed once per micro-batch.
+
+Why: a small model such as LeNet needs microseconds of arithmetic per step, but eager PyTorch
+spends ~2.5 ms per step launching ~100 kernels from Python (DDP hooks, autograd, the optimizer's
+loops). A graph replay launches all of them with one call, so the GPU, not the CPU, sets the pace.
+
+Same semantics as the eager DDP step, which is what makes it safe as an option:
+- gradients are averaged over ranks exactly as DDP does (sum of per-rank gradients / world size),
+  through one all-reduce over a flat gradient buffer that the parameters' ``.grad`` views point
+  into (DDP's ``gradient_as_bucket_view``), captured inside the graph;
+- rank 0's parameters and buffers are broadcast at start, as DDP's constructor does;
+- every micro-batch is trained on exactly once: the first ``warmup`` steps run eagerly (on a side
+  stream, to settle cuBLAS/cuDNN workspaces, NCCL communicators and the optimizer's state), the
+  graph is captured on the next one and replayed from then on, and capture itself runs nothing;
+- the learning rate becomes a 1-element device tensor (Adam's ``capturable`` mode reads it on the
+  GPU), so LR schedulers keep working: they ``fill_`` it in place;
+- autocast (bf16) runs inside the graph with its cast cache off, as PyTorch requires for graphs.
+Limits, refused up front: Adam/AdamW only (SGD's foreach step reads a tensor LR on the host),
+no fp16 loss scaling (its inf check syncs with the host), no gradient accumulation, no SyncBN.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.loop import CommTimer, Times
+
+
+def check_supported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> None:
+    """Refuse settings the captured step cannot keep exact (see the module docstring)."""
+    problems = []
+    if cfg.optimizer != "adam":
+        problems.append(f"optimizer={cfg.optimizer} (use adam)")
+    if amp_dtype == torch.float16:
+        problems.append("amp=fp16 (use bf16 or off)")
+    if cfg.accum_steps != 1:
+        problems.append(f"accum_steps={cfg.accum_steps} (use 1)")
+    if cfg.sync_bn:
+        problems.append("sync_bn (turn it off)")
+    if devices != 1:
+        problems.append(f"gpus_per_process={devices} (use 1)")
+    if problems:
+        raise ConfigError(
+            "--cuda-graphs cannot capture this configuration: " + "; ".join(problems),
+            hint="change those settings or drop --cuda-graphs (the eager DDP step handles them)",
+        )
+
+
+def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """One contiguous gradient buffer; each ``p.grad`` becomes a view into it."""
+    flat = torch.zeros(
+        sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+    )
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Adam's capturable mode, a device-tensor LR, and any loaded state moved to the device."""
+    for group in optimizer.param_groups:
+        if "capturable" not in group:
+            raise ConfigError(f"{type(optimizer).__name__} has no capturable mode; use Adam")
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    for state in optimizer.state.values():  # e.g. 'step' restored on the CPU from a checkpoint
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device)
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+class GraphedStep:
+    """Call ``step(x, y)`` once per micro-batch instead of the eager DDP step.
+
+    ``model`` is the bare module (not DDP-wrapped). The loss is ``loop.Stepper``'s: cross-entropy
+    summed over the batch (returned, for the log) and divided by the batch size for backward.
+    ``step`` returns it as a device tensor that the next call overwrites: read it (or add it to
+    an accumulator) before calling again.
+
+    ``allreduce_in_graph=False`` captures two graphs (forward+backward, optimizer) around an
+    eager all-reduce: one more launch per step, for NCCL builds that cannot be captured.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        amp_dtype: torch.dtype | None = None,
+        warmup: int = 3,
+        capture: bool = True,
+        allreduce_in_graph: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.amp_dtype = amp_dtype
+        self.warmup = warmup
+        self.capture = capture
+        self.allreduce_in_graph = allreduce_in_graph
+        self.device = next(model.parameters()).device
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.flat = flat_grads(params)
+        broadcast_from_rank0(model)
+        self.prepared = False  # make_capturable runs at the first step, after any restore
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.static_x: torch.Tensor | None = None
+        self.static_y: torch.Tensor | None = None
+        self.eager_steps = 0
+        self.replays = 0
+
+    def _autocast(self) -> AbstractContextManager:
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False)
+
+    # The step in three parts; identical whether run eagerly or recorded into a graph.
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.flat.zero_()  # backward accumulates into the .grad views, so start from zero
+        with self._autocast():
+            out = self.model(x)
+        loss = F.cross_entropy(out.float(), y, reduction="sum")
+        (loss / y.shape[0]).backward()
+        self.loss.copy_(loss.detach())
+
+    def _allreduce(self) -> None:
+        if self.world_size > 1:  # DDP's average: sum of the ranks' gradients / world size
+            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
+            self.flat.div_(self.world_size)
+
+    def _update(self) -> None:
+        self.optimizer.step()
+
+    def _eager(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def body() -> None:
+            self._forward_backward(x, y)
+            self._allreduce()
+            self._update()
+
+        if self.device.type == "cuda" and self.capture:
+            # Warm-up on a side stream, as torch.cuda.graph's documentation asks.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
+            body()
+        self.eager_steps += 1
+        return self.loss
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.static_x = torch.empty_like(x)
+        self.static_y = torch.empty_like(y)
+        torch.cuda.synchronize(self.device)
+        first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(first):
+            self._forward_backward(self.static_x, self.static_y)
+            if self.allreduce_in_graph:
+                self._allreduce()
+                self._update()
+        self.graphs = [first]
+        if not self.allreduce_in_graph:
+            second = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(second, pool=first.pool()):
+                self._update()
+            self.graphs.append(second)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.prepared:  # after the trainer restored a checkpoint into the optimizer
+            if self.capture and self.device.type == "cuda":
+                make_capturable(self.optimizer, self.device)
+            self.prepared = True
+        if not self.capture or self.device.type != "cuda" or self.eager_steps < self.warmup:
+            return self._eager(x, y)
+        if not self.graphs:
+            self._capture(x, y)
+        assert self.static_x is not None and self.static_y is not None
+        if x.shape != self.static_x.shape or y.shape != self.static_y.shape:
+            return self._eager(x, y)  # a differently sized batch: exact, just not captured
+        self.static_x.copy_(x)
+        self.static_y.copy_(y)
+        self.graphs[0].replay()
+        if len(self.graphs) > 1:
+            self._allreduce()
+            self.graphs[1].replay()
+        self.replays += 1
+        return self.loss
+
+
+@dataclass
+class GraphedStepper:
+    """``loop.Stepper``'s interface (``step(micro, times) -> (loss sum, samples)``) over a
+    ``GraphedStep``, so the trainer switches with one line. ``model`` is the bare module."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    out_device: torch.device
+    comm_timer: CommTimer = field(default_factory=CommTimer)  # counts all-reduces only
+    graphed: GraphedStep = field(init=False)
+
+    def __post_init__(self) -> None:
+        # HPC_DDP_GRAPH_ALLREDUCE=0: keep the all-reduce out of the graph (see GraphedStep).
+        in_graph = os.environ.get("HPC_DDP_GRAPH_ALLREDUCE", "1") != "0"
+        self.graphed = GraphedStep(
+            self.model, self.optimizer, amp_dtype=self.amp_dtype, allreduce_in_graph=in_graph
+        )
+
+    def step(
+        self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
+    ) -> tuple[float, int]:
+        if len(micro) != 1:
+            raise ConfigError("--cuda-graphs takes one micro-batch per step (accum_steps=1)")
+        t0 = time.perf_counter()
+        x, y = micro[0]
+        loss = self.graphed.step(x, y.to(self.out_device))
+        self.scheduler.step()
+        result = float(loss)  # synchronises, so the step's time is all counted
+        times.compute += time.perf_counter() - t0
+        self.comm_timer.bucket_calls += int(self.graphed.world_size > 1)
+        return result, len(y)

@@ -1,0 +1,218 @@
+"""CIFAR-10/100 through torchvision's own dataset classes: staging, sharding, augmentation.
+
+Staging (download or synthetic write) runs once per node *and* per filesystem: on each node only
+local rank 0 stages, under a file lock in the data dir (so nodes sharing a filesystem take turns
+and the second finds the data present), then every rank waits at a barrier.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from filelock import FileLock
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.utils import check_integrity
+
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.train import synthetic
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
+
+# CIFAR-10's training-set statistics, the values the conventional scripts use for both sets.
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+DOWNLOAD_TIMEOUT_S = 60.0
+
+
+class DataError(HpcDdpError):
+    """The dataset is missing, corrupt or cannot be downloaded."""
+
+
+def dataset_class(name: str, *, is_synthetic: bool) -> type[CIFAR10]:
+    """torchvision's class; for synthetic data a subclass that skips the official MD5 sums."""
+    base = CIFAR10 if name == "cifar10" else CIFAR100
+    if not is_synthetic:
+        return base
+    attrs = {
+        "train_list": [[f, None] for f, _ in base.train_list],
+        "test_list": [[f, None] for f, _ in base.test_list],
+        "meta": {**base.meta, "md5": None},
+    }
+    return type(f"Synthetic{base.__name__}", (base,), attrs)
+
+
+def _present(cls: type[CIFAR10], root: Path) -> bool:
+    files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    md5s = [m for _, m in cls.train_list + cls.test_list] + [cls.meta["md5"]]
+    return all(
+        check_integrity(str(root / cls.base_folder / f), m)
+        for f, m in zip(files, md5s, strict=True)
+    )
+
+
+def data_root(cfg: TrainConfig) -> Path:
+    data_dir = Path(cfg.data_dir)
+    if cfg.synthetic:
+        size = (cfg.synthetic_train_size, cfg.synthetic_test_size)
+        return synthetic.synthetic_root(data_dir, cfg.dataset, *size)
+    return data_dir
+
+
+def stage(cfg: TrainConfig) -> Path:
+    """Make the dataset present under ``data_root(cfg)``; call on local rank 0 only."""
+    data_dir = Path(cfg.data_dir)
+    if not data_dir.is_dir():
+        raise ConfigError(
+            f"data dir {data_dir} does not exist",
+            hint="create it (the dataset is downloaded into it), or point --data-dir at the "
+            f"directory that contains {synthetic.FOLDERS[cfg.dataset]}/",
+        )
+    root = data_root(cfg)
+    cls = dataset_class(cfg.dataset, is_synthetic=cfg.synthetic)
+    with FileLock(str(data_dir / ".hpc-ddp-staging.lock")):
+        if cfg.synthetic:
+            size = {"train_size": cfg.synthetic_train_size, "test_size": cfg.synthetic_test_size}
+            if not synthetic.is_current(root, cfg.dataset, seed=1234, **size):
+                print(f"writing synthetic {cfg.dataset} ({size}) to {root}", flush=True)
+                synthetic.write_synthetic(root, cfg.dataset, **size)
+        elif not _present(cls, root):
+            if not cfg.download:
+                raise DataError(
+                    f"{cls.__name__} not found (or corrupt) in {root}/{cls.base_folder}",
+                    hint="pass --download, or point --data-dir at a staged copy "
+                    "(the directory holding the unpacked archive)",
+                )
+            _download(cls, root)
+    return root
+
+
+def _download(cls: type[CIFAR10], root: Path) -> None:
+    print(f"downloading {cls.url} into {root}", flush=True)
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # urllib would otherwise wait forever
+    try:
+        cls(str(root), train=True, download=True)
+    except Exception as err:
+        raise DataError(
+            f"could not download {cls.__name__} from {cls.url}: {type(err).__name__}: {err}",
+            hint="this machine cannot reach the internet (compute nodes often cannot): download "
+            f"{cls.filename} elsewhere, unpack it into a directory so that it holds "
+            f"{cls.base_folder}/, and pass --data-dir DIR (or use --synthetic)",
+        ) from None
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+class CifarTensors(Dataset):
+    """Images as normalised float tensors, augmented with a generator seeded per sample.
+
+    The seed is a function of (seed, epoch, sample index), so the augmentation depends neither on
+    loader workers, nor on the global RNG, nor on where an epoch resumed; gpu_data.py replays the
+    same draws batched on the GPU, so both data paths give bit-identical batches.
+    """
+
+    def __init__(self, base: CIFAR10, *, augment: bool, seed: int) -> None:
+        self.images = torch.from_numpy(base.data).permute(0, 3, 1, 2).contiguous()  # uint8 NCHW
+        self.targets = torch.tensor(base.targets, dtype=torch.int64)
+        self.augment = augment
+        self.seed = seed
+        self.epoch = 0  # set before each epoch's iterator starts (workers copy the dataset then)
+        self.mean = torch.tensor(MEAN, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[index].to(torch.float32).div(255)
+        if self.augment:  # RandomCrop(32, padding=4) + RandomHorizontalFlip
+            g = torch.Generator().manual_seed(_sample_seed(self.seed, self.epoch, index))
+            dx, dy, flip = torch.randint(0, 9, (3,), generator=g).tolist()
+            x = F.pad(x, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
+            if flip % 2:
+                x = x.flip(2)
+        return (x - self.mean) / self.std, self.targets[index]
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The augmentation seed of one sample in one epoch (shared with gpu_data.py)."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
+
+
+class TrainData(Protocol):
+    """What the loop reads; the GPU-resident path implements the same (see architecture.md)."""
+
+    def batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@dataclass
+class LoaderTrainData:
+    """Training micro-batches from a DataLoader over this rank's ``ShardPlan`` indices."""
+
+    plan: ShardPlan
+    data: CifarTensors
+    rank: int
+    device: torch.device
+    num_workers: int = 0
+
+    def batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.data.epoch = epoch
+        sampler = ResumableDistributedSampler(self.plan, self.rank)
+        sampler.set_epoch(epoch, start)
+        loader = DataLoader(
+            self.data,
+            batch_size=self.plan.micro_batch,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        for x, y in loader:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+def eval_batches(
+    data: CifarTensors, rank: int, world_size: int, batch_size: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's exact share of the test set (no padding: the shards partition the set)."""
+    shard = Subset(data, list(eval_indices(len(data), rank, world_size)))
+    for x, y in DataLoader(shard, batch_size=batch_size, shuffle=False):
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def load_datasets(cfg: TrainConfig, root: Path) -> tuple[CifarTensors, CifarTensors, int]:
+    """(train, test, num_classes), read by torchvision's own classes from ``root``."""
+    cls = dataset_class(cfg.dataset, is_synthetic=cfg.synthetic)
+    try:
+        train = cls(str(root), train=True, download=False)
+        test = cls(str(root), train=False, download=False)
+    except RuntimeError as err:
+        raise DataError(
+            f"cannot read {cls.__name__} from {root}: {err}",
+            hint=f"point --data-dir at the directory holding {cls.base_folder}/",
+        ) from None
+    return (
+        CifarTensors(train, augment=cfg.augment, seed=cfg.seed),
+        CifarTensors(test, augment=False, seed=cfg.seed),
+        len(train.classes),
+    )
+
+
+def prepare(
+    cfg: TrainConfig, *, local_rank: int, check: Callable[[BaseException | None, str], None]
+) -> Path:
+    """Stage on local rank 0, then all ranks agree (``check`` is a collective) before reading."""
+    error: BaseException | None = None
+    if local_rank == 0:
+        try:
+            stage(cfg)
+        except Exception as err:  # any failure must reach the other ranks, not strand them
+            error = err
+    check(error, "staging the dataset")
+    return data_root(cfg)

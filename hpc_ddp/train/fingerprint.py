@@ -1,0 +1,31 @@
+"""A short fingerprint of a model's weights, to prove two runs ended with identical weights."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+
+_DDP_PREFIX = "module."
+
+
+def params_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor of a state dict, in name order, as raw bytes on the CPU.
+
+    Names lose DDP's ``module.`` prefix so a DDP model and its bare module agree; dtype and
+    shape are hashed too, so a float16 copy of the same numbers is a different fingerprint.
+    Non-tensor entries (rare; extra state) are ignored. Bit-exact: 0.0 and -0.0 differ.
+    """
+    h = hashlib.sha256()
+    items = {
+        (k[len(_DDP_PREFIX) :] if k.startswith(_DDP_PREFIX) else k): v
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+    }
+    for name in sorted(items):
+        t = items[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        # Reinterpret as bytes: works for every dtype (bfloat16 has no numpy equivalent).
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

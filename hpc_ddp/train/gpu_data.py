@@ -1,0 +1,246 @@
+"""GPU-resident CIFAR: the whole split lives on each GPU, batches are cut there.
+
+Why: the conventional input pipeline (PIL image -> ToTensor -> Normalize, one sample at a time in
+Python) feeds a few thousand samples/s per process, while one GPU trains LeNet or ResNet-18 on
+CIFAR at tens of thousands. CIFAR is 150 MB as uint8 (600 MB as normalized float32), a sliver of
+a datacenter GPU, so each process keeps its normalized split on its device and a batch becomes
+one gather kernel.
+
+The batches are the torchvision path's (``data.LoaderTrainData``), bit for bit, so a result
+never depends on which path ran:
+- order: both read ``ShardPlan.indices`` (DistributedSampler's permutation, global-sample resume
+  positions, whole steps only), cut into micro-batches in order;
+- values: ``x.float() / 255`` then ``(x - mean) / std`` in float32, the same element-wise
+  operations as ``data.CifarTensors``, done once at load time;
+- augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
+  crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train.config import DATA_PATHS, TrainConfig
+from hpc_ddp.train.data import (
+    MEAN,
+    STD,
+    CifarTensors,
+    LoaderTrainData,
+    TrainData,
+    _sample_seed,
+    eval_batches,
+)
+from hpc_ddp.train.sampler import ShardPlan, eval_indices
+
+# On-disk layout of the "python version" archives, as torchvision reads them.
+_FILES = {
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
+    "cifar100": ("cifar-100-python", ["train"], ["test"]),
+}
+_LABEL_KEYS = ("labels", "fine_labels")
+PAD = 4  # RandomCrop(32, padding=4)
+SIZE = 32
+
+
+def load_cifar_arrays(
+    data_root: str | Path, dataset: str, *, train: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One split from CIFAR's pickled on-disk format: (N, 3, 32, 32) uint8 and (N,) int64."""
+    if dataset not in _FILES:
+        raise ValueError(f"dataset {dataset!r} is not one of {', '.join(_FILES)}")
+    folder, train_files, test_files = _FILES[dataset]
+    images, labels = [], []
+    for name in train_files if train else test_files:
+        with (Path(data_root) / folder / name).open("rb") as fh:
+            entry = pickle.load(fh, encoding="latin1")
+        key = next(k for k in _LABEL_KEYS if k in entry)
+        images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, SIZE, SIZE))
+        labels.append(np.asarray(entry[key], dtype=np.int64))
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def normalize(
+    images_u8: torch.Tensor, mean: Sequence[float] = MEAN, std: Sequence[float] = STD
+) -> torch.Tensor:
+    """ToTensor + Normalize with the torchvision path's float32 operations (bit-identical)."""
+    x = images_u8.to(torch.float32).div(255)
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Tensor:
+    """(len, 3) int64 of (dx, dy, flip) per sample, drawn exactly as ``data.CifarTensors`` does.
+
+    One tiny CPU generator per sample (~5 us): ~60 ms per 12.5k-sample shard, once per epoch.
+    """
+    out = torch.empty(len(indices), 3, dtype=torch.int64)
+    for row, index in enumerate(indices.tolist()):
+        g = torch.Generator().manual_seed(_sample_seed(seed, epoch, index))
+        out[row] = torch.randint(0, 9, (3,), generator=g)
+    return out
+
+
+def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images.
+
+    One gather: each output pixel reads its source pixel, or ``fill`` (the normalized value of
+    the zero padding) where the source lies in the padding.
+    """
+    dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3] % 2
+    ar = torch.arange(SIZE, device=x.device).view(1, -1)
+    rows = dy - PAD + ar
+    cols = dx - PAD + torch.where(flip.bool(), SIZE - 1 - ar, ar)
+    valid = ((rows >= 0) & (rows < SIZE)).unsqueeze(2) & ((cols >= 0) & (cols < SIZE)).unsqueeze(1)
+    b = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)
+    r = rows.clamp(0, SIZE - 1).unsqueeze(2)
+    c = cols.clamp(0, SIZE - 1).unsqueeze(1)
+    pixels = x.permute(0, 2, 3, 1)[b, r, c]  # (B, 32, 32, C)
+    out = torch.where(valid.unsqueeze(3), pixels, fill.view(1, 1, 1, -1))
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass
+class GpuTrainData:
+    """``TrainData`` over a split held on the device: ``batches(epoch, start)`` like the loader's.
+
+    ``images`` is the normalized float32 split (N, 3, 32, 32), ``labels`` (N,) int64, both on the
+    training device. ``start`` counts global samples already consumed in the epoch.
+    """
+
+    plan: ShardPlan
+    images: torch.Tensor
+    labels: torch.Tensor
+    rank: int = 0
+    augment: bool = False
+    seed: int = 0
+    mean: Sequence[float] = MEAN
+    std: Sequence[float] = STD
+    _fill: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.labels) != self.plan.n:
+            raise ValueError(f"plan is for {self.plan.n} samples, data has {len(self.labels)}")
+        m = torch.tensor(self.mean, dtype=torch.float32)
+        s = torch.tensor(self.std, dtype=torch.float32)
+        self._fill = ((0.0 - m) / s).to(self.images.device)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        cpu_idx = self.plan.indices(epoch, self.rank, start)
+        idx = cpu_idx.to(self.images.device, non_blocking=True)
+        params = None
+        if self.augment:
+            params = augment_params(cpu_idx, seed=self.seed, epoch=epoch).to(self.images.device)
+        step = self.plan.micro_batch
+        for lo in range(0, len(idx), step):
+            sel = idx[lo : lo + step]
+            x = self.images.index_select(0, sel)
+            if params is not None:
+                x = crop_flip(x, params[lo : lo + step], self._fill)
+            yield x, self.labels.index_select(0, sel)
+
+
+@dataclass
+class GpuEvalData:
+    """This rank's exact share of a split on the device (``sampler.eval_indices``)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    rank: int = 0
+    world_size: int = 1
+
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        shard = eval_indices(len(self.labels), self.rank, self.world_size)
+        idx = torch.arange(shard.start, shard.stop, shard.step, device=self.images.device)
+        for sel in idx.split(batch_size):
+            yield self.images.index_select(0, sel), self.labels.index_select(0, sel)
+
+
+def resident_bytes(n_samples: int) -> int:
+    """Device memory a normalized float32 split and its labels take."""
+    return n_samples * (3 * SIZE * SIZE * 4 + 8)
+
+
+def fits_on_device(nbytes: int, device: torch.device, fraction: float = 0.25) -> tuple[bool, str]:
+    """Whether ``nbytes`` fit in ``fraction`` of the device's free memory, and why (for the log).
+
+    A quarter leaves the model, activations and NCCL buffers ample room: the GPU path is an
+    optimization, so when in doubt the torchvision path runs instead.
+    """
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA GPU"
+    free, _total = torch.cuda.mem_get_info(device)
+    ok = nbytes <= fraction * free
+    verb = "fits in" if ok else "exceeds"
+    return ok, f"{nbytes / 2**20:.0f} MiB {verb} {fraction:.0%} of {free / 2**30:.1f} GiB free"
+
+
+def load_split(
+    data_root: str | Path, dataset: str, *, train: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read a split and put it, normalized, on ``device``: (images float32, labels int64)."""
+    images, labels = load_cifar_arrays(data_root, dataset, train=train)
+    x = normalize(torch.from_numpy(images).to(device))
+    return x, torch.from_numpy(labels).to(device)
+
+
+@dataclass
+class LoaderEvalData:
+    """The torchvision path's evaluation shard behind the same ``batches(size)`` interface."""
+
+    dataset: CifarTensors
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return eval_batches(self.dataset, self.rank, self.world_size, batch_size, self.device)
+
+
+def choose(
+    cfg: TrainConfig,
+    plan: ShardPlan,
+    train_set: CifarTensors,
+    test_set: CifarTensors,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+) -> tuple[TrainData, GpuEvalData | LoaderEvalData]:
+    """The trainer's data: GPU-resident when ``data_path`` asks for it or ``auto`` finds it fits.
+
+    ``gpu`` on a machine where it cannot work is a configuration error, not a silent fallback;
+    ``auto`` falls back to torchvision (CPU device, too little free GPU memory, loader workers
+    asked for) and says why in the log.
+    """
+    mode = cfg.data_path
+    if mode not in DATA_PATHS:
+        raise ConfigError(f"data_path={mode!r} is not valid", hint=f"use one of {DATA_PATHS}")
+    ok, why = fits_on_device(resident_bytes(len(train_set) + len(test_set)), device)
+    if mode == "gpu" and not ok:
+        raise ConfigError(f"--data-path gpu: {why}", hint="use --data-path auto or torchvision")
+    if mode == "torchvision" or not ok:
+        log(f"data: torchvision loader ({'asked for' if mode == 'torchvision' else why})")
+        loader = LoaderTrainData(plan, train_set, rank, device, cfg.num_workers)
+        return loader, LoaderEvalData(test_set, rank, world_size, device)
+    log(f"data: GPU-resident ({why})")
+    train = GpuTrainData(
+        plan=plan,
+        images=normalize(train_set.images.to(device)),
+        labels=train_set.targets.to(device),
+        rank=rank,
+        augment=cfg.augment,
+        seed=cfg.seed,
+    )
+    test = GpuEvalData(
+        normalize(test_set.images.to(device)), test_set.targets.to(device), rank, world_size
+    )
+    return train, test

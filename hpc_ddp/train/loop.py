@@ -1,0 +1,164 @@
+"""One optimizer step (accumulation, no_sync, AMP), exact evaluation, and time accounting."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_ddp.train.collectives import Comm
+
+
+@dataclass
+class Times:
+    """Seconds per phase of an epoch (this rank's view; rank 0's is logged)."""
+
+    data: float = 0.0  # waiting for the next batch
+    compute: float = 0.0  # forward + backward + optimizer (includes waiting on the all-reduce)
+    comm: float = 0.0  # gradient all-reduce, first bucket launch to last completion
+    checkpoint: float = 0.0
+    eval: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Times:
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+@dataclass
+class CommTimer:
+    """State of the timing comm hook: it wraps DDP's default all-reduce (same numerics)."""
+
+    first_launch: float | None = None
+    last_done: float = 0.0
+    bucket_calls: int = 0  # all-reduce launches; no_sync micro-steps add none
+
+    def take(self) -> float:
+        """All-reduce seconds since the last call (overlaps backward on purpose: that is DDP)."""
+        spent = 0.0 if self.first_launch is None else max(self.last_done - self.first_launch, 0.0)
+        self.first_launch = None
+        return spent
+
+
+def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its own types
+    """DDP comm hook: DDP's default all-reduce (same numerics), timed into ``timer``."""
+    now = time.perf_counter()
+    timer.bucket_calls += 1
+    if timer.first_launch is None:
+        timer.first_launch = now
+    fut = default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+
+    def done(f):
+        timer.last_done = time.perf_counter()
+        return f.value()
+
+    return fut.then(done)
+
+
+def grouped(batches: Iterable[Any], size: int, times: Times) -> Iterator[list[Any]]:
+    """Micro-batches in groups of ``size`` (the last group may be short), timing the waits."""
+    group: list[Any] = []
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            times.data += time.perf_counter() - t0
+            break
+        times.data += time.perf_counter() - t0
+        group.append(item)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+@dataclass
+class Stepper:
+    """Runs optimizer steps on a (possibly DDP-wrapped) model."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    out_device: torch.device
+    comm_timer: CommTimer = field(default_factory=CommTimer)
+
+    def step(
+        self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
+    ) -> tuple[float, int]:
+        """One optimizer step over ``micro``; returns (sum of per-sample losses, samples).
+
+        Each micro-batch's loss is divided by the step's sample count, so the accumulated
+        gradient is the mean over the whole step, as one big batch would give; all ranks have
+        equal counts (the sampler pads), so DDP's average over ranks keeps it a global mean.
+        Non-final micro-batches run under ``no_sync``: one all-reduce per step, not per micro.
+        """
+        t0 = time.perf_counter()
+        total = sum(len(y) for _, y in micro)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.out_device)
+        for i, (x, y) in enumerate(micro):
+            sync = i == len(micro) - 1 or not isinstance(self.model, DDP)
+            ctx = contextlib.nullcontext() if sync else self.model.no_sync()
+            with ctx:
+                with torch.autocast(
+                    x.device.type,
+                    dtype=self.amp_dtype or torch.float32,
+                    enabled=bool(self.amp_dtype),
+                ):
+                    out = self.model(x)
+                loss = F.cross_entropy(out.float(), y.to(out.device), reduction="sum")
+                self.scaler.scale(loss / total).backward()
+            loss_sum += loss.detach().double()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        result = float(loss_sum)  # synchronises a GPU, so the step's time is all counted
+        times.compute += time.perf_counter() - t0
+        times.comm += self.comm_timer.take()
+        return result, total
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    comm: Comm,
+    amp_dtype: torch.dtype | None,
+) -> dict[str, float]:
+    """Exact test metrics: each rank sums (loss, correct, count) over its shard; all_reduce SUM."""
+    was_training = model.training
+    model.eval()
+    loss = correct = count = 0.0
+    for x, y in batches:
+        with torch.autocast(
+            x.device.type, dtype=amp_dtype or torch.float32, enabled=bool(amp_dtype)
+        ):
+            out = model(x)
+        y = y.to(out.device)
+        loss += float(F.cross_entropy(out.float(), y, reduction="sum"))
+        correct += float((out.argmax(1) == y).sum())
+        count += len(y)
+    model.train(was_training)
+    per_rank = comm.gather_objects(int(count))
+    loss, correct, count = comm.sum([loss, correct, count])
+    return {
+        "test_loss": loss / max(count, 1),
+        "test_accuracy": correct / max(count, 1),
+        "test_samples": int(count),
+        "test_samples_per_rank": per_rank,
+    }

@@ -1,0 +1,92 @@
+"""Preemption: a signal sets a flag; ranks agree at step boundaries; checkpoint; requeue; exit 75.
+
+The handler does nothing but set a flag: checkpointing inside a signal handler could interrupt a
+collective half-way and deadlock the job. Slurm sends SIGTERM at preemption and at the end of the
+time limit (after ``--signal=USR1@N`` if asked), so both are handled by default.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import FrameType
+
+from hpc_ddp.train.config import parse_signal
+
+# EX_TEMPFAIL from sysexits.h: "try again later". Launch scripts treat it as "requeued".
+EXIT_REQUEUE = 75
+
+
+@dataclass
+class PreemptionFlag:
+    """Installs handlers for ``signals``; ``requested`` turns true when one arrives."""
+
+    signals: tuple[signal.Signals, ...]
+    received: list[str] = field(default_factory=list)
+    _previous: dict[signal.Signals, object] = field(default_factory=dict)
+
+    @classmethod
+    def install(cls, names: Iterable[str | int]) -> PreemptionFlag:
+        flag = cls(tuple(parse_signal(n) for n in names))
+        for sig in flag.signals:
+            flag._previous[sig] = signal.signal(sig, flag._handle)
+        return flag
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+def slurm_job_to_requeue(environ: Mapping[str, str]) -> str | None:
+    """The id ``scontrol requeue`` needs: ``ARRAYJOB_TASK`` for an array task, else the job id."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def under_submitit(environ: Mapping[str, str]) -> bool:
+    return any(k.startswith("SUBMITIT_") for k in environ)
+
+
+def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
+    """Ask the scheduler to run this job again; returns a sentence saying what happened.
+
+    auto: ``scontrol requeue`` inside a Slurm job unless submitit manages requeueing; elsewhere
+    nothing. scontrol: always try. none: never (the caller's launcher decides, e.g. submitit).
+    """
+    environ = os.environ if environ is None else environ
+    if mode == "none":
+        return "requeue=none: not requeueing; exit 75 tells the launcher to restart the job"
+    job = slurm_job_to_requeue(environ)
+    if mode == "auto":
+        if under_submitit(environ):
+            return "running under submitit, which requeues through its own checkpoint path"
+        if job is None:
+            return "not inside a Slurm job: nothing to requeue; exit 75 means 'run me again'"
+    if job is None:
+        return "requeue=scontrol but SLURM_JOB_ID is not set: cannot requeue; exiting 75"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return f"scontrol not found on PATH: cannot requeue job {job}; exiting 75"
+    try:
+        done = subprocess.run(
+            [scontrol, "requeue", job], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed ({err}); exiting 75"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed (rc {done.returncode}): {done.stderr.strip()}"
+    return f"requeued Slurm job {job} (scontrol requeue)"

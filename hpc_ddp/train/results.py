@@ -1,0 +1,102 @@
+"""What a run leaves behind (rank 0 only): result.json, metrics.jsonl, plot.png, progress.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+RESULT = "result.json"
+METRICS = "metrics.jsonl"
+PLOT = "plot.png"
+PROGRESS = "progress.json"
+CONFIG = "config.json"
+
+
+@dataclass
+class Result:
+    """The outcome of ``train()``; ``status`` is "finished" or "preempted" (exit code 75)."""
+
+    status: str
+    exit_code: int
+    epochs: int
+    steps: int
+    world_size: int
+    train_loss: float | None
+    test_loss: float | None
+    test_accuracy: float | None
+    test_samples: int
+    samples_per_second: float
+    wall_seconds: float
+    params_sha256: str
+    run_dir: str
+    interruptions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def params_sha256(model: nn.Module) -> str:
+    """SHA-256 over the unwrapped model's floating-point state, in name order, as CPU bytes.
+
+    Names are hashed too, so a renamed or missing tensor changes the digest. Integer buffers
+    (BatchNorm's num_batches_tracked) are left out: they count steps, not weights.
+    """
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name]
+        if not t.is_floating_point():
+            continue
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic: readers (tests, monitors) never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
+    """Rewrite metrics.jsonl from the checkpointed history, so a resume never duplicates lines."""
+    tmp = run_dir / f".{METRICS}.tmp-{os.getpid()}"
+    tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in history))
+    os.replace(tmp, run_dir / METRICS)
+
+
+def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
+    """Loss and accuracy per epoch as a PNG (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [row["epoch"] for row in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [row["train_loss"] for row in history], marker="o", label="train")
+    ax_loss.plot(epochs, [row["test_loss"] for row in history], marker="o", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [100 * row["test_accuracy"] for row in history], marker="o")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
+    fig.tight_layout()
+    out = run_dir / PLOT
+    tmp = run_dir / f".{PLOT}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,59 @@
+"""Capture and restore every RNG a training process uses: Python, NumPy, torch CPU, CUDA.
+
+States are stored as tensors, ints and lists only, so a checkpoint loads with
+``torch.load(weights_only=True)`` (NumPy arrays and arbitrary tuples would not).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def capture() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    npst = state["numpy"]
+    np.random.set_state(
+        (
+            npst["kind"],
+            npst["keys"].numpy().astype(np.uint32),
+            npst["pos"],
+            npst["has_gauss"],
+            npst["cached"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        # A process may now see a different number of GPUs: restore those that exist.
+        for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)

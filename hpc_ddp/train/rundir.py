@@ -1,0 +1,51 @@
+"""The run directory's rules: one run at a time, never two experiments mixed, never overwritten.
+
+- A lock (the checkpoint package's RunDirLock, taken by rank 0) is held for the whole run: a
+  second run pointed at the same directory fails at once, naming the holder.
+- ``config.json`` records the resolved config of the run. A later start whose identity settings
+  (model, data, optimizer, seed, ...: ``IDENTITY_KEYS``) differ is refused: resuming would mix
+  two experiments.
+- A directory with checkpoints resumes; one with ``result.json`` is finished and left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train.checkpoint import RunDirLock
+from hpc_ddp.train.config import IDENTITY_KEYS, TrainConfig
+from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
+
+
+@dataclass
+class RunDirState:
+    finished: bool  # result.json exists with the same identity: nothing to do
+
+
+def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
+    """Rank 0: take the lock, check the directory against ``cfg``, record ``config.json``."""
+    run_dir = Path(cfg.run_dir)
+    lock.acquire()  # raises RunDirLockedError (exit 2) if another run holds it
+    saved_path = run_dir / CONFIG
+    if saved_path.exists():
+        try:
+            saved = read_json(saved_path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{saved_path} is unreadable ({err})",
+                hint="restore it, or give this run a new --run-dir",
+            ) from None
+        changed = [k for k in IDENTITY_KEYS if saved.get(k) != getattr(cfg, k)]
+        if changed:
+            diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+            raise ConfigError(
+                f"run dir {run_dir} holds a run with different settings ({diffs})",
+                hint="use a new --run-dir for a new experiment, or the original settings to "
+                "resume it (only settings such as paths, logging and requeue may change)",
+            )
+    if (run_dir / RESULT).exists():
+        return RunDirState(finished=True)
+    write_json(saved_path, cfg.to_dict())
+    return RunDirState(finished=False)

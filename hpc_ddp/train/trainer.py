@@ -1,0 +1,410 @@
+"""The resumable DDP trainer: ``train(config) -> Result`` and ``run_process(config) -> exit code``.
+
+Every rank runs the same code; rank 0 alone writes files and logs progress. Decisions that must
+be unanimous (run dir usable, data staged, preempted) go through one collective each, so a rank
+that fails alone is reported by name instead of leaving the others in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.train import cuda_graphs, data, gpu_data, models, results, rng
+from hpc_ddp.train.checkpoint import Checkpointer, RunDirLock
+from hpc_ddp.train.collectives import Comm
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
+from hpc_ddp.train.preemption import EXIT_REQUEUE, PreemptionFlag, requeue
+from hpc_ddp.train.rundir import open_run_dir
+from hpc_ddp.train.sampler import ShardPlan
+
+HOLD_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint, so a resume continues every counter."""
+
+    epoch: int = 0  # current epoch (0-based)
+    start: int = 0  # GLOBAL samples of this epoch already trained on
+    global_step: int = 0
+    epoch_loss_sum: float = 0.0
+    epoch_loss_count: float = 0.0
+    epoch_times: dict[str, float] = field(default_factory=lambda: Times().to_dict())
+    samples_total: int = 0  # global training samples over all attempts
+    train_seconds: float = 0.0  # time inside steps over all attempts
+    wall_seconds: float = 0.0  # wall time of earlier attempts
+    interruptions: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    mode = cfg.amp if cfg.amp != "auto" else ("bf16" if device.type == "cuda" else "off")
+    if mode != "off" and device.type != "cuda":
+        raise ConfigError(f"amp={cfg.amp} needs a GPU", hint="use --amp off (or auto) on CPU")
+    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        span = max(total_steps - cfg.warmup_steps, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(step - cfg.warmup_steps, span) / span))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: Any) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.rank, self.world_size = ctx.env.rank, ctx.env.world_size
+        self.comm = Comm(ctx.device)
+        self.run_dir = Path(cfg.run_dir)
+        self.t_start = time.perf_counter()
+        self.lock = RunDirLock(self.run_dir)
+        self.base_wall = 0.0  # wall seconds of earlier attempts (from the checkpoint)
+
+    def elapsed(self) -> float:
+        return self.base_wall + time.perf_counter() - self.t_start
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> bool:
+        """Returns False when the run dir holds a finished run (nothing to do)."""
+        error: BaseException | None = None
+        finished = False
+        if self.rank == 0:
+            try:
+                finished = open_run_dir(self.cfg, self.lock).finished
+            except Exception as err:
+                error = err
+        self.comm.check(error, "opening the run directory")
+        if self.comm.sum([1.0 if finished else 0.0])[0]:
+            return False
+        root = data.prepare(self.cfg, local_rank=self.ctx.env.local_rank, check=self.comm.check)
+        self.train_set, self.test_set, num_classes = data.load_datasets(self.cfg, root)
+        self.plan = ShardPlan(
+            n=len(self.train_set),
+            seed=self.cfg.seed,
+            world_size=self.world_size,
+            micro_batch=self.cfg.batch_size,
+            accum_steps=self.cfg.accum_steps,
+        )
+        self.build(num_classes)
+        return True
+
+    def build(self, num_classes: int) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.amp = amp_dtype(cfg, ctx.device)
+        rng.seed_everything(cfg.seed)  # identical initial weights on every rank and every run
+        net = models.build_model(cfg.model, num_classes, sync_bn=cfg.sync_bn)
+        devices = ctx.devices if cfg.gpus_per_process > 1 else [ctx.device]
+        self.net = models.place_model(net, devices)
+        self.in_device, self.out_device = models.input_device(net), models.output_device(net)
+        if self.comm.active and not cfg.cuda_graphs:  # the graphed step all-reduces itself
+            ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
+            self.model: torch.nn.Module = DDP(self.net, device_ids=ids)
+        else:
+            self.model = self.net
+        if cfg.optimizer == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(
+                net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        total = self.plan.steps_per_epoch() * cfg.epochs
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+        scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp == torch.float16)
+        if cfg.cuda_graphs:
+            cuda_graphs.check_supported(cfg, self.amp, len(devices))
+            self.stepper = cuda_graphs.GraphedStepper(
+                self.net, opt, sched, scaler, self.amp, self.out_device
+            )
+        else:
+            self.stepper = Stepper(self.model, opt, sched, scaler, self.amp, self.out_device)
+        if isinstance(self.model, DDP):
+            self.model.register_comm_hook(self.stepper.comm_timer, timed_allreduce)
+        self.train_data, self.eval_data = gpu_data.choose(
+            cfg,
+            self.plan,
+            self.train_set,
+            self.test_set,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.in_device,
+            log=self.log,
+        )
+        self.ckpt = Checkpointer(
+            self.run_dir / "checkpoints",
+            rank=self.rank,
+            world_size=self.world_size,
+            keep=cfg.keep_checkpoints,
+            log=self.log,
+        )
+
+    # ------------------------------------------------------------ checkpoints
+    def restore(self) -> Progress:
+        loaded = self.ckpt.load_latest(map_location="cpu")
+        if loaded is None:
+            return Progress()
+        if loaded.world_size != self.world_size:
+            raise ConfigError(
+                f"the checkpoint {loaded.path} was written by {loaded.world_size} processes, "
+                f"this run has {self.world_size}",
+                hint="resume with the same number of processes (nodes x processes per node): "
+                "the data order and per-rank RNG streams depend on it; or start a new --run-dir",
+            )
+        s = loaded.shared
+        self.net.load_state_dict(s["model"])
+        self.stepper.optimizer.load_state_dict(s["optimizer"])
+        self.stepper.scheduler.load_state_dict(s["scheduler"])
+        self.stepper.scaler.load_state_dict(s["scaler"])
+        progress = Progress(**s["progress"])
+        progress.interruptions += 1
+        self.base_wall = progress.wall_seconds
+        rng.restore(loaded.per_rank["rng"])
+        self.log(
+            f"resumed from {loaded.path} (epoch {progress.epoch + 1}, "
+            f"{progress.start} samples into it, step {progress.global_step})"
+        )
+        return progress
+
+    def save(self, progress: Progress, times: Times) -> None:
+        t0 = time.perf_counter()
+        progress.epoch_times = times.to_dict()
+        progress.wall_seconds = self.elapsed()
+        shared = {
+            "model": self.net.state_dict(),
+            "optimizer": self.stepper.optimizer.state_dict(),
+            "scheduler": self.stepper.scheduler.state_dict(),
+            "scaler": self.stepper.scaler.state_dict(),
+            "progress": asdict(progress),
+        }
+        meta = {"epoch": progress.epoch, "start": progress.start, "model": self.cfg.model}
+        self.ckpt.save(
+            progress.global_step, shared=shared, per_rank={"rng": rng.capture()}, meta=meta
+        )
+        times.checkpoint += time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- loop
+    def write_progress(self, progress: Progress, status: str) -> None:
+        if self.rank == 0:
+            info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
+            info.update(pids=self.pids, world_size=self.world_size, start=progress.start)
+            results.write_json(self.run_dir / results.PROGRESS, info)
+
+    def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
+        """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
+        self.write_progress(progress, "holding")
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while not flag.requested:
+            if time.monotonic() > deadline:
+                raise HpcDdpError(f"debug_hold_at_step: no signal within {HOLD_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)  # polling our own flag, set by the signal handler; deadline above
+
+    def run(self, flag: PreemptionFlag) -> results.Result:
+        self.pids = self.comm.gather_objects(os.getpid())
+        progress = self.restore()
+        cfg, plan = self.cfg, self.plan
+        steps_per_epoch = plan.steps_per_epoch()
+        self.log(
+            f"training {cfg.model} on {cfg.dataset}{' (synthetic)' if cfg.synthetic else ''}: "
+            f"{plan.n} samples, {self.world_size} process(es), {steps_per_epoch} steps/epoch, "
+            f"global batch {plan.micro_batch * plan.accum_steps * self.world_size}, "
+            f"device {self.ctx.device}, backend {self.ctx.backend}"
+        )
+        self.model.train()
+        while progress.epoch < cfg.epochs:
+            times = Times.from_dict(progress.epoch_times)
+            done = plan.steps_done(progress.start)
+            batches = self.train_data.batches(progress.epoch, progress.start)
+            for micro in grouped(batches, cfg.accum_steps, times):
+                t0 = time.perf_counter()
+                loss_sum, n = self.stepper.step(micro, times)
+                done += 1
+                progress.global_step += 1
+                progress.start = plan.step_start(done)
+                last = done == steps_per_epoch
+                if progress.global_step == cfg.debug_hold_at_step and not last:
+                    self.hold_for_signal(progress, flag)
+                # One collective per step: the loss for the log and the preemption flag. The
+                # epoch's last step skips the flag: its checkpoint comes after evaluation.
+                preempt = 0.0 if last else float(flag.requested)
+                loss_all, n_all, preempt = self.comm.sum([loss_sum, n, preempt])
+                progress.epoch_loss_sum += loss_all
+                progress.epoch_loss_count += n_all
+                progress.samples_total += int(n_all)
+                progress.train_seconds += time.perf_counter() - t0
+                self.write_progress(progress, "training")
+                if done % cfg.log_every == 0 or last:
+                    self.log_step(progress, steps_per_epoch, done, loss_all / n_all)
+                if preempt:
+                    return self.preempted(progress, times, flag)
+                every = cfg.checkpoint_every_steps
+                if every and not last and progress.global_step % every == 0:
+                    self.save(progress, times)
+            self.end_epoch(progress, times)
+            if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
+                return self.preempted(progress, times, flag, saved=True)
+        return self.finish(progress)
+
+    def log_step(self, progress: Progress, steps: int, done: int, loss: float) -> None:
+        lr = float(self.stepper.optimizer.param_groups[0]["lr"])  # a tensor with cuda_graphs
+        rate = progress.samples_total / max(progress.train_seconds, 1e-9)
+        self.log(
+            f"epoch {progress.epoch + 1}/{self.cfg.epochs} step {done}/{steps} "
+            f"loss {loss:.4f} lr {lr:.4g} {rate:.0f} samples/s"
+        )
+
+    def end_epoch(self, progress: Progress, times: Times) -> None:
+        t0 = time.perf_counter()
+        batches = self.eval_data.batches(self.cfg.eval_batch_size)
+        # The plain module: ranks may run different numbers of eval batches, and DDP's forward
+        # must not be entered unevenly. Rank 0's BatchNorm buffers are what DDP trains with.
+        self.comm.broadcast_buffers(self.net)
+        metrics = evaluate(self.net, batches, self.comm, self.amp)
+        times.eval += time.perf_counter() - t0
+        epoch_seconds = times.data + times.compute + times.checkpoint
+        row = {
+            "epoch": progress.epoch + 1,
+            "step": progress.global_step,
+            "train_loss": progress.epoch_loss_sum / max(progress.epoch_loss_count, 1),
+            **metrics,
+            "lr": float(self.stepper.optimizer.param_groups[0]["lr"]),
+            "samples_per_second": progress.epoch_loss_count / max(times.data + times.compute, 1e-9),
+            "seconds": epoch_seconds + times.eval,
+            "time": times.to_dict(),
+            "allreduce_calls": self.stepper.comm_timer.bucket_calls,
+        }
+        self.log(
+            f"epoch {row['epoch']}: train loss {row['train_loss']:.4f}, test loss "
+            f"{row['test_loss']:.4f}, accuracy {100 * row['test_accuracy']:.2f}% of "
+            f"{row['test_samples']} test samples, {row['samples_per_second']:.0f} samples/s; "
+            f"time data {times.data:.2f}s compute {times.compute:.2f}s (all-reduce "
+            f"{times.comm:.2f}s) checkpoint {times.checkpoint:.2f}s eval {times.eval:.2f}s"
+        )
+        progress.history.append(row)
+        progress.epoch += 1
+        progress.start = 0
+        progress.epoch_loss_sum = progress.epoch_loss_count = 0.0
+        saving = Times()
+        self.save(progress, saving)
+        # The epoch-end save belongs to this epoch's breakdown (the checkpoint has it from the
+        # next save on); metrics.jsonl is rewritten whole from the history.
+        row["time"]["checkpoint"] = round(row["time"]["checkpoint"] + saving.checkpoint, 6)
+        if self.rank == 0:
+            results.write_metrics(self.run_dir, progress.history)
+
+    def preempted(
+        self, progress: Progress, times: Times, flag: PreemptionFlag, *, saved: bool = False
+    ) -> results.Result:
+        if not saved:
+            self.save(progress, times)
+        what = ", ".join(sorted(set(flag.received))) or "another rank's signal"
+        message = requeue(self.cfg.requeue) if self.rank == 0 else ""
+        self.log(f"preempted ({what}): checkpointed at step {progress.global_step}; {message}")
+        self.write_progress(progress, "preempted")
+        return self.result(progress, "preempted", EXIT_REQUEUE)
+
+    def finish(self, progress: Progress) -> results.Result:
+        result = self.result(progress, "finished", 0)
+        if self.rank == 0:
+            results.write_json(self.run_dir / results.RESULT, result.to_dict())
+            if progress.history:
+                results.plot(self.run_dir, progress.history)
+            self.write_progress(progress, "finished")
+            self.log(f"finished: {self.run_dir / results.RESULT}")
+        return result
+
+    def result(self, progress: Progress, status: str, code: int) -> results.Result:
+        last = progress.history[-1] if progress.history else {}
+        return results.Result(
+            status=status,
+            exit_code=code,
+            epochs=progress.epoch,
+            steps=progress.global_step,
+            world_size=self.world_size,
+            train_loss=last.get("train_loss"),
+            test_loss=last.get("test_loss"),
+            test_accuracy=last.get("test_accuracy"),
+            test_samples=int(last.get("test_samples", 0)),
+            samples_per_second=progress.samples_total / max(progress.train_seconds, 1e-9),
+            wall_seconds=self.elapsed(),
+            params_sha256=results.params_sha256(self.net),
+            run_dir=str(self.run_dir),
+            interruptions=progress.interruptions,
+            extra={"allreduce_calls": self.stepper.comm_timer.bucket_calls},
+        )
+
+
+def _finished_result(cfg: TrainConfig) -> results.Result:
+    saved = results.read_json(Path(cfg.run_dir) / results.RESULT)
+    saved.update(status="finished", exit_code=0)
+    return results.Result(**saved)
+
+
+def train(config: TrainConfig, *, ctx: Any = None) -> results.Result:
+    """Train in this process (one rank of the job); returns the Result on every rank.
+
+    Initialises the process group through ``hpc_ddp.dist`` unless one is already up (``ctx`` lets
+    a caller pass its DistContext). Raises on errors; ``run_process`` turns them into exit codes.
+    """
+    import torch.distributed as dist
+
+    from hpc_ddp.dist import init_distributed
+
+    own_group = ctx is None and not dist.is_initialized()
+    if ctx is None:
+        ctx = init_distributed(
+            backend=config.backend,
+            timeout_s=config.timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
+        )
+    flag = PreemptionFlag.install(config.requeue_signals)
+    trainer = Trainer(config, ctx)
+    try:
+        if not trainer.setup():
+            trainer.log(f"run dir {config.run_dir} already finished (result.json); nothing to do")
+            return _finished_result(config)
+        result = trainer.run(flag)
+    finally:
+        flag.uninstall()
+        trainer.lock.release()
+    if own_group:
+        dist.destroy_process_group()  # only on success: on errors peers may be gone
+    return result
+
+
+def run_process(config: TrainConfig) -> int:
+    """Train and return the exit code (0, 2 bad input, 1 crash, 75 requeue), errors printed."""
+    from hpc_ddp.dist import rank_prefix
+
+    try:
+        return train(config).exit_code
+    except HpcDdpError as err:
+        print(f"{rank_prefix()} error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except Exception:
+        prefix = rank_prefix()
+        text = "".join(f"{prefix} {line}\n" for line in traceback.format_exc().splitlines())
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return 1

@@ -1,0 +1,72 @@
+"""Helpers for the checkpoint tests: launch real Gloo ranks, wait on conditions with deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``cond`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class Ranks:
+    procs: list[subprocess.Popen]
+    out: Path
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                msg = f"ranks still running after {timeout} s:\n{self.logs()}"
+                raise AssertionError(msg) from None
+        return codes
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def result(self, rank: int) -> dict:
+        return json.loads((self.out / f"result-{rank}.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- rank {r} ---\n{(self.out / f'log-{r}.txt').read_text()}"
+            for r in range(len(self.procs))
+        )
+
+
+def launch(tmp: Path, root: Path, world_size: int, *args: str, tag: str = "run") -> Ranks:
+    """Start ``world_size`` worker processes that form one Gloo group through a FileStore."""
+    out = tmp / tag
+    out.mkdir()
+    store = out / "store"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for r in range(world_size):
+        cmd = [sys.executable, str(WORKER), "--root", str(root), "--out", str(out)]
+        cmd += ["--store", str(store), "--rank", str(r), "--world-size", str(world_size), *args]
+        with open(out / f"log-{r}.txt", "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return Ranks(procs, out)

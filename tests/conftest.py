@@ -1,0 +1,49 @@
+"""Shared fixtures. The Slurm ones start the project's own local cluster (hpc_ddp.localslurm).
+
+``slurm_cluster``: 2 nodes x 4 CPUs for the whole session. ``slurm_gpu_cluster``: 2 nodes x 2
+fake GPUs, started only if a test asks for it. Without slurm-wlm or root they skip locally, but
+FAIL when $CI is set: a CI run that skips every Slurm test proves nothing. Helpers for these
+tests are in slurm_support.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from slurm_support import SlurmTestCluster, require_local_slurm
+
+from hpc_ddp.localslurm import LocalCluster
+
+
+def _short_tmpdir(prefix: str) -> Path:
+    # Not tmp_path_factory: Slurm's step sockets live under the cluster dir, and pytest's
+    # basetemp can be long enough to overflow a unix socket path.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def _session_cluster(prefix: str, **shape: int) -> Iterator[SlurmTestCluster]:
+    require_local_slurm()
+    root = _short_tmpdir(prefix)
+    cluster = LocalCluster(root, **shape)
+    cluster.start(timeout_s=30)
+    try:
+        yield SlurmTestCluster(cluster)
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmTestCluster]:
+    """2 nodes (node1, node2) x 4 declared CPUs, shared by the whole session."""
+    yield from _session_cluster("hpcddp-slurm-", nodes=2, cpus_per_node=4)
+
+
+@pytest.fixture(scope="session")
+def slurm_gpu_cluster() -> Iterator[SlurmTestCluster]:
+    """2 nodes x 2 fake GPUs (gres over char devices): Slurm sets CUDA_VISIBLE_DEVICES."""
+    yield from _session_cluster("hpcddp-gslurm-", nodes=2, cpus_per_node=4, gpus_per_node=2)

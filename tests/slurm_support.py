@@ -1,0 +1,66 @@
+"""Helpers for tests that use the local Slurm cluster (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.localslurm import LocalCluster, SlurmClient, check_prerequisites
+
+VENV_BIN = Path(sys.executable).parent  # not resolved: the venv's python is a symlink
+HPC_DDP = VENV_BIN / "hpc-ddp"
+
+# Launcher variables this pytest process may have inherited (it may itself run under srun or
+# torchrun); left in a job's environment they would override what Slurm tells the tasks.
+_LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "SUBMITIT_")
+_LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+_LAUNCHER_VARS |= {"MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+
+
+def clean_job_env(**extra: str) -> dict[str, str]:
+    """os.environ minus launcher variables, with the venv's bin dir first on PATH so that
+    `srun hpc-ddp ...` and `python` inside jobs are this project's."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARS
+        and not k.startswith(_LAUNCHER_PREFIXES)
+        and not (k.startswith("HPC_DDP_") and k != "HPC_DDP_LOCAL_SLURM_DIR")
+    }
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+    env.update(extra)
+    return env
+
+
+def require_local_slurm() -> None:
+    """Skip (or fail under CI) where the local cluster cannot start."""
+    try:
+        check_prerequisites()
+    except HpcDdpError as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but the local Slurm cluster cannot start: {err}")
+        pytest.skip(f"local Slurm cluster unavailable: {err.message}")
+
+
+class SlurmTestCluster(SlurmClient):
+    """A running LocalCluster plus the client helpers tests use.
+
+    ``env``: a subprocess environment for Slurm commands (SLURM_CONF, venv first on PATH).
+    Inherited: ``sbatch_wait(script, *sbatch_args, timeout_s=..., output=...) -> JobResult``
+    (job_id, state, exit_code, signal, output), ``job_state(job_id)``, ``srun(argv)``,
+    ``run(argv)``; plus ``wait_for(condition, timeout_s)``.
+    """
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        super().__init__(clean_job_env(**cluster.env()), workdir=cluster.root / "jobs")
+        self.cluster = cluster
+        self.hpc_ddp = str(HPC_DDP)
+        self.python = sys.executable
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return self.cluster.node_names

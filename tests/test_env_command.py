@@ -1,0 +1,152 @@
+"""`hpc-ddp env`: real subprocesses of the installed command, and a real torchrun launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENVS = Path(__file__).parent / "data" / "envs"
+BIN = Path(sys.executable).parent
+HPC_DDP = str(BIN / "hpc-ddp")
+KEYS = {
+    "source", "rank", "local_rank", "world_size", "local_world_size", "node_rank", "num_nodes",
+    "master_addr", "master_port", "backend", "backend_reason", "interconnect", "devices",
+    "job_id", "layout", "hostname",
+}  # fmt: skip
+# Launcher variables of the machine running the tests must not leak into these runs.
+LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI", "MV2_", "SUBMITIT_", "HPC_DDP_")
+LAUNCH_NAMES = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
+}  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(LAUNCH_PREFIXES) and k not in LAUNCH_NAMES
+    }
+    env.update(extra)
+    return env
+
+
+def hpc_ddp_env(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [HPC_DDP, "env", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_json_single_process() -> None:
+    out = hpc_ddp_env("--json", env=clean_env())
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data.keys() >= KEYS
+    assert (data["source"], data["rank"], data["world_size"]) == ("single", 0, 1)
+    assert data["backend"] in ("gloo", "nccl") and data["backend_reason"]
+
+
+def test_human_table() -> None:
+    out = hpc_ddp_env(env=clean_env())
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if " " in line)
+    assert rows["launcher"].strip() == "single"
+    assert "backend" in rows and "why" in rows
+
+
+def test_never_imports_torch_and_is_fast() -> None:
+    """The command must answer in well under a second: torch alone costs 1.5-2 s to import.
+
+    CPU time, not wall time, is bounded: other test suites share the 2 cores.
+    """
+    code = (
+        "import sys, time; t = time.process_time(); from hpc_ddp.cli import main; "
+        "rc = main(['env', '--json']); "
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', time.process_time() - t, rc)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    marker, seconds, rc = out.stdout.splitlines()[-1].split()
+    assert (marker, rc) == ("NO-TORCH", "0"), out.stderr
+    assert float(seconds) < 0.3
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert hpc_ddp_env("--json", env=clean_env()).returncode == 0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 0.6  # interpreter start included; importing torch alone would exceed it
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"SLURM_JOB_ID": "12", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}, "srun forgotten"),
+        ({"MASTER_PORT": "99999"}, "not a TCP port"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "no launcher"),
+        ({"HPC_DDP_GPUS_PER_PROCESS": "x"}, "not an integer"),
+    ],
+)
+def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:
+    out = hpc_ddp_env("--json", env=clean_env(**extra))
+    assert out.returncode == 2
+    assert message in out.stderr and "HINT: " in out.stderr
+    assert out.stdout == ""
+
+
+def test_captured_slurm_task_through_the_command() -> None:
+    """A real srun task's variables (captured) given to the real command."""
+    proc = json.loads((ENVS / "slurm_srun_hetero_2x3_1.json").read_text())["processes"][5]
+    out = hpc_ddp_env("--json", env=clean_env(**proc["environ"]))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key, value in proc["expected"].items():
+        assert data[key] == value, key
+    assert "7 processes on 4 nodes" in data["layout"]
+
+
+def test_gpus_per_process_flag() -> None:
+    proc = json.loads((ENVS / "slurm_srun_one_process_per_node_2gpus.json").read_text())
+    environ = clean_env(**proc["processes"][0]["environ"])
+    assert hpc_ddp_env("--json", env=environ).returncode == 2  # 1 task, 2 GPUs, gpp 1
+    out = hpc_ddp_env("--json", "--gpus-per-process", "2", env=environ)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["gpus_per_process"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_real_torchrun_two_ranks() -> None:
+    torchrun = BIN / "torchrun"
+    if not torchrun.exists() and shutil.which("torchrun") is None:
+        pytest.skip("torchrun not installed")
+    env = clean_env(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    out = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            "--no-python",
+            HPC_DDP,
+            "env",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert out.returncode == 0, out.stderr
+    ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        assert r["source"] == "torchrun"
+        assert (r["world_size"], r["local_world_size"], r["num_nodes"]) == (2, 2, 1)
+        assert r["local_rank"] == r["rank"] and r["node_rank"] == 0
+    assert ranks[0]["master_port"] == ranks[1]["master_port"]
+    assert ranks[0]["job_id"] == ranks[1]["job_id"] is not None

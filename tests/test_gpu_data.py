@@ -1,0 +1,140 @@
+"""The GPU-resident data path, run on the CPU, yields exactly the torchvision path's batches.
+
+Both paths are real: torchvision's CIFAR10/CIFAR100 classes read files in CIFAR's on-disk format
+(written by ``synthetic.write_synthetic``) behind ``data.LoaderTrainData``; ``gpu_data`` reads the
+same files itself. Only the device differs from a GPU run (``cpu`` here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import gpu_data, synthetic
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.data import LoaderTrainData, eval_batches, load_datasets
+from hpc_ddp.train.sampler import ShardPlan
+
+CPU = torch.device("cpu")
+TRAIN, TEST = 203, 37  # odd sizes: uneven shards, a dropped tail, a short eval batch
+
+
+@pytest.fixture(scope="module", params=["cifar10", "cifar100"])
+def staged(request, tmp_path_factory) -> tuple[str, Path]:
+    dataset = request.param
+    root = tmp_path_factory.mktemp(dataset)
+    synthetic.write_synthetic(root, dataset, train_size=TRAIN, test_size=TEST)
+    return dataset, root
+
+
+def _paths(dataset: str, root: Path, *, world: int, rank: int, augment: bool, batch: int = 16):
+    cfg = TrainConfig(dataset=dataset, synthetic=True, augment=augment, seed=7, batch_size=batch)
+    train, test, _ = load_datasets(cfg, root)
+    plan = ShardPlan(n=len(train), seed=cfg.seed, world_size=world, micro_batch=batch)
+    loader = LoaderTrainData(plan, train, rank, CPU)
+    images, labels = gpu_data.load_split(root, dataset, train=True, device=CPU)
+    resident = gpu_data.GpuTrainData(
+        plan=plan, images=images, labels=labels, rank=rank, augment=augment, seed=cfg.seed
+    )
+    return loader, resident, test
+
+
+def _assert_same(a, b) -> int:
+    a, b = list(a), list(b)
+    assert len(a) == len(b) > 0
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert xa.dtype == xb.dtype == torch.float32
+        assert torch.equal(ya, yb)
+        assert torch.equal(xa, xb), f"max diff {(xa - xb).abs().max()}"
+    return len(a)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (4, 0), (4, 3)])
+def test_train_batches_identical(staged, world: int, rank: int, augment: bool) -> None:
+    dataset, root = staged
+    loader, resident, _ = _paths(dataset, root, world=world, rank=rank, augment=augment)
+    for epoch in (0, 3):
+        n = _assert_same(loader.batches(epoch, 0), resident.batches(epoch, 0))
+        assert n == len(resident.plan.indices(epoch, rank)) // 16 + bool(
+            len(resident.plan.indices(epoch, rank)) % 16
+        )
+
+
+def test_resume_mid_epoch_identical(staged) -> None:
+    dataset, root = staged
+    loader, resident, _ = _paths(dataset, root, world=2, rank=1, augment=True)
+    start = 3 * 16 * 2  # three global steps in
+    _assert_same(loader.batches(2, start), resident.batches(2, start))
+    # ...and the resumed tail is the uninterrupted epoch's tail.
+    full = list(resident.batches(2, 0))[3:]
+    _assert_same(full, resident.batches(2, start))
+
+
+def test_epochs_differ_and_order_is_not_identity(staged) -> None:
+    dataset, root = staged
+    _, resident, _ = _paths(dataset, root, world=1, rank=0, augment=False)
+    y0 = torch.cat([y for _, y in resident.batches(0)])
+    y1 = torch.cat([y for _, y in resident.batches(1)])
+    assert not torch.equal(y0, y1)
+    assert not torch.equal(y0, resident.labels[: len(y0)])
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_eval_batches_identical_and_exact(staged, world: int) -> None:
+    dataset, root = staged
+    _, _, test = _paths(dataset, root, world=world, rank=0, augment=False)
+    images, labels = gpu_data.load_split(root, dataset, train=False, device=CPU)
+    seen = []
+    for rank in range(world):
+        ours = gpu_data.GpuEvalData(images, labels, rank=rank, world_size=world).batches(10)
+        _assert_same(eval_batches(test, rank, world, 10, CPU), ours)
+        seen += [y for _, y in gpu_data.GpuEvalData(images, labels, rank, world).batches(10)]
+    assert sum(len(y) for y in seen) == TEST  # every test sample once, none padded in
+
+
+def test_crop_flip_matches_pad_and_slice() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 32, 32, generator=g)
+    fill = torch.tensor([-1.5, 0.25, 2.0])
+    params = torch.tensor([[0, 0, 0], [8, 8, 1], [3, 5, 0], [8, 0, 1], [0, 8, 2], [4, 4, 1]])
+    out = gpu_data.crop_flip(x, params, fill)
+    for i, (dx, dy, flip) in enumerate(params.tolist()):
+        padded = F.pad(x[i] - fill.view(3, 1, 1), (4, 4, 4, 4)) + fill.view(3, 1, 1)
+        want = padded[:, dy : dy + 32, dx : dx + 32]
+        if flip % 2:
+            want = want.flip(2)
+        assert torch.allclose(out[i], want, atol=1e-6)
+
+
+def test_fits_on_device_refuses_cpu() -> None:
+    ok, why = gpu_data.fits_on_device(gpu_data.resident_bytes(50_000), CPU)
+    assert not ok and "not a CUDA GPU" in why
+    assert gpu_data.resident_bytes(50_000) == 50_000 * (3072 * 4 + 8)
+
+
+def test_plan_size_mismatch_is_refused(staged) -> None:
+    dataset, root = staged
+    images, labels = gpu_data.load_split(root, dataset, train=True, device=CPU)
+    plan = ShardPlan(n=TRAIN + 1, seed=0, world_size=1, micro_batch=8)
+    with pytest.raises(ValueError, match="plan is for"):
+        gpu_data.GpuTrainData(plan=plan, images=images, labels=labels)
+
+
+def test_choose_falls_back_on_cpu_and_refuses_forced_gpu(staged) -> None:
+    dataset, root = staged
+    cfg = TrainConfig(dataset=dataset, synthetic=True)
+    train, test, _ = load_datasets(cfg, root)
+    plan = ShardPlan(n=len(train), seed=0, world_size=1, micro_batch=8)
+    said: list[str] = []
+    kw = {"rank": 0, "world_size": 1, "device": CPU, "log": said.append}
+    data, evaluation = gpu_data.choose(cfg, plan, train, test, **kw)
+    assert isinstance(data, LoaderTrainData) and "not a CUDA GPU" in said[-1]
+    assert sum(len(y) for _, y in evaluation.batches(16)) == TEST
+    cfg.data_path = "gpu"
+    with pytest.raises(ConfigError, match="not a CUDA GPU"):
+        gpu_data.choose(cfg, plan, train, test, **kw)

@@ -1,0 +1,43 @@
+"""The committed jobs/*.sbatch are exactly what their jobs/specs/* render to today.
+
+Fails when a template, a default or a spec changed without `hpc-ddp render --all-examples`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from hpc_ddp.cli import main
+from hpc_ddp.deploy.examples import JOBS_DIR, examples, stale_examples
+
+REQUIRED = {
+    "cifar_2x8",
+    "cifar_torchrun_2x8",
+    "cifar_pernode_2x8",
+    "local_cpu_2x2",
+    "local_torchrun_2x2",
+}
+
+
+def test_every_required_job_has_a_spec_and_a_render() -> None:
+    names = {ex.spec_path.stem for ex in examples()}
+    assert REQUIRED <= names
+    for ex in examples():
+        assert ex.script_path.exists(), f"{ex.script_path} missing: run hpc-ddp render --all-examples"
+
+
+def test_committed_renders_are_up_to_date() -> None:
+    stale = [str(ex.script_path) for ex in stale_examples()]
+    assert not stale, f"re-render with `hpc-ddp render --all-examples`: {stale}"
+
+
+def test_check_detects_a_stale_render_and_regenerate_fixes_it(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    shutil.copytree(JOBS_DIR, jobs)
+    target = jobs / "local_cpu_2x2.sbatch"
+    target.write_text(target.read_text().replace("--nodes=2", "--nodes=3"))
+    assert main(["render", "--all-examples", "--check", "--jobs-dir", str(jobs)]) == 1
+    assert main(["render", "--all-examples", "--jobs-dir", str(jobs)]) == 0
+    assert main(["render", "--all-examples", "--check", "--jobs-dir", str(jobs)]) == 0
+    assert target.read_bytes() == (JOBS_DIR / "local_cpu_2x2.sbatch").read_bytes()

@@ -1,0 +1,219 @@
+"""``hpc-ddp launch`` end to end: real pdsh, real clush, real torchrun, real multi-process Gloo.
+
+No second physical host exists here: the two "hosts" node0/node1 are run by pdsh's and clush's
+``exec`` workers on this machine (the master address is 127.0.0.1, the launch's default for
+``--rcmd exec``). The ssh path uses a fake ``ssh`` on PATH that runs the command through a
+local shell as sshd would, or plays an unreachable host (see launch_support).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from launch_support import (
+    WORKER,
+    Launch,
+    assert_no_processes_left,
+    fake_ssh_dir,
+    hpc_ddp,
+    kill_leftovers,
+    launch_args,
+    popen_hpc_ddp,
+    wait_until,
+)
+
+TOOLS = ("pdsh", "clush")
+BOUND_S = 60  # a failed launch must end well within this (torchrun alone would wait 300 s)
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        kill_leftovers(launch.launch_id)
+
+
+def _json_lines(stdout: str) -> dict[str, list[dict]]:
+    """JSON objects per host. Two local processes share one pipe to pdsh, and pdsh can put
+    two objects on one line (seen 1 in ~10 runs), so decode objects, not lines."""
+    by_host: dict[str, list[dict]] = {}
+    decoder = json.JSONDecoder()
+    for line in stdout.splitlines():
+        host, _, rest = line.partition(": ")
+        while rest.startswith("{"):
+            obj, end = decoder.raw_decode(rest)
+            by_host.setdefault(host, []).append(obj)
+            rest = rest[end:].lstrip()
+    return by_host
+
+
+@pytest.mark.parametrize("mode", ["processes", "torchrun"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_env_on_two_hosts(tool: str, mode: str, tmp_path: Path, launches: list[Launch]) -> None:
+    """Node rank = position in sorted order, one master, world = hosts x processes."""
+    launch = launch_args(tool, tmp_path, mode=mode, gpus_per_node=2, hosts="node1,node0")
+    launches.append(launch)
+    res = hpc_ddp([*launch.base, "--", "hpc-ddp", "env", "--json"])
+    assert res.returncode == 0, res.stderr
+    by_host = _json_lines(res.stdout)
+    assert sorted(by_host) == ["node0", "node1"]
+    ranks = []
+    for node_rank, host in enumerate(["node0", "node1"]):
+        for env in by_host[host]:
+            assert env["node_rank"] == node_rank
+            assert env["num_nodes"] == 2 and env["world_size"] == 4
+            assert env["master_addr"] == "127.0.0.1"
+            assert env["source"] == (tool if mode == "processes" else "torchrun")
+            assert env["rank"] == node_rank * 2 + env["local_rank"]
+            ranks.append(env["rank"])
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert len({e["master_port"] for envs in by_host.values() for e in envs}) == 1
+    assert "all 2 host(s) finished with exit code 0" in res.stderr
+    assert list((launch.state_dir / launch.launch_id).iterdir()) == []  # pid files cleaned up
+    assert_no_processes_left(launch.launch_id)
+
+
+@pytest.mark.parametrize("rcmd", ["exec", "ssh"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_quoting_survives_every_layer(
+    tool: str, rcmd: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    """Spaces, quotes, $, and % (pdsh/clush placeholders) reach the process unchanged."""
+    tricky = """a b'c"d $HOME %n %h 100%"""
+    launch = launch_args(tool, tmp_path, rcmd=rcmd, extra=("--env", f"TRICKY={tricky}"))
+    launches.append(launch)
+    env = {"PATH": f"{fake_ssh_dir(tmp_path)}:{os.environ['PATH']}"}
+    code = "import os, sys; print('GOT', repr(os.environ['TRICKY']), sys.argv[1:])"
+    res = hpc_ddp([*launch.base, "--", "python3", "-c", code, "x y", "%n"], env=env)
+    assert res.returncode == 0, res.stderr
+    expected = f"GOT {tricky!r} ['x y', '%n']"
+    assert sorted(res.stdout.splitlines()) == [f"node0: {expected}", f"node1: {expected}"]
+
+
+@pytest.mark.parametrize(("tool", "mode"), [("pdsh", "torchrun"), ("clush", "processes")])
+def test_gloo_allreduce_across_two_hosts(
+    tool: str, mode: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    launch = launch_args(tool, tmp_path, mode=mode)
+    launches.append(launch)
+    out = tmp_path / "out"
+    res = hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["sum"] for r in results] == [3.0, 3.0]  # (0+1) + (1+1)
+    assert [r["node_rank"] for r in results] == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["processes", "torchrun"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_failing_host_stops_the_others(
+    tool: str, mode: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    """Rank 1 (node1) exits 1 while rank 0 (node0) would sleep forever: the launch must stop
+    node0, exit non-zero and name node1, in bounded time."""
+    launch = launch_args(tool, tmp_path, mode=mode)
+    launches.append(launch)
+    out = tmp_path / "out"
+    cmd = ["python3", WORKER, "--out", str(out), "--fail-rank", "1", "--hang-rank", "0"]
+    res = hpc_ddp([*launch.base, "--", *cmd], timeout=BOUND_S + 30)
+    assert res.returncode != 0
+    assert res.seconds < BOUND_S, res.stderr
+    assert "host node1 failed" in res.stderr, res.stderr
+    assert "FAILED on node1" in res.stderr
+    assert (out / "hanging-0").exists()  # node0 really was running when it got stopped
+    assert_no_processes_left(launch.launch_id)
+
+
+@pytest.mark.parametrize(("tool", "mode"), [("pdsh", "torchrun"), ("clush", "processes")])
+def test_rank_killed_mid_run(tool: str, mode: str, tmp_path: Path, launches: list[Launch]) -> None:
+    """SIGKILL one rank while the other waits for it in a collective."""
+    launch = launch_args(tool, tmp_path, mode=mode)
+    launches.append(launch)
+    out = tmp_path / "out"
+    proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
+                          "--hang-rank", "1"])  # fmt: skip
+    hanging = out / "hanging-1"
+    wait_until(lambda: hanging.exists() and hanging.read_text(), 60, "rank 1 to start")
+    killed_at = time.monotonic()
+    os.kill(int(hanging.read_text()), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < BOUND_S
+    # node0's rank may notice the dead peer (and fail) before node1's torchrun reports it:
+    # node1 must be among the hosts named, not necessarily first.
+    failed_line = next(line for line in stderr.splitlines() if "launch: FAILED on" in line)
+    assert "node1 (exit" in failed_line, stderr
+    assert_no_processes_left(launch.launch_id)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> None:
+    """ssh cannot reach node1 (exit 255): node0, waiting for its peer, is stopped; node1 named."""
+    launch = launch_args(tool, tmp_path, rcmd="ssh")
+    launches.append(launch)
+    out = tmp_path / "out"
+    env = {
+        "PATH": f"{fake_ssh_dir(tmp_path)}:{os.environ['PATH']}",
+        "FAKE_SSH_UNREACHABLE": "node1",
+    }
+    res = hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out)], env=env)
+    assert res.returncode != 0
+    assert res.seconds < BOUND_S
+    assert "Connection refused" in res.stderr and "FAILED on node1" in res.stderr, res.stderr
+    assert_no_processes_left(launch.launch_id)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_stop_command_ends_a_running_launch(
+    tool: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    launch = launch_args(tool, tmp_path, mode="torchrun")
+    launches.append(launch)
+    out = tmp_path / "out"
+    proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
+                          "--hang-rank", "0"])  # fmt: skip
+    wait_until(lambda: (out / "hanging-0").exists(), 60, "rank 0 to start")
+    stop = hpc_ddp(launch.stop_args(via=tool), timeout=BOUND_S)
+    assert stop.returncode == 0, stop.stderr + stop.stdout
+    assert "node0: hpc-ddp-launch-stop: node0: stopped" in stop.stdout, stop.stdout
+    proc.communicate(timeout=BOUND_S)
+    assert proc.returncode != 0
+    assert_no_processes_left(launch.launch_id)
+    again = hpc_ddp(launch.stop_args(via=tool), timeout=BOUND_S)  # idempotent
+    assert again.returncode == 0 and "nothing running" in again.stdout
+
+
+def test_ctrl_c_on_the_launcher_stops_every_host(tmp_path: Path, launches: list[Launch]) -> None:
+    launch = launch_args("pdsh", tmp_path)
+    launches.append(launch)
+    out = tmp_path / "out"
+    proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
+                          "--hang-rank", "1"])  # fmt: skip
+    wait_until(lambda: (out / "hanging-1").exists(), 60, "rank 1 to start")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 130, stderr
+    assert_no_processes_left(launch.launch_id)
+
+
+def test_wrong_node_order_is_refused(tmp_path: Path, launches: list[Launch]) -> None:
+    """A tool numbering hosts differently from the canonical order must fail loudly: simulate it
+    by giving pdsh the hosts reversed (pdsh keeps -w order)."""
+    from hpc_ddp.deploy.shell_launch import launch_command, make_spec
+
+    spec = make_spec(tool="pdsh", hosts="node[0-1]", command=["true"], rcmd="exec",
+                     launch_id="wrongorder", state_dir=str(tmp_path))  # fmt: skip
+    argv = list(launch_command(spec).argv)
+    argv[argv.index("node0,node1")] = "node1,node0"
+    import subprocess
+
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 97
+    assert "host node1 got node rank 0" in res.stderr

@@ -1,0 +1,331 @@
+"""The embedded local Slurm cluster itself: start, stop, isolation, failures, CLI, default.
+
+Real daemons throughout; each test that needs its own cluster starts one in a fresh short dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
+
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, hosts, procs
+from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
+from hpc_ddp.localslurm.embedded import configured_slurm, ensure_local_cluster
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="hpcddp-t-", dir="/tmp"))
+    yield path
+    if (path / "run").exists():  # a test failed half-way: never leave daemons running
+        LocalCluster(path).stop()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _sleep_job(tmp: Path) -> Path:
+    script = tmp / "sleep.sh"
+    script.write_text("#!/bin/bash\nsrun sleep 300\n")
+    return script
+
+
+def _sleeps(cluster: LocalCluster) -> set[int]:
+    """The job tasks of ``cluster`` that run `sleep 300`."""
+    pids = procs.cluster_pids(cluster.root, cluster.conf_path)
+    return {p for p in pids if [Path(a).name for a in procs.cmdline(p)[:2]] == ["sleep", "300"]}
+
+
+def _assert_nothing_left(cluster: LocalCluster, pids: set[int]) -> None:
+    assert not procs.wait_gone(pids, 5), "processes outlived stop()"
+    assert not procs.pids_with_args("-f", str(cluster.conf_path))
+    assert not cluster.root.exists()
+    assert not hosts.has_lines(cluster.root)
+    assert not cluster.is_running()
+
+
+def test_start_stop_leaves_no_processes_or_files(root: Path, tmp_path: Path) -> None:
+    require_local_slurm()
+    cluster = LocalCluster(root, nodes=2)
+    started = time.monotonic()
+    cluster.start(timeout_s=30)
+    took = time.monotonic() - started
+    assert took < 5, f"start took {took:.2f} s"
+    assert cluster.is_running()
+    assert cluster.env() == {"SLURM_CONF": str(root / "slurm.conf")}
+    assert hosts.has_lines(root)
+    assert all(socket.gethostbyname(n).startswith("127.") for n in cluster.node_names)
+    client = SlurmTestCluster(cluster)
+    assert client.nodes_in_state("idle") == ["node1", "node2"]
+
+    # A running 2-node job: its slurmstepd and tasks would outlive a bare `scontrol shutdown`.
+    client.sbatch(_sleep_job(tmp_path), "-N2", output=tmp_path / "out")
+    client.wait_for(lambda: len(_sleeps(cluster)) == 2, 20, "both nodes' tasks to run")
+    job_pids = procs.cluster_pids(root, cluster.conf_path)
+    assert any(procs.cmdline(p)[0].startswith("slurmstepd") for p in job_pids)
+    daemon_pids = set(cluster._pids().values())
+    assert len(daemon_pids) == 3
+
+    started = time.monotonic()
+    cluster.stop()
+    assert time.monotonic() - started < 15
+    _assert_nothing_left(cluster, job_pids | daemon_pids)
+    cluster.stop()  # idempotent
+
+
+def test_two_clusters_at_once_do_not_collide(tmp_path: Path) -> None:
+    require_local_slurm()
+    roots = [Path(tempfile.mkdtemp(prefix=f"hpcddp-{c}-", dir="/tmp")) for c in "ab"]
+    clusters = [LocalCluster(r, nodes=2) for r in roots]
+    errors: list[BaseException] = []
+
+    def start(c: LocalCluster) -> None:
+        try:
+            c.start(timeout_s=30)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(c,)) for c in clusters]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        a, b = clusters
+        ports_a = {a.config.ctld_port, *a.config.node_ports}
+        ports_b = {b.config.ctld_port, *b.config.node_ports}
+        assert not ports_a & ports_b
+        assert a.config.first_job_id != b.config.first_job_id
+
+        script = tmp_path / "job.sh"
+        script.write_text("#!/bin/bash\nsrun bash -c 'echo $SLURM_CONF $SLURMD_NODENAME'\n")
+        results = []
+        for i, c in enumerate(clusters):
+            client = SlurmTestCluster(c)
+            res = client.sbatch_wait(script, "-N2", timeout_s=30, output=tmp_path / f"{i}.out")
+            assert (res.state, res.exit_code) == ("COMPLETED", 0), res.output
+            assert sorted(res.output.split("\n")[:-1]) == [
+                f"{c.conf_path} node1",
+                f"{c.conf_path} node2",
+            ]
+            results.append(res)
+        assert results[0].job_id != results[1].job_id
+
+        # Stopping one leaves the other whole: daemons, hosts line, name resolution.
+        a.stop()
+        assert not a.is_running() and b.is_running()
+        assert hosts.has_lines(b.root) and not hosts.has_lines(a.root)
+        assert socket.gethostbyname("node1").startswith("127.")
+        assert SlurmTestCluster(b).nodes_in_state("idle") == ["node1", "node2"]
+    finally:
+        for c in clusters:
+            c.stop()
+        for r in roots:
+            shutil.rmtree(r, ignore_errors=True)
+
+
+def test_port_taken_is_a_clear_error(root: Path) -> None:
+    require_local_slurm()
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        cluster = LocalCluster(root, nodes=2, port=port)
+        with pytest.raises(ConfigError) as info:
+            cluster.start(timeout_s=10)
+    assert str(port) in info.value.message and "in use" in info.value.message
+    assert info.value.hint and "free ports" in info.value.hint
+    assert not cluster.is_running()
+
+
+def test_port_stolen_before_bind_is_retried(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race between picking a free port and the daemon binding it, forced: the first pick
+    hands node1 a port someone listens on; the real slurmd fails and start() retries."""
+    require_local_slurm()
+    real = daemons.free_ports
+    picks: list[list[int]] = []
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+
+        def pick(n: int) -> list[int]:
+            ports = real(n)
+            if not picks:
+                ports[1] = sock.getsockname()[1]
+            picks.append(ports)
+            return ports
+
+        monkeypatch.setattr(daemons, "free_ports", pick)
+        cluster = LocalCluster(root, nodes=2)
+        cluster.start(timeout_s=30)
+    try:
+        assert len(picks) == 2 and cluster.is_running()
+        assert cluster.config.node_ports == tuple(picks[1][1:])
+    finally:
+        cluster.stop()
+
+
+def test_failed_start_undoes_itself_and_shows_the_log(root: Path) -> None:
+    require_local_slurm()
+    cluster = LocalCluster(root, nodes=2, extra={"SelectType": "select/bogus"})
+    with pytest.raises(ClusterStartError) as info:
+        cluster.start(timeout_s=10)
+    assert "Can't find plugin for select/bogus" in str(info.value)
+    _assert_nothing_left(cluster, set())
+
+
+def test_bad_shapes_fail_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nodes must be"):
+        LocalCluster("/tmp/x", nodes=0)
+    with pytest.raises(ConfigError, match="characters long") as info:
+        LocalCluster("/tmp/" + "d" * 80)
+    assert "shorter dir" in (info.value.hint or "")
+    with pytest.raises(ConfigError, match="lowercase"):
+        LocalCluster("/tmp/x", node_prefix="n-")
+    assert not Path("/tmp/x").exists()
+
+
+def test_config_renders_nodes_ports_and_fake_gpus() -> None:
+    cfg = ClusterConfig(Path("/tmp/c"), nodes=3, gpus_per_node=2, node_ports=(7, 8, 9), ctld_port=6)
+    conf = render_slurm_conf(cfg)
+    assert "SlurmctldPort=6\n" in conf and "AuthInfo=cred_expire=10\n" in conf
+    assert "NodeName=node3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=9 CPUs=4" in conf
+    assert "Gres=gpu:2" in conf and "GresTypes=gpu" in conf
+    assert render_gres_conf(cfg) == "Name=gpu File=/tmp/c/dev/nvidia[0-1]\n"
+    assert cfg.nodelist == "node[1-3]"
+    assert ClusterConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_hosts_lines_are_per_cluster_and_refuse_foreign_names(tmp_path: Path) -> None:
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n10.0.0.9 gpu1")  # no final newline
+    hosts.add_names(["node1", "node2"], Path("/a"), "127.0.0.1", hosts_file)
+    hosts.add_names(["node1"], Path("/b"), "127.0.0.1", hosts_file)
+    hosts.add_names(["node1"], Path("/b"), "127.0.0.1", hosts_file)  # idempotent
+    lines = hosts_file.read_text().splitlines()
+    assert lines[1] == "10.0.0.9 gpu1" and len(lines) == 4
+    assert hosts.remove_names(Path("/a"), hosts_file) == 1
+    assert hosts_file.read_text().endswith("127.0.0.1 node1  # hpc-ddp-localslurm /b\n")
+    with pytest.raises(ConfigError, match=r"gpu1 to 10\.0\.0\.9") as info:
+        hosts.add_names(["gpu1"], Path("/c"), "127.0.0.1", hosts_file)
+    assert "node_prefix" in (info.value.hint or "")
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(HPC_DDP), "cluster", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env or clean_job_env(),
+    )
+
+
+def test_cli_up_status_env_down(root: Path) -> None:
+    require_local_slurm()
+    d = str(root / "c")
+    assert _cli("status", "--dir", d).returncode == 1
+    env_missing = _cli("env", "--dir", d)
+    assert env_missing.returncode == 2 and "HINT: hpc-ddp cluster up" in env_missing.stderr
+    up = _cli("up", "--dir", d, "--nodes", "3", "--gpus-per-node", "1")
+    assert up.returncode == 0, up.stderr
+    assert "3 node(s) node[1-3]" in up.stdout and "1 fake GPU(s)" in up.stdout
+    again = _cli("up", "--dir", d)
+    assert again.returncode == 0 and "already running" in again.stdout
+    status = _cli("status", "--dir", d)
+    assert status.returncode == 0 and "node3" in status.stdout and "idle" in status.stdout
+    exports = _cli("env", "--dir", d)
+    assert exports.stdout == f"export SLURM_CONF={d}/slurm.conf\n"
+    # The printed lines are meant for eval: a shell that evals them reaches the cluster.
+    shell = subprocess.run(
+        ["bash", "-c", f'eval "$({HPC_DDP} cluster env --dir {d})" && srun -N3 hostname'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_job_env(),
+    )
+    assert shell.returncode == 0 and len(shell.stdout.split()) == 3, shell.stderr
+    down = _cli("down", "--dir", d)
+    assert down.returncode == 0 and not Path(d).exists()
+    assert _cli("down", "--dir", d).returncode == 0  # nothing to stop is fine
+    assert not hosts.has_lines(Path(d))
+
+
+def test_cli_without_root_says_so() -> None:
+    require_local_slurm()
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not installed")
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+         "hpc_ddp.cli", "cluster", "up", "--dir", "/tmp/hpcddp-nonroot"],
+        capture_output=True, text=True, timeout=60, env=clean_job_env(),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "needs root" in proc.stderr and "HINT:" in proc.stderr
+    assert not Path("/tmp/hpcddp-nonroot").exists()
+
+
+def test_cli_without_slurm_names_the_package(tmp_path: Path) -> None:
+    env = clean_job_env(PATH=str(Path(sys.executable).parent))  # no /usr/sbin, no /usr/bin
+    proc = _cli("up", "--dir", str(tmp_path / "c"), env=env)
+    assert proc.returncode == 2
+    assert "slurmctld" in proc.stderr and "apt-get install slurm-wlm" in proc.stderr
+
+
+def test_ensure_local_cluster_starts_once_then_reuses(root: Path) -> None:
+    require_local_slurm()
+    environ = clean_job_env(HPC_DDP_LOCAL_SLURM_DIR=str(root / "s"))
+    environ.pop("SLURM_CONF", None)
+    first = ensure_local_cluster(environ=environ)
+    cluster = LocalCluster(root / "s")
+    try:
+        assert first == {"SLURM_CONF": str(root / "s" / "slurm.conf")}
+        pids = cluster._pids()
+        started = time.monotonic()
+        assert ensure_local_cluster(environ=environ) == first
+        assert time.monotonic() - started < 2 and cluster._pids() == pids  # reused, not restarted
+        with pytest.raises(ConfigError, match="GPU"):
+            ensure_local_cluster(gpus_per_node=2, environ=environ)
+        # A configured, answering Slurm is used as it is, whatever the embedded dir says.
+        assert configured_slurm({**environ, "SLURM_CONF": first["SLURM_CONF"]}) == first
+    finally:
+        cluster.stop()
+
+
+def test_configured_but_dead_slurm_is_an_error_not_a_fallback(tmp_path: Path) -> None:
+    with pytest.raises(HpcDdpError, match="does not exist") as info:
+        ensure_local_cluster(environ={"SLURM_CONF": str(tmp_path / "nope.conf")})
+    assert "HPC_DDP_SLURM=local" in (info.value.hint or "")
+    assert configured_slurm({"SLURM_CONF": "/x", "HPC_DDP_SLURM": "local"}) is None
+
+
+def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) -> None:
+    """A crashed cluster (daemons SIGKILLed, a job's tasks orphaned) is still cleaned by pid."""
+    require_local_slurm()
+    cluster = LocalCluster(root, nodes=2)
+    cluster.start(timeout_s=30)
+    client = SlurmTestCluster(cluster)
+    job_id, _ = client.sbatch(_sleep_job(tmp_path), "-N1", output=tmp_path / "out")
+    job_pids = client.wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
+    daemon_pids = set(cluster._pids().values())
+    for pid in daemon_pids:
+        os.kill(pid, 9)
+    assert not procs.wait_gone(daemon_pids, 5)
+    assert not cluster.is_running()
+    started = time.monotonic()
+    LocalCluster(root).stop()
+    assert time.monotonic() - started < 15
+    _assert_nothing_left(cluster, job_pids)

@@ -1,0 +1,211 @@
+"""Describe, then render: JobSpec validation, the render command, and what each layout emits.
+
+Pure tests (no Slurm): the rendered scripts are run for real in tests/test_slurm_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.cli import main
+from hpc_ddp.deploy import JobSpec, build_spec, render
+from hpc_ddp.errors import ConfigError
+
+PY = sys.executable
+
+
+def _cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "hpc_ddp.cli", *argv], capture_output=True, text=True, cwd=cwd, timeout=60
+    )
+
+
+def _directives(text: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+# --- validation ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        (dict(gpus_per_node=8, gpus_per_process=3), "valid gpus_per_process for 8 GPUs: [1, 2, 4, 8]"),
+        (dict(launcher="torchrun", gpus_per_node=8, gpus_per_process=2), 'needs launcher = "srun"'),
+        (dict(launcher="mpirun"), "not one of srun, torchrun"),
+        (dict(gpus_per_node=4, procs_per_node=3), "contradicts 4 GPUs per node"),
+        (dict(gpus_per_process=2), "only applies to GPU jobs"),
+        (dict(signal="KILL"), "is not one of USR1"),
+        (dict(time="5", signal_lead_s=300), "not shorter than the time limit"),
+        (dict(signal="USR2"), "add '--requeue-signal USR2,TERM'"),
+        (dict(env={"BAD-KEY": "1"}), "not a valid variable name"),
+        (dict(gpu_binding="per-gpu"), "gpus-per-node, gpus-per-task"),
+    ],
+)
+def test_contradictions_fail_listing_what_is_valid(kw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec(**kw)
+    assert needle in str(err.value)
+    assert err.value.hint
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec(nodes=0, time="soon", mem="lots")
+    text = str(err.value)
+    assert "nodes must be >= 1" in text and "time 'soon'" in text and "mem 'lots'" in text
+
+
+def test_unknown_keys_and_wrong_types_name_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec.from_mapping({"gpu_per_node": 2, "nodes": "2"})
+    text = str(err.value)
+    assert "did you mean 'gpus_per_node'" in text
+    assert "nodes: expected an integer" in text
+    assert "valid keys:" in text and "gpus_per_process" in text
+
+
+def test_file_then_flags_flags_win(tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text('nodes = 4\ngpus_per_node = 4\nname = "a"\n[env]\nNCCL_DEBUG = "INFO"\n')
+    spec = build_spec(spec_file, {"nodes": 2})
+    assert (spec.nodes, spec.gpus_per_node, spec.name, spec.env) == (2, 4, "a", {"NCCL_DEBUG": "INFO"})
+    as_json = tmp_path / "job.json"
+    as_json.write_text(json.dumps({"nodes": 3, "launcher": "torchrun"}))
+    assert build_spec(as_json).layout == "torchrun"
+
+
+# --- layouts ------------------------------------------------------------------------------
+def test_per_gpu_layout_gpus_per_node() -> None:
+    text = render(JobSpec(nodes=2, gpus_per_node=8, cpus_per_task=6))
+    d = _directives(text)
+    assert "--ntasks-per-node=8" in d and "--gpus-per-node=8" in d and "--cpus-per-task=6" in d
+    assert "--signal=USR1@90" in d  # steps, not "B:": the trainers get the warning
+    assert "--open-mode=append" in d and "--requeue" in d
+    step = text[text.index("srun ") :]
+    assert "--kill-on-bad-exit=1" in step and "--cpus-per-task=6" in step  # srun does not inherit
+    assert "-m \\\n  hpc_ddp.train" in step or "-m hpc_ddp.train" in step
+    assert "HPC_DDP_GPUS_PER_PROCESS" not in text
+
+
+def test_per_gpu_layout_gpus_per_task() -> None:
+    d = _directives(render(JobSpec(nodes=2, gpus_per_node=4, gpu_binding="gpus-per-task")))
+    assert "--gpus-per-task=1" in d and "--ntasks-per-node=4" in d
+    assert not any(x.startswith("--gpus-per-node") for x in d)
+
+
+def test_per_node_layout_one_task_all_gpus() -> None:
+    text = render(JobSpec(nodes=2, gpus_per_node=8, gpus_per_process=8, cpus_per_task=32))
+    d = _directives(text)
+    assert "--ntasks-per-node=1" in d and "--gpus-per-node=8" in d
+    assert "export HPC_DDP_GPUS_PER_PROCESS=8" in text
+
+
+def test_torchrun_layout_one_task_per_node_with_c10d_on_first_host() -> None:
+    text = render(JobSpec(nodes=2, gpus_per_node=8, launcher="torchrun", cpus_per_task=4))
+    d = _directives(text)
+    assert "--ntasks-per-node=1" in d and "--cpus-per-task=32" in d  # 8 workers x 4 CPUs
+    assert 'scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1' in text
+    assert "-m hpc_ddp.deploy.port" in text  # one port rule, the Python one
+    assert "--rdzv-backend=c10d" in text and "--nproc-per-node=8" in text
+    assert 'trap "" USR1; exec torchrun' in text  # torchrun itself would die on USR1
+
+
+def test_cpu_layout() -> None:
+    text = render(JobSpec(nodes=2, procs_per_node=2))
+    d = _directives(text)
+    assert "--ntasks-per-node=2" in d and not any("gpu" in x for x in d)
+    assert "CPU/Gloo" in text
+
+
+def test_optional_directives_only_when_set() -> None:
+    bare = _directives(render(JobSpec()))
+    assert not any(x.startswith(("--partition", "--account", "--qos", "--constraint")) for x in bare)
+    full = _directives(
+        render(JobSpec(partition="gpu", account="proj", qos="high", constraint="a100", mem="64G"))
+    )
+    for want in ("--partition=gpu", "--account=proj", "--qos=high", "--constraint=a100", "--mem=64G"):
+        assert want in full
+
+
+def test_arguments_are_quoted_once() -> None:
+    text = render(JobSpec(args=["--run-dir", "runs/with space", "--note", "it's"]))
+    assert "'runs/with space'" in text
+    assert "'it'\"'\"'s'" in text
+
+
+def test_render_is_deterministic_and_records_the_command() -> None:
+    spec = JobSpec(nodes=2, procs_per_node=2)
+    a, b = render(spec, command="hpc-ddp render X"), render(spec, command="hpc-ddp render X")
+    assert a == b
+    assert a.startswith("#!/bin/bash\n# Rendered by hpc-ddp ")
+    assert "hpc-ddp render X" in a.splitlines()[1]
+
+
+def test_rendered_scripts_are_valid_bash() -> None:
+    for spec in (
+        JobSpec(nodes=2, procs_per_node=2),
+        JobSpec(nodes=2, gpus_per_node=8, launcher="torchrun"),
+        JobSpec(nodes=2, gpus_per_node=8, gpus_per_process=8, setup=["echo hi"]),
+    ):
+        proc = subprocess.run(["bash", "-n"], input=render(spec), text=True, capture_output=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+# --- the command --------------------------------------------------------------------------
+def test_cli_bad_spec_fails_before_writing(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    proc = _cli("render", "--gpus-per-node", "8", "--gpus-per-process", "3", "-o", str(out))
+    assert proc.returncode == 2
+    assert "valid gpus_per_process" in proc.stderr and "HINT" in proc.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_unknown_key_in_file(tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text("nodes = 2\ngpu = 4\n")
+    proc = _cli("render", "--config", str(spec_file), "-o", str(tmp_path / "x.sbatch"))
+    assert proc.returncode == 2 and "unknown key 'gpu'" in proc.stderr
+    assert not (tmp_path / "x.sbatch").exists()
+
+
+def test_cli_writes_atomically_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    assert main(["render", "--nodes", "2", "-o", str(out)]) == 0
+    first = out.read_text()
+    assert os.access(out, os.X_OK)
+    assert main(["render", "--nodes", "3", "-o", str(out)]) == 2  # exists, no --force
+    assert out.read_text() == first
+    assert main(["render", "--nodes", "3", "-o", str(out), "--force"]) == 0
+    assert "--nodes=3" in out.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]  # no temporary files left
+
+
+def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    proc = _cli("render", "--nodes", "2", "--dry-run", "-o", str(out), "--", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout and "--epochs 1" in proc.stdout
+    assert not out.exists()
+
+
+def test_render_never_imports_torch_and_is_fast() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); from hpc_ddp.cli import main; "
+        "import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['render', '--nodes', '2', '--gpus-per-node', '8', '--launcher', 'torchrun'])\n"
+        "print(rc, 'torch' in sys.modules, time.perf_counter() - t)"
+    )
+    start = time.perf_counter()
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - start
+    rc, torch_loaded, inner = proc.stdout.split()
+    assert rc == "0" and torch_loaded == "False", proc.stderr
+    assert float(inner) < 0.5, f"render took {inner} s in-process"
+    assert wall < 5  # interpreter start included; generous for a loaded 2-core machine

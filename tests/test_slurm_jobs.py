@@ -1,0 +1,222 @@
+"""Rendered jobs on the real local Slurm cluster (2 nodes, real sbatch/srun/scancel/scontrol).
+
+What is real: slurmctld + 2 slurmd, sbatch, srun's task placement and kill-on-bad-exit, signal
+delivery, requeue with SLURM_RESTART_COUNT, torchrun's c10d rendezvous, Gloo DDP training.
+What is not: the GPUs. ``slurm_gpu_cluster`` declares fake GPUs (gres over character devices),
+so Slurm's GPU binding (CUDA_VISIBLE_DEVICES per task) is real but nothing computes on them; the
+GPU-layout jobs therefore run the torch-free preflight as their program instead of the trainer.
+Both "nodes" share this machine's network stack (no second physical host, no InfiniBand).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.deploy import JobSpec, render
+from hpc_ddp.deploy.submit import Finished, sbatch, wait_job
+from hpc_ddp.localslurm import wait_for
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = [
+    "--dataset", "cifar10", "--synthetic", "--synthetic-train-size", "512",
+    "--synthetic-test-size", "128", "--data-dir", "data", "--model", "lenet", "--epochs", "2",
+    "--batch-size", "32", "--checkpoint-every-steps", "2", "--log-every", "1",
+]  # fmt: skip
+PREFLIGHT = re.compile(
+    r"hpc-ddp preflight: rank=(\d+)/(\d+) local_rank=(\d+)/(\d+) node_rank=(\d+)/(\d+) "
+    r"node=(\S+) master=(\S+):(\d+) .*gpus=(\S+) gpus_per_process=(\d+) CUDA_VISIBLE_DEVICES=(\S+)"
+)
+
+
+def _spec(name: str, run: str, **kw: object) -> JobSpec:
+    base: dict[str, object] = dict(
+        name=name, nodes=2, procs_per_node=2, time="5", signal_lead_s=60,
+        output=f"{run}/%x-%j.out", python=sys.executable, setup=["mkdir -p data"],
+        args=[*TRAIN, "--run-dir", run],
+    )  # fmt: skip
+    base.update(kw)
+    return JobSpec(**base)  # type: ignore[arg-type]
+
+
+def _submit(spec: JobSpec, cwd: Path, env: dict[str, str]) -> tuple[str, Path]:
+    script = cwd / f"{spec.name}.sbatch"
+    script.write_text(render(spec, command="tests/test_slurm_jobs.py"))
+    sub = sbatch(script, env, cwd=cwd)
+    assert sub.output is not None
+    return sub.job_id, sub.output
+
+
+def _result(cwd: Path, run: str) -> dict:
+    return json.loads((cwd / run / "result.json").read_text())
+
+
+def _progress_status(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def _ranks(log: str) -> dict[int, tuple[str, ...]]:
+    return {int(m.group(1)): m.groups() for m in PREFLIGHT.finditer(log)}
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> tuple[Path, Finished]:
+    """One uninterrupted 2x2 CPU run: the baseline every other run's weights must match."""
+    cwd = tmp_path_factory.mktemp("ref")
+    job_id, out = _submit(_spec("ref-cpu", "run"), cwd, slurm_cluster.env)
+    return cwd, wait_job(job_id, slurm_cluster.env, timeout_s=120, output=out)
+
+
+def test_cpu_srun_job_trains_with_the_right_ranks(reference) -> None:
+    cwd, done = reference
+    log = done.output.read_text() if done.output else ""
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    ranks = _ranks(log)
+    assert sorted(ranks) == [0, 1, 2, 3], log
+    for rank, g in ranks.items():
+        assert g[1] == "4" and g[3] == "2" and g[5] == "2"  # world 4, 2 per node, 2 nodes
+        assert g[6] == ("node1" if rank < 2 else "node2")  # block placement, Slurm's order
+        assert g[7] == "node1"  # master = first host of the node list, for every rank
+    assert len({g[8] for g in ranks.values()}) == 1  # one port everyone derived alone
+    result = _result(cwd, "run")
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
+def test_torchrun_job_trains_and_matches(slurm_cluster, reference, tmp_path: Path) -> None:
+    spec = _spec("tr-cpu", "run", launcher="torchrun")
+    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
+    done = wait_job(job_id, slurm_cluster.env, timeout_s=120, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    assert re.search(r"torchrun rendezvous at node1:\d+", log), log
+    assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 2, log
+    result = _result(tmp_path, "run")
+    assert result["world_size"] == 4
+    assert result["params_sha256"] == _result(reference[0], "run")["params_sha256"]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "scancel_target"),
+    [("srun", []), ("torchrun", ["--batch"])],
+    ids=["srun-step-signal", "torchrun-batch-signal-forwarded"],
+)
+def test_preemption_checkpoints_requeues_resumes_same_weights(
+    slurm_cluster, reference, tmp_path: Path, launcher: str, scancel_target: list[str]
+) -> None:
+    """USR1 (to the step tasks as `--signal=USR1@N` would, or to the batch shell only, which
+    forwards it) -> ranks agree, checkpoint, rank 0 `scontrol requeue`s, exit 75 -> the job
+    comes back with SLURM_RESTART_COUNT=1, resumes, and ends with the reference's weights."""
+    spec = _spec(f"pre-{launcher}", "run", launcher=launcher)
+    spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
+    progress = tmp_path / "run" / "progress.json"
+    wait_for(lambda: _progress_status(progress) == "holding", 90, "trainer holding at step 3")
+    slurm_cluster.run(["scancel", "--signal=USR1", *scancel_target, job_id])
+    states: list[str] = []
+    done = wait_job(
+        job_id, slurm_cluster.env, timeout_s=150, output=out,
+        on_poll=lambda info: states.append(info.get("JobState", "?")),
+    )  # fmt: skip
+    log = out.read_text()
+    assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+    assert "PENDING" in states[states.index("RUNNING") :], states  # it really went back
+    assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
+    assert "resumed from" in log, log
+    result = _result(tmp_path, "run")
+    assert result["interruptions"] == 1
+    assert result["params_sha256"] == _result(reference[0], "run")["params_sha256"]
+
+
+def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path) -> None:
+    """Rank 1 dies at once, the others would wait 5 minutes: srun --kill-on-bad-exit ends it."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['SLURM_PROCID'] == '1':\n    sys.exit(3)\n"
+        "time.sleep(300)\n"
+    )
+    spec = JobSpec(
+        name="dead-rank", nodes=2, procs_per_node=2, module="", script=str(script),
+        python=sys.executable, output="%x-%j.out", time="10",
+    )  # fmt: skip
+    start = time.monotonic()
+    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
+    done = wait_job(job_id, slurm_cluster.env, timeout_s=60, output=out)
+    assert done.state == "FAILED" and done.exit_code != 0, out.read_text()
+    assert time.monotonic() - start < 30
+    assert "task 1: Exited with exit code 3" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("kw", "per_rank"),
+    [
+        (dict(gpu_binding="gpus-per-node"), {0: ("0", "0,1"), 1: ("1", "0,1")}),
+        (dict(gpu_binding="gpus-per-task"), {0: ("0", "0"), 1: ("0", "1")}),
+        (dict(gpus_per_process=2), {0: ("0,1", "0,1")}),
+        (dict(launcher="torchrun"), {0: ("0", "0,1"), 1: ("1", "0,1")}),
+    ],
+    ids=["per-gpu-gpus-per-node", "per-gpu-gpus-per-task", "per-node", "torchrun"],
+)
+def test_gpu_layouts_bind_gpus_as_intended(
+    slurm_gpu_cluster, tmp_path: Path, kw: dict, per_rank: dict
+) -> None:
+    """Fake GPUs (gres): Slurm's binding is real, so each process's CUDA_VISIBLE_DEVICES and
+    the GPUs hpc_ddp.cluster assigns from it are checked; the program is the preflight."""
+    spec = JobSpec(
+        name="gpu", nodes=2, gpus_per_node=2, module="hpc_ddp.deploy.preflight",
+        python=sys.executable, output="%x-%j.out", time="5", preflight=False, **kw,
+    )  # fmt: skip
+    job_id, out = _submit(spec, tmp_path, slurm_gpu_cluster.env)
+    done = wait_job(job_id, slurm_gpu_cluster.env, timeout_s=60, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    ranks = _ranks(log)
+    assert sorted(ranks) == list(range(spec.world_size)), log
+    for rank, g in ranks.items():
+        local = rank % spec.ppn
+        assert (g[9], g[11]) == per_rank[local], (rank, g)
+        assert g[10] == str(spec.gpus_per_process)
+
+
+def test_nested_submission_does_not_inherit_the_parent_layout(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """A 2x2 job submits a 1x1 job through hpc_ddp.deploy.submit.sbatch: the child must be
+    laid out by its own script, not by the parent's SLURM_NTASKS & co (SLURM_CONF kept)."""
+    child = JobSpec(
+        name="child", nodes=1, module="hpc_ddp.deploy.preflight", python=sys.executable,
+        output="%x-%j.out", time="5", preflight=False,
+    )  # fmt: skip
+    (tmp_path / "child.sbatch").write_text(render(child))
+    parent_py = tmp_path / "parent.py"
+    parent_py.write_text(
+        "import os, pathlib\n"
+        "from hpc_ddp.deploy.submit import sbatch\n"
+        "if os.environ['SLURM_PROCID'] == '0':\n"
+        "    cwd = pathlib.Path.cwd()\n"
+        "    sub = sbatch(cwd / 'child.sbatch', {}, cwd=cwd)\n"
+        "    (cwd / 'child.id').write_text(sub.job_id)\n"
+    )
+    parent = JobSpec(
+        name="parent", nodes=2, procs_per_node=2, module="", script=str(parent_py),
+        python=sys.executable, output="%x-%j.out", time="5", preflight=False,
+    )  # fmt: skip
+    job_id, out = _submit(parent, tmp_path, slurm_cluster.env)
+    done = wait_job(job_id, slurm_cluster.env, timeout_s=60, output=out)
+    assert done.state == "COMPLETED", out.read_text()
+    child_id = (tmp_path / "child.id").read_text()
+    child_out = tmp_path / f"child-{child_id}.out"
+    cdone = wait_job(child_id, slurm_cluster.env, timeout_s=60, output=child_out)
+    log = child_out.read_text()
+    assert cdone.state == "COMPLETED", log
+    ranks = _ranks(log)
+    assert list(ranks) == [0] and ranks[0][1] == "1", log  # one task, world 1: its own layout

@@ -1,0 +1,109 @@
+"""`hpc-ddp train` as one real process: results, run-dir rules, SIGTERM -> 75 -> resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from trainer_helpers import (
+    finish,
+    holding,
+    interrupt_at,
+    read_json,
+    read_metrics,
+    read_result,
+    run,
+    single_cmd,
+    start,
+    train_args,
+    wait_for_progress,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run(single_cmd(train_args(run_dir, data_dir)))
+    assert done.returncode == 0, done.stderr
+    result = read_result(run_dir)
+    assert result["status"] == "finished" and result["world_size"] == 1
+    assert (result["epochs"], result["steps"]) == (2, 2 * 16)  # 256 samples / 16
+    assert result["test_samples"] == 101
+    assert 0 < result["train_loss"] < 2.31 and result["test_accuracy"] > 0.3
+    assert result["samples_per_second"] > 0 and result["wall_seconds"] > 0
+    assert len(result["params_sha256"]) == 64
+    rows = read_metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert set(rows[0]["time"]) == {"data", "compute", "comm", "checkpoint", "eval"}
+    assert rows[0]["time"]["checkpoint"] > 0 and rows[1]["train_loss"] < rows[0]["train_loss"]
+    assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert read_json(run_dir / "config.json")["batch_size"] == 16
+
+    # A finished run dir is left alone: same settings -> "already finished", exit 0.
+    again = run(single_cmd(train_args(run_dir, data_dir)))
+    assert again.returncode == 0 and "already finished" in again.stdout
+    assert read_result(run_dir) == result
+    # Different settings -> refused, naming what changed.
+    other = run(single_cmd(train_args(run_dir, data_dir, lr=0.1)))
+    assert other.returncode == 2
+    assert "different settings" in other.stderr and "lr: 0.05 -> 0.1" in other.stderr
+
+
+def test_sigterm_exits_75_and_resume_matches_uninterrupted(tmp_path: Path, data_dir: Path) -> None:
+    ref = run(single_cmd(train_args(tmp_path / "ref", data_dir, checkpoint_every_steps=5)))
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir, checkpoint_every_steps=5)
+    rc, log = interrupt_at(
+        single_cmd([*args, "--debug-hold-at-step", "7"]),
+        run_dir,
+        tmp_path / "a.log",
+        signal.SIGTERM,
+    )
+    assert rc == 75, log
+    assert "preempted (SIGTERM)" in log and "not inside a Slurm job" in log
+    assert not (run_dir / "result.json").exists()
+    assert read_json(run_dir / "progress.json")["status"] == "preempted"
+    resumed = run(single_cmd(args))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step 7" in resumed.stdout
+    result = read_result(run_dir)
+    assert result["params_sha256"] == read_result(tmp_path / "ref")["params_sha256"]
+    assert result["interruptions"] == 1 and result["steps"] == 32
+    ref_rows, rows = read_metrics(tmp_path / "ref"), read_metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2]  # no duplicate rows from the first attempt
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in ref_rows]
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in ref_rows]
+
+
+def test_second_run_on_a_busy_run_dir_fails(tmp_path: Path, data_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir)
+    first = start(single_cmd([*args, "--debug-hold-at-step", "3"]), tmp_path / "first.log")
+    try:
+        progress = wait_for_progress(run_dir, holding, first)
+        second = run(single_cmd(args))
+        assert second.returncode == 2
+        assert "is in use by pid" in second.stderr and str(progress["pids"][0]) in second.stderr
+    finally:
+        first.send_signal(signal.SIGUSR1)
+        rc, log = finish(first, tmp_path / "first.log")
+    assert rc == 75, log
+
+
+def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"epochs": 1, "momentun": 0.8}))
+    done = run(single_cmd(["--config", str(cfg), "--run-dir", str(tmp_path / "r")]))
+    assert done.returncode == 2
+    assert "unknown setting(s): momentun" in done.stderr and "valid settings:" in done.stderr
+    done = run(single_cmd(train_args(tmp_path / "r", tmp_path / "no-such-dir")))
+    assert done.returncode == 2 and "data dir" in done.stderr and "does not exist" in done.stderr
+    done = run(single_cmd(train_args(tmp_path / "r", data_dir, amp="bf16")))
+    assert done.returncode == 2 and "amp=bf16 needs a GPU" in done.stderr

@@ -1,0 +1,259 @@
+"""Trainer building blocks, in-process: sampler, config, data staging, models, RNG, preemption."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import config as cfgmod
+from hpc_ddp.train import data, models, preemption, rng, synthetic
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.sampler import ShardPlan, epoch_permutation, eval_indices, rank_indices
+
+
+# ------------------------------------------------------------------------------------ sampler
+@pytest.mark.parametrize("n,world", [(10, 3), (101, 2), (7, 4), (64, 2), (5, 8)])
+def test_rank_indices_equal_distributed_sampler(n: int, world: int) -> None:
+    for epoch in range(3):
+        perm = epoch_permutation(n, seed=7, epoch=epoch)
+        for rank in range(world):
+            ref = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=7)
+            ref.set_epoch(epoch)
+            assert rank_indices(perm, rank, world).tolist() == list(ref)
+
+
+def test_shard_plan_resume_is_the_tail_of_the_uninterrupted_epoch() -> None:
+    plan = ShardPlan(n=103, seed=3, world_size=2, micro_batch=4, accum_steps=3)
+    assert plan.steps_per_epoch() == 5  # 52 per rank, 12 per step -> 4 full + 1 short
+    for rank in range(2):
+        full = plan.indices(epoch=1, rank=rank).tolist()
+        for done in range(plan.steps_per_epoch() + 1):
+            start = plan.step_start(done)
+            assert plan.steps_done(start) == done
+            assert (
+                plan.indices(1, rank, start).tolist()
+                == full[len(full) - len(plan.indices(1, rank, start)) :]
+            )
+            assert len(full) - len(plan.indices(1, rank, start)) == start // 2
+    with pytest.raises(ValueError):
+        plan.steps_done(5)  # not a multiple of the world size
+    with pytest.raises(ValueError):
+        plan.steps_done(2 * 5)  # mid-step
+
+
+def test_eval_indices_partition_the_test_set_without_padding() -> None:
+    for n, world in [(101, 2), (10, 3), (3, 4)]:
+        shards = [list(eval_indices(n, r, world)) for r in range(world)]
+        assert sorted(i for s in shards for i in s) == list(range(n))
+
+
+# ------------------------------------------------------------------------------------- config
+def test_config_file_then_flags_win(tmp_path: Path) -> None:
+    import argparse
+
+    (tmp_path / "c.json").write_text(json.dumps({"lr": 0.2, "batch-size": 8, "epochs": 4}))
+    (tmp_path / "c.toml").write_text('[train]\nlr = 0.3\nmodel = "resnet18"\nepochs = 5\n')
+    parser = argparse.ArgumentParser()
+    cfgmod.add_arguments(parser)
+    cfg = cfgmod.from_args(parser.parse_args(["--config", str(tmp_path / "c.json"), "--lr", "0.5"]))
+    assert (cfg.lr, cfg.batch_size, cfg.epochs) == (0.5, 8, 4)
+    cfg = cfgmod.from_args(
+        parser.parse_args(["--config", str(tmp_path / "c.toml"), "--no-augment"])
+    )
+    assert (cfg.lr, cfg.model, cfg.epochs, cfg.augment) == (0.3, "resnet18", 5, False)
+    cfg = cfgmod.from_args(parser.parse_args(["--requeue-signal", "USR2,term"]))
+    assert cfg.requeue_signals == ["SIGUSR2", "SIGTERM"]
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"learning_rate": 0.1}, "valid settings: run_dir"),
+        ({"model": "vgg"}, "use one of: lenet, resnet18"),
+        ({"epochs": "3"}, "epochs takes a int"),
+        ({"batch_size": 0}, "batch_size=0 must be >= 1"),
+        ({"keep_checkpoints": 1}, "keep at least 2"),
+        ({"requeue_signals": ["SIGNOPE"]}, "unknown signal"),
+        ({"amp": True}, "amp takes a str"),
+    ],
+)
+def test_bad_config_values_fail_clearly(values: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        cfgmod.from_mapping(values)
+    assert needle in str(err.value)
+
+
+def test_bad_config_files(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text("{lr: 1}")
+    (tmp_path / "x.yaml").write_text("lr: 1")
+    (tmp_path / "list.json").write_text("[1]")
+    for name, needle in [
+        ("bad.json", "cannot parse"),
+        ("x.yaml", "*.json or *.toml"),
+        ("list.json", "table/object"),
+        ("missing.json", "does not exist"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            cfgmod.load_file(tmp_path / name)
+        assert needle in str(err.value)
+
+
+# --------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize("dataset,classes", [("cifar10", 10), ("cifar100", 100)])
+def test_synthetic_writes_the_real_on_disk_format(
+    tmp_path: Path, dataset: str, classes: int
+) -> None:
+    cfg = TrainConfig(
+        data_dir=str(tmp_path),
+        dataset=dataset,
+        synthetic=True,
+        synthetic_train_size=53,
+        synthetic_test_size=11,
+    )
+    root = data.stage(cfg)
+    folder = root / synthetic.FOLDERS[dataset]
+    expected = ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]
+    if dataset == "cifar100":
+        expected = ["meta", "test", "train"]
+    assert sorted(p.name for p in folder.iterdir() if p.name != synthetic.MARKER) == sorted(
+        expected
+    )
+    with open(folder / ("test_batch" if dataset == "cifar10" else "test"), "rb") as f:
+        entry = pickle.load(f, encoding="latin1")
+    assert entry["data"].shape == (11, 3072) and entry["data"].dtype.name == "uint8"
+    train, test, num_classes = data.load_datasets(cfg, root)  # torchvision's own classes
+    assert (len(train), len(test), num_classes) == (53, 11, classes)
+    x, y = train[0]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= int(y) < classes
+    mtime = (folder / expected[0]).stat().st_mtime_ns
+    data.stage(cfg)  # staged once: a second call finds it and writes nothing
+    assert (folder / expected[0]).stat().st_mtime_ns == mtime
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_index(tmp_path: Path) -> None:
+    cfg = TrainConfig(
+        data_dir=str(tmp_path), synthetic=True, synthetic_train_size=20, synthetic_test_size=5
+    )
+    train, _, _ = data.load_datasets(cfg, data.stage(cfg))
+    first = train[3][0]
+    torch.manual_seed(123)  # the global RNG must not matter
+    assert torch.equal(train[3][0], first)
+    train.epoch = 1
+    assert not torch.equal(train[3][0], first)
+
+
+def test_missing_data_dir_and_missing_dataset(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        data.stage(TrainConfig(data_dir=str(tmp_path / "nope")))
+    assert "does not exist" in str(err.value) and "cifar-10-batches-py" in str(err.value)
+    with pytest.raises(data.DataError) as err:
+        data.stage(TrainConfig(data_dir=str(tmp_path), download=False))
+    assert "not found" in str(err.value) and "--data-dir" in str(err.value)
+
+
+def test_unreachable_download_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy on a closed local port makes the real download fail at once, as offline does."""
+    for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    with pytest.raises(data.DataError) as err:
+        data.stage(TrainConfig(data_dir=str(tmp_path), dataset="cifar100"))
+    text = str(err.value)
+    assert "could not download CIFAR100" in text and "--data-dir" in text
+    assert "cifar-100-python/" in text
+
+
+# ------------------------------------------------------------------------------------- models
+def test_lenet_and_resnet_shapes() -> None:
+    net = models.build_model("lenet", 10)
+    shapes = [tuple(p.shape) for p in net.parameters()]
+    assert shapes[0] == (6, 3, 5, 5) and shapes[2] == (16, 6, 5, 5)
+    assert [s for s in shapes if len(s) == 2] == [(120, 400), (84, 120), (10, 84)]
+    res = models.build_model("resnet18", 100, sync_bn=True)
+    assert res(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    assert isinstance(res.stem[1], torch.nn.SyncBatchNorm)
+    assert sum(p.numel() for p in models.build_model("resnet18", 10).parameters()) == 11_173_962
+
+
+def test_place_model_split_keeps_names_and_outputs() -> None:
+    """CPU stand-in for a multi-GPU split: two 'devices' that are both the CPU exercise the
+    stage assignment and the input-moving hooks; real cross-GPU moves need GPUs (not here)."""
+    assert models.split_points(8, 2) == [0, 0, 0, 0, 1, 1, 1, 1]
+    torch.manual_seed(0)
+    ref = models.build_model("resnet18", 10).eval()
+    split = models.build_model("resnet18", 10).eval()
+    split.load_state_dict(ref.state_dict())
+    models.place_model(split, [torch.device("cpu"), torch.device("cpu")])
+    assert list(split.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(split(x), ref(x))
+    with pytest.raises(ConfigError):
+        models.split_points(3, 4)
+
+
+# ---------------------------------------------------------------------------------------- rng
+def test_rng_roundtrip_through_weights_only_load(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    rng.seed_everything(5)
+    state = rng.capture()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(3)
+    rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+# --------------------------------------------------------------------------------- preemption
+def test_signal_handler_only_sets_a_flag() -> None:
+    flag = preemption.PreemptionFlag.install(["USR1", "TERM"])
+    try:
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, delivered to this process
+        assert flag.requested and flag.received == ["SIGUSR1"]
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_requeue_target_and_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = preemption.slurm_job_to_requeue
+    assert job({"SLURM_JOB_ID": "12"}) == "12"
+    assert (
+        job({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"})
+        == "10_3"
+    )
+    assert "not inside a Slurm job" in preemption.requeue("auto", {})
+    assert "submitit" in preemption.requeue("auto", {"SLURM_JOB_ID": "1", "SUBMITIT_FOLDER": "x"})
+    assert "requeue=none" in preemption.requeue("none", {"SLURM_JOB_ID": "1"})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
+    assert "scontrol not found" in preemption.requeue("auto", {"SLURM_JOB_ID": "7"})
+
+
+def test_requeue_calls_scontrol_with_the_array_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in scontrol records its argv (the real one needs a Slurm cluster: see the Slurm
+    tests); this checks the exact command line the trainer runs."""
+    record = tmp_path / "argv"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {record}\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    env = {"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"}
+    assert preemption.requeue("scontrol", env) == "requeued Slurm job 10_3 (scontrol requeue)"
+    assert record.read_text().split() == ["requeue", "10_3"]
+    assert preemption.EXIT_REQUEUE == 75

@@ -1,0 +1,145 @@
+"""Helpers for trainer tests, local and (later) under Slurm: build argv, wait, signal, read results.
+
+Everything here drives real processes; nothing is mocked. Waits poll a condition (the run's
+progress.json) with a deadline instead of sleeping and hoping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+VENV_BIN = Path(sys.executable).parent
+HPC_DDP = str(VENV_BIN / "hpc-ddp")
+TORCHRUN = str(VENV_BIN / "torchrun")
+
+# Small enough that a 2-process run takes seconds on 2 cores, large enough for several steps.
+SMALL = {
+    "synthetic": True,
+    "synthetic_train_size": 256,
+    "synthetic_test_size": 101,  # odd: not divisible by 2 ranks (exact evaluation)
+    "epochs": 2,
+    "batch_size": 16,
+    "log_every": 100,
+    "model": "lenet",
+}
+
+
+def train_args(run_dir: Path, data_dir: Path, **overrides: Any) -> list[str]:
+    """Flags for ``hpc-ddp train`` / ``python -m hpc_ddp.train`` from SMALL + overrides."""
+    settings = {**SMALL, "run_dir": str(run_dir), "data_dir": str(data_dir), **overrides}
+    argv: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The test process's environment minus launcher variables it may have inherited."""
+    drop = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_", "OMPI_", "PMI_", "PMIX_", "HPC_DDP_")
+    names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def single_cmd(args: list[str]) -> list[str]:
+    return [HPC_DDP, "train", *args]
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "hpc_ddp.train", *args]
+
+
+def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[str]:
+    handle = log.open("w")
+    return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def read_result(run_dir: Path) -> dict[str, Any]:
+    return read_json(Path(run_dir) / "result.json")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def wait_for_progress(
+    run_dir: Path,
+    ready: Callable[[dict[str, Any]], bool],
+    proc: subprocess.Popen[str],
+    timeout: float = 90,
+) -> dict[str, Any]:
+    """Poll progress.json until ``ready(progress)``; fail early if the job exits first."""
+    path = Path(run_dir) / "progress.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            progress = read_json(path)  # written atomically (rename)
+            if ready(progress):
+                return progress
+        if proc.poll() is not None:
+            raise AssertionError(f"job exited ({proc.returncode}) before progress was ready")
+        time.sleep(0.05)
+    raise AssertionError(f"progress in {run_dir} not ready within {timeout} s")
+
+
+def holding(progress: dict[str, Any]) -> bool:
+    return progress.get("status") == "holding"
+
+
+def signal_workers(progress: dict[str, Any], sig: signal.Signals) -> None:
+    """Send ``sig`` to every rank's process (their pids are in progress.json)."""
+    for pid in progress["pids"]:
+        os.kill(pid, sig)
+
+
+def finish(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> tuple[int, str]:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"job did not exit within {timeout} s:\n{log.read_text()}") from None
+    return rc, log.read_text()
+
+
+def interrupt_at(
+    cmd: list[str], run_dir: Path, log: Path, sig: signal.Signals = signal.SIGUSR1
+) -> tuple[int, str]:
+    """Run ``cmd`` (which must pass --debug-hold-at-step N), signal every rank at step N."""
+    proc = start(cmd, log)
+    try:
+        progress = wait_for_progress(run_dir, holding, proc)
+        signal_workers(progress, sig)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return finish(proc, log)
