@@ -90,7 +90,10 @@ def init_distributed(
         torch.cuda.set_device(device)  # before init: NCCL binds its communicator to this device
 
     store = _rendezvous(env, connect_timeout_s)
-    kwargs = {"device_id": device} if choice.backend == "nccl" else {}
+    # Binding restricts NCCL to that one device: a process that drives several GPUs (model split
+    # across them, DDP with device_ids=None) needs a communicator per device, so it must not bind.
+    bind = choice.backend == "nccl" and len(env.gpus) == 1
+    kwargs = {"device_id": device} if bind else {}
     dist.init_process_group(
         backend=choice.backend,
         store=store,

@@ -17,6 +17,7 @@ import pytest
 from slurm_support import SlurmTestCluster, require_local_slurm
 
 from hpc_ddp.localslurm import LocalCluster
+from hpc_ddp.localslurm.orphans import reap
 
 
 def _short_tmpdir(prefix: str) -> Path:
@@ -27,8 +28,9 @@ def _short_tmpdir(prefix: str) -> Path:
 
 def _session_cluster(prefix: str, **shape: int) -> Iterator[SlurmTestCluster]:
     require_local_slurm()
+    reap(Path(tempfile.gettempdir()), "hpcddp-")  # clusters of test runs that were killed
     root = _short_tmpdir(prefix)
-    cluster = LocalCluster(root, **shape)
+    cluster = LocalCluster(root, ephemeral=True, **shape)
     cluster.start(timeout_s=30)
     try:
         yield SlurmTestCluster(cluster)

@@ -3,9 +3,10 @@
 A second physical host cannot exist here, so the tests use pdsh's and clush's ``exec`` workers:
 "node0" and "node1" are names, each host's command runs on this machine, and the master
 address is 127.0.0.1 (the launch's default for ``--rcmd exec``). For the ssh path, a fake
-``ssh`` on PATH runs the command through a local shell exactly as sshd would hand it to the
-user's login shell, which exercises the extra quoting layer; it can also play an unreachable
-host (exit 255, ssh's own code).
+``ssh`` on PATH runs the command through a local shell, in a fresh environment, as sshd would
+hand it to the user's login shell: that exercises the extra quoting layer and proves the launch
+exports what the job needs instead of inheriting it. It can also play an unreachable host (exit
+255, ssh's own code).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ host=$1; shift
 case " ${FAKE_SSH_UNREACHABLE:-} " in
   *" $host "*) echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255 ;;
 esac
-exec /bin/sh -c "$*"
+# sshd gives the command a fresh login environment, not the caller's: so does this.
+exec env -i HOME="$HOME" PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 /bin/sh -c "$*"
 """
 
 

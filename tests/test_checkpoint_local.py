@@ -239,3 +239,28 @@ def test_same_step_saved_again_replaces_it(ck):
 def test_bad_rank_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="rank 2 is not in a world of size 2"):
         Checkpointer(tmp_path, rank=2, world_size=2)
+
+
+def test_everything_the_save_check_accepts_loads_with_weights_only(ck):
+    """The save-time allowlist must not drift from what weights_only=True rebuilds."""
+    from collections import OrderedDict
+
+    c, _ = ck
+    odd = {
+        "bytes": b"x",
+        "complex": 1 + 2j,
+        "nested": (1, [2.5, None], {"k": True}),
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "ordered": OrderedDict(a=1),
+        "int_keys": {3: "three"},
+        "inf": float("inf"),
+    }
+    c.save(1, shared={"model": model(1), "odd": odd}, per_rank={"odd": odd}, meta={})
+    loaded = c.load_latest()
+    assert loaded.step == 1
+    for part in (loaded.shared["odd"], loaded.per_rank["odd"]):
+        assert part["nested"] == odd["nested"] and part["size"] == odd["size"]
+        assert part["dtype"] is torch.bfloat16 and part["int_keys"] == {3: "three"}

@@ -9,15 +9,14 @@ from ClusterShell.NodeSet import NodeSet
 from launch_support import hpc_ddp
 
 from hpc_ddp.cluster.port import derive_port
+from hpc_ddp.deploy.host_scripts import host_script, payload_argv
 from hpc_ddp.deploy.hosts import canonical_hosts
 from hpc_ddp.deploy.launch_runner import parse_failure
 from hpc_ddp.deploy.launch_script import render_launch_script
 from hpc_ddp.deploy.shell_launch import (
     forwarded_env,
-    host_script,
     launch_command,
     make_spec,
-    payload_argv,
 )
 from hpc_ddp.errors import ConfigError
 
@@ -66,6 +65,9 @@ def test_trainer_arguments_become_the_trainer_command() -> None:
     spec = _spec(command=["--epochs", "1"], python="/opt/py")
     assert spec.command == ("/opt/py", "-m", "hpc_ddp.train", "--epochs", "1")
     assert _spec(command=["python3", "w.py"]).command == ("python3", "w.py")
+    split = _spec(command=["--epochs", "1"], gpus_per_node=8, gpus_per_process=4)
+    assert split.nproc_per_node == 2 and split.world_size == 4
+    assert "export HPC_DDP_GPUS_PER_PROCESS=4\n" in host_script(split)  # detect_env reads it
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from launch_support import (
+    SETUP,
     WORKER,
     Launch,
     assert_no_processes_left,
@@ -97,6 +99,36 @@ def test_quoting_survives_every_layer(
     assert sorted(res.stdout.splitlines()) == [f"node0: {expected}", f"node1: {expected}"]
 
 
+@pytest.mark.parametrize("tool", TOOLS)
+def test_remote_shell_gets_exactly_the_exported_env(
+    tool: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    """Over ssh nothing is inherited: NCCL_*/GLOO_*/PYTHONPATH/OMP_NUM_THREADS are forwarded
+    explicitly, --env is exported, other local variables do not leak, --setup activates the venv."""
+    launch = launch_args(tool, tmp_path, rcmd="ssh", extra=("--env", "EXTRA=1"))
+    launches.append(launch)
+    env = {
+        "PATH": f"{fake_ssh_dir(tmp_path)}:{os.environ['PATH']}",
+        "NCCL_DEBUG": "INFO",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": "/opt/extra",
+        "OMP_NUM_THREADS": "3",
+        "LOCAL_ONLY": "leak",
+    }
+    names = ["NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "PYTHONPATH", "OMP_NUM_THREADS", "EXTRA",
+             "LOCAL_ONLY", "VIRTUAL_ENV"]  # fmt: skip
+    code = f"import os, json; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
+    res = hpc_ddp([*launch.base, "--", "python3", "-c", code], env=env)
+    assert res.returncode == 0, res.stderr
+    seen = _json_lines(res.stdout)
+    assert sorted(seen) == ["node0", "node1"]
+    for (got,) in seen.values():
+        assert got["NCCL_DEBUG"] == "INFO" and got["GLOO_SOCKET_IFNAME"] == "lo"
+        assert got["PYTHONPATH"] == "/opt/extra" and got["OMP_NUM_THREADS"] == "3"
+        assert got["EXTRA"] == "1" and got["LOCAL_ONLY"] is None
+        assert got["VIRTUAL_ENV"] == str(Path(SETUP.split()[-1]).parents[1])
+
+
 @pytest.mark.parametrize(("tool", "mode"), [("pdsh", "torchrun"), ("clush", "processes")])
 def test_gloo_allreduce_across_two_hosts(
     tool: str, mode: str, tmp_path: Path, launches: list[Launch]
@@ -167,6 +199,8 @@ def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> 
     assert res.returncode != 0
     assert res.seconds < BOUND_S
     assert "Connection refused" in res.stderr and "FAILED on node1" in res.stderr, res.stderr
+    # node0 did start, and was stopped (its host script reports the payload's non-zero exit).
+    assert re.search(r"host=node0 node_rank=0 exit=[1-9]", res.stderr), res.stderr
     assert_no_processes_left(launch.launch_id)
 
 
@@ -217,3 +251,23 @@ def test_wrong_node_order_is_refused(tmp_path: Path, launches: list[Launch]) -> 
     res = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     assert res.returncode == 97
     assert "host node1 got node rank 0" in res.stderr
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_timeout_bounds_every_host(tool: str, tmp_path: Path, launches: list[Launch]) -> None:
+    """--timeout (pdsh/clush -u) is the last resort for a job that hangs on every host."""
+    launch = launch_args(tool, tmp_path, extra=("--timeout", "3"))
+    launches.append(launch)
+    res = hpc_ddp([*launch.base, "--", "sleep", "600"], timeout=BOUND_S + 30)
+    assert res.returncode == 124, res.stderr
+    assert res.seconds < BOUND_S
+    assert "command timeout" in res.stderr
+    assert_no_processes_left(launch.launch_id)
+
+
+def test_failing_setup_line_is_named(tmp_path: Path, launches: list[Launch]) -> None:
+    launch = launch_args("pdsh", tmp_path, extra=("--setup", "module load no-such-module"))
+    launches.append(launch)
+    res = hpc_ddp([*launch.base, "--", "true"])
+    assert res.returncode == 95, res.stderr
+    assert "node1: setup step failed: module load no-such-module" in res.stderr

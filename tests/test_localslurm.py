@@ -20,7 +20,7 @@ import pytest
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, hosts, procs
+from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, hosts, orphans, procs
 from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
 from hpc_ddp.localslurm.embedded import configured_slurm, ensure_local_cluster
 
@@ -58,7 +58,7 @@ def _assert_nothing_left(cluster: LocalCluster, pids: set[int]) -> None:
 
 def test_start_stop_leaves_no_processes_or_files(root: Path, tmp_path: Path) -> None:
     require_local_slurm()
-    cluster = LocalCluster(root, nodes=2)
+    cluster = LocalCluster(root, nodes=2, ephemeral=True)
     started = time.monotonic()
     cluster.start(timeout_s=30)
     took = time.monotonic() - started
@@ -88,7 +88,7 @@ def test_start_stop_leaves_no_processes_or_files(root: Path, tmp_path: Path) -> 
 def test_two_clusters_at_once_do_not_collide(tmp_path: Path) -> None:
     require_local_slurm()
     roots = [Path(tempfile.mkdtemp(prefix=f"hpcddp-{c}-", dir="/tmp")) for c in "ab"]
-    clusters = [LocalCluster(r, nodes=2) for r in roots]
+    clusters = [LocalCluster(r, nodes=2, ephemeral=True) for r in roots]
     errors: list[BaseException] = []
 
     def start(c: LocalCluster) -> None:
@@ -143,7 +143,7 @@ def test_port_taken_is_a_clear_error(root: Path) -> None:
         sock.bind(("0.0.0.0", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        cluster = LocalCluster(root, nodes=2, port=port)
+        cluster = LocalCluster(root, nodes=2, port=port, ephemeral=True)
         with pytest.raises(ConfigError) as info:
             cluster.start(timeout_s=10)
     assert str(port) in info.value.message and "in use" in info.value.message
@@ -169,7 +169,7 @@ def test_port_stolen_before_bind_is_retried(root: Path, monkeypatch: pytest.Monk
             return ports
 
         monkeypatch.setattr(daemons, "free_ports", pick)
-        cluster = LocalCluster(root, nodes=2)
+        cluster = LocalCluster(root, nodes=2, ephemeral=True)
         cluster.start(timeout_s=30)
     try:
         assert len(picks) == 2 and cluster.is_running()
@@ -180,7 +180,7 @@ def test_port_stolen_before_bind_is_retried(root: Path, monkeypatch: pytest.Monk
 
 def test_failed_start_undoes_itself_and_shows_the_log(root: Path) -> None:
     require_local_slurm()
-    cluster = LocalCluster(root, nodes=2, extra={"SelectType": "select/bogus"})
+    cluster = LocalCluster(root, nodes=2, extra={"SelectType": "select/bogus"}, ephemeral=True)
     with pytest.raises(ClusterStartError) as info:
         cluster.start(timeout_s=10)
     assert "Can't find plugin for select/bogus" in str(info.value)
@@ -222,6 +222,12 @@ def test_hosts_lines_are_per_cluster_and_refuse_foreign_names(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"gpu1 to 10\.0\.0\.9") as info:
         hosts.add_names(["gpu1"], Path("/c"), "127.0.0.1", hosts_file)
     assert "node_prefix" in (info.value.hint or "")
+    # A cluster that vanished without stopping (dir deleted) loses its line at the next prune.
+    hosts.add_names(["node1"], Path("/gone"), "127.0.0.1", hosts_file)
+    assert hosts.prune(lambda root: root != Path("/gone"), hosts_file) == [Path("/gone")]
+    assert hosts.has_lines(Path("/b"), hosts_file) and not hosts.has_lines(
+        Path("/gone"), hosts_file
+    )
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -315,7 +321,7 @@ def test_configured_but_dead_slurm_is_an_error_not_a_fallback(tmp_path: Path) ->
 def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) -> None:
     """A crashed cluster (daemons SIGKILLed, a job's tasks orphaned) is still cleaned by pid."""
     require_local_slurm()
-    cluster = LocalCluster(root, nodes=2)
+    cluster = LocalCluster(root, nodes=2, ephemeral=True)
     cluster.start(timeout_s=30)
     client = SlurmTestCluster(cluster)
     job_id, _ = client.sbatch(_sleep_job(tmp_path), "-N1", output=tmp_path / "out")
@@ -329,3 +335,43 @@ def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) ->
     LocalCluster(root).stop()
     assert time.monotonic() - started < 15
     _assert_nothing_left(cluster, job_pids)
+
+
+def test_requeued_job_restarts_within_seconds(
+    slurm_cluster: SlurmTestCluster, tmp_path: Path
+) -> None:
+    """AuthInfo=cred_expire=10 plus the fast scheduler settings: a requeued job runs again in
+    ~11 s (Slurm's defaults: ~150 s), with SLURM_RESTART_COUNT=1 and its output appended."""
+    script = tmp_path / "requeue.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'echo "run ${SLURM_RESTART_COUNT:-0} $(date +%s.%N)"\n'
+        'if [ -z "$SLURM_RESTART_COUNT" ]; then scontrol requeue "$SLURM_JOB_ID"; sleep 60; fi\n'
+    )
+    res = slurm_cluster.sbatch_wait(
+        script, "--requeue", "--open-mode=append", timeout_s=60, output=tmp_path / "out"
+    )
+    runs = [line.split() for line in res.output.splitlines() if line.startswith("run ")]
+    assert [r[1] for r in runs] == ["0", "1"], res.output
+    assert (res.state, res.exit_code) == ("COMPLETED", 0)
+    gap = float(runs[1][2]) - float(runs[0][2])
+    assert 9 < gap < 25, f"restarted {gap:.1f} s after the requeue"
+
+
+def test_orphaned_test_cluster_is_reaped(root: Path) -> None:
+    """A test session killed before its teardown leaves an ephemeral cluster; the next session
+    start (orphans.reap) stops it because the process that started it is gone."""
+    require_local_slurm()
+    start_and_die = (
+        "import os, sys\n"
+        "from hpc_ddp.localslurm import LocalCluster\n"
+        "LocalCluster(sys.argv[1], nodes=1, ephemeral=True).start()\n"
+        "os._exit(0)  # no stop(): like a SIGKILLed pytest\n"
+    )
+    subprocess.run([sys.executable, "-c", start_and_die, str(root / "c")], check=True, timeout=60)
+    cluster = LocalCluster(root / "c")
+    assert cluster.is_running() and orphans.owner_alive(root / "c") is False
+    daemon_pids = set(cluster._pids().values())
+    assert orphans.reap(root.parent, root.name) == [root / "c"]
+    _assert_nothing_left(cluster, daemon_pids)
+    assert orphans.reap(root.parent, root.name) == []

@@ -28,14 +28,19 @@ def _cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str
 
 
 def _directives(text: str) -> list[str]:
-    return [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH")]
+    return [
+        line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH")
+    ]
 
 
 # --- validation ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
-        (dict(gpus_per_node=8, gpus_per_process=3), "valid gpus_per_process for 8 GPUs: [1, 2, 4, 8]"),
+        (
+            dict(gpus_per_node=8, gpus_per_process=3),
+            "valid gpus_per_process for 8 GPUs: [1, 2, 4, 8]",
+        ),
         (dict(launcher="torchrun", gpus_per_node=8, gpus_per_process=2), 'needs launcher = "srun"'),
         (dict(launcher="mpirun"), "not one of srun, torchrun"),
         (dict(gpus_per_node=4, procs_per_node=3), "contradicts 4 GPUs per node"),
@@ -74,7 +79,12 @@ def test_file_then_flags_flags_win(tmp_path: Path) -> None:
     spec_file = tmp_path / "job.toml"
     spec_file.write_text('nodes = 4\ngpus_per_node = 4\nname = "a"\n[env]\nNCCL_DEBUG = "INFO"\n')
     spec = build_spec(spec_file, {"nodes": 2})
-    assert (spec.nodes, spec.gpus_per_node, spec.name, spec.env) == (2, 4, "a", {"NCCL_DEBUG": "INFO"})
+    assert (spec.nodes, spec.gpus_per_node, spec.name, spec.env) == (
+        2,
+        4,
+        "a",
+        {"NCCL_DEBUG": "INFO"},
+    )
     as_json = tmp_path / "job.json"
     as_json.write_text(json.dumps({"nodes": 3, "launcher": "torchrun"}))
     assert build_spec(as_json).layout == "torchrun"
@@ -125,11 +135,19 @@ def test_cpu_layout() -> None:
 
 def test_optional_directives_only_when_set() -> None:
     bare = _directives(render(JobSpec()))
-    assert not any(x.startswith(("--partition", "--account", "--qos", "--constraint")) for x in bare)
+    assert not any(
+        x.startswith(("--partition", "--account", "--qos", "--constraint")) for x in bare
+    )
     full = _directives(
         render(JobSpec(partition="gpu", account="proj", qos="high", constraint="a100", mem="64G"))
     )
-    for want in ("--partition=gpu", "--account=proj", "--qos=high", "--constraint=a100", "--mem=64G"):
+    for want in (
+        "--partition=gpu",
+        "--account=proj",
+        "--qos=high",
+        "--constraint=a100",
+        "--mem=64G",
+    ):
         assert want in full
 
 
@@ -199,7 +217,7 @@ def test_render_never_imports_torch_and_is_fast() -> None:
         "import sys, time; t = time.perf_counter(); from hpc_ddp.cli import main; "
         "import contextlib, io\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    rc = main(['render', '--nodes', '2', '--gpus-per-node', '8', '--launcher', 'torchrun'])\n"
+        "    rc = main(['render', '--nodes=2', '--gpus-per-node=8', '--launcher=torchrun'])\n"
         "print(rc, 'torch' in sys.modules, time.perf_counter() - t)"
     )
     start = time.perf_counter()

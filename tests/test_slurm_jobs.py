@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +40,7 @@ PREFLIGHT = re.compile(
 
 def _spec(name: str, run: str, **kw: object) -> JobSpec:
     base: dict[str, object] = dict(
-        name=name, nodes=2, procs_per_node=2, time="5", signal_lead_s=60,
+        name=name, nodes=2, procs_per_node=1, time="5", signal_lead_s=60,
         output=f"{run}/%x-%j.out", python=sys.executable, setup=["mkdir -p data"],
         args=[*TRAIN, "--run-dir", run],
     )  # fmt: skip
@@ -68,6 +71,8 @@ def _ranks(log: str) -> dict[int, tuple[str, ...]]:
     return {int(m.group(1)): m.groups() for m in PREFLIGHT.finditer(log)}
 
 
+# World size 2 (one process per node): the cheapest 2-node job on 2 cores. The 2-per-node task
+# geometry is covered by the GPU-layout tests below.
 @pytest.fixture(scope="module")
 def reference(slurm_cluster, tmp_path_factory) -> tuple[Path, Finished]:
     """One uninterrupted 2x2 CPU run: the baseline every other run's weights must match."""
@@ -81,14 +86,14 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference) -> None:
     log = done.output.read_text() if done.output else ""
     assert (done.state, done.exit_code) == ("COMPLETED", 0), log
     ranks = _ranks(log)
-    assert sorted(ranks) == [0, 1, 2, 3], log
+    assert sorted(ranks) == [0, 1], log
     for rank, g in ranks.items():
-        assert g[1] == "4" and g[3] == "2" and g[5] == "2"  # world 4, 2 per node, 2 nodes
-        assert g[6] == ("node1" if rank < 2 else "node2")  # block placement, Slurm's order
+        assert g[1] == "2" and g[3] == "1" and g[5] == "2"  # world 2, 1 per node, 2 nodes
+        assert g[6] == f"node{rank + 1}"  # block placement, Slurm's order
         assert g[7] == "node1"  # master = first host of the node list, for every rank
     assert len({g[8] for g in ranks.values()}) == 1  # one port everyone derived alone
     result = _result(cwd, "run")
-    assert result["status"] == "finished" and result["world_size"] == 4
+    assert result["status"] == "finished" and result["world_size"] == 2
 
 
 def test_torchrun_job_trains_and_matches(slurm_cluster, reference, tmp_path: Path) -> None:
@@ -100,7 +105,7 @@ def test_torchrun_job_trains_and_matches(slurm_cluster, reference, tmp_path: Pat
     assert re.search(r"torchrun rendezvous at node1:\d+", log), log
     assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 2, log
     result = _result(tmp_path, "run")
-    assert result["world_size"] == 4
+    assert result["world_size"] == 2
     assert result["params_sha256"] == _result(reference[0], "run")["params_sha256"]
 
 
@@ -190,17 +195,21 @@ def test_gpu_layouts_bind_gpus_as_intended(
 def test_nested_submission_does_not_inherit_the_parent_layout(
     slurm_cluster, tmp_path: Path
 ) -> None:
-    """A 2x2 job submits a 1x1 job through hpc_ddp.deploy.submit.sbatch: the child must be
-    laid out by its own script, not by the parent's SLURM_NTASKS & co (SLURM_CONF kept)."""
+    """A 2x2 job's task (which also looks like a torchrun worker: RANK, MASTER_PORT) submits a
+    1x1 job through hpc_ddp.deploy.submit.sbatch: the child must see none of that, only its
+    own layout, and still reach the same cluster (SLURM_CONF kept)."""
     child = JobSpec(
         name="child", nodes=1, module="hpc_ddp.deploy.preflight", python=sys.executable,
         output="%x-%j.out", time="5", preflight=False,
+        setup=['echo "child batch: STEP_TASKS=${SLURM_STEP_NUM_TASKS:-unset} '
+               'NTASKS=${SLURM_NTASKS} MASTER_PORT=${MASTER_PORT:-unset} RANK=${RANK:-unset}"'],
     )  # fmt: skip
     (tmp_path / "child.sbatch").write_text(render(child))
     parent_py = tmp_path / "parent.py"
     parent_py.write_text(
         "import os, pathlib\n"
         "from hpc_ddp.deploy.submit import sbatch\n"
+        "os.environ.update(MASTER_PORT='12345', RANK='3', WORLD_SIZE='4')\n"
         "if os.environ['SLURM_PROCID'] == '0':\n"
         "    cwd = pathlib.Path.cwd()\n"
         "    sub = sbatch(cwd / 'child.sbatch', {}, cwd=cwd)\n"
@@ -219,4 +228,67 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
     log = child_out.read_text()
     assert cdone.state == "COMPLETED", log
     ranks = _ranks(log)
+    assert "child batch: STEP_TASKS=unset NTASKS=1 MASTER_PORT=unset RANK=unset" in log, log
     assert list(ranks) == [0] and ranks[0][1] == "1", log  # one task, world 1: its own layout
+    assert ranks[0][8] != "12345"
+
+
+# --- hpc-ddp submit ---------------------------------------------------------------------------
+def _tiny_spec_file(tmp_path: Path, **kw: object) -> Path:
+    data = dict(
+        name="cli", nodes=2, procs_per_node=1, time="5", output="run/%x-%j.out",
+        python=sys.executable, setup=["mkdir -p data"], args=[*TRAIN, "--run-dir", "run"],
+    )  # fmt: skip
+    data.update(kw)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _hpc_ddp(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp.cli", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
+    """No SLURM_CONF, no /etc/slurm: `hpc-ddp submit` starts the embedded cluster, renders the
+    spec, follows the log, prints the result and exits with the job's code."""
+    from slurm_support import clean_job_env, require_local_slurm
+
+    from hpc_ddp.localslurm import LocalCluster
+
+    require_local_slurm()
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("a system Slurm is configured here; the embedded default is not used")
+    root = Path(tempfile.mkdtemp(prefix="hpcddp-sub-", dir="/tmp"))
+    env = clean_job_env(HPC_DDP_LOCAL_SLURM_DIR=str(root))
+    try:
+        proc = _hpc_ddp(
+            ["submit", str(_tiny_spec_file(tmp_path)), "--timeout", "120"], tmp_path, env
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "hpc-ddp preflight: rank=1/2" in proc.stdout  # the log was followed
+        assert "COMPLETED, exit code 0" in proc.stdout
+        sha = _result(tmp_path, "run")["params_sha256"]
+        assert f"params_sha256: {sha}" in proc.stdout
+
+        failing = tmp_path / "fail.py"
+        failing.write_text("import sys\nsys.exit(3)\n")
+        spec = _tiny_spec_file(tmp_path, module="", script=str(failing), args=[])
+        proc = _hpc_ddp(["submit", str(spec), "--timeout", "60", "--quiet"], tmp_path, env)
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert "FAILED, exit code 3" in proc.stdout
+    finally:
+        LocalCluster(root).stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_submit_rejects_a_bad_spec_before_sbatch(slurm_cluster, tmp_path: Path) -> None:
+    spec = _tiny_spec_file(tmp_path, gpus_per_node=8, gpus_per_process=3)
+    before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout
+    proc = _hpc_ddp(["submit", str(spec)], tmp_path, slurm_cluster.env)
+    assert proc.returncode == 2 and "valid gpus_per_process" in proc.stderr
+    assert "submitted" not in proc.stdout
+    assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout == before

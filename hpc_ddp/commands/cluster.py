@@ -53,12 +53,9 @@ def _up(root: Path, args: argparse.Namespace) -> int:
 
 def _down(root: Path, args: argparse.Namespace) -> int:
     with dir_lock(root):
-        cluster = LocalCluster(root)
-        if not root.exists():
-            print(f"no local cluster in {root}")
-            return 0
-        cluster.stop()
-    print(f"stopped the local cluster in {root}")
+        existed = root.exists()
+        LocalCluster(root).stop()  # also when root is gone: its daemons or hosts line may not be
+    print(f"stopped the local cluster in {root}" if existed else f"no local cluster in {root}")
     return 0
 
 

@@ -10,6 +10,7 @@ naming the host. Ctrl-C / SIGTERM on the runner do the same.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -38,6 +39,8 @@ _CLUSH = re.compile(
 )
 _SCRIPT = re.compile(r"^(?P<hosts>\S+): hpc-ddp-launch: host=\S+ node_rank=\d+ exit=(?P<code>\d+)")
 TIMEOUT_CODE = 124  # what timeout(1) returns
+STOP_REPEAT_S = 3.0
+EOF_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,46 @@ def parse_failure(line: str) -> HostFailure | None:
 
 
 def _pump(stream: IO[str], sink: IO[str], events: queue.Queue[HostFailure | None]) -> None:
-    """Copy a tool stream line by line to ours, reporting failure lines; None at EOF."""
-    for line in stream:
-        sink.write(line)
-        sink.flush()
-        failure = parse_failure(line.rstrip("\n"))
-        if failure:
-            events.put(failure)
-    events.put(None)
+    """Copy a tool stream line by line to ours, reporting failure lines; None at EOF.
+
+    Keeps draining even if our own output is gone (``| head``): a full pipe would block the
+    tool, and the EOF event must always come.
+    """
+    try:
+        for line in stream:
+            with contextlib.suppress(OSError, ValueError):
+                sink.write(line)
+                sink.flush()
+            failure = parse_failure(line.rstrip("\n"))
+            if failure:
+                events.put(failure)
+    finally:
+        events.put(None)
+
+
+def _first_failure(
+    proc: subprocess.Popen[str], events: queue.Queue[HostFailure | None], streams: int
+) -> HostFailure | None:
+    """Block until a host fails (return it) or the tool is done (None).
+
+    "Done" is both streams at EOF, or the tool exited and its pipes stayed open
+    ``EOF_GRACE_S`` longer (a process it started still holds them; stop_all ends those).
+    """
+    exited_at: float | None = None
+    while streams:
+        try:
+            event = events.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                exited_at = exited_at or time.monotonic()
+                if time.monotonic() - exited_at > EOF_GRACE_S:
+                    return None
+            continue
+        if event is None:
+            streams -= 1
+        else:
+            return event
+    return None
 
 
 def _start(cmd: ToolCommand, *, capture: bool) -> subprocess.Popen[str]:
@@ -132,6 +167,22 @@ def stop_all(spec: LaunchSpec, out: IO[str] | None = None) -> int:
     return proc.returncode
 
 
+def _stop_until_done(spec: LaunchSpec, proc: subprocess.Popen[str], deadline: float) -> None:
+    """Stop every host, again every few seconds while the tool still runs, until the deadline.
+
+    One pass is not enough: a host whose ssh connection was slower than the failure report may
+    start its processes *after* the first stop found nothing there. Its processes carry the
+    launch's tag, so the next pass ends them.
+    """
+    while time.monotonic() < deadline:
+        stop_all(spec)
+        try:
+            proc.wait(timeout=min(STOP_REPEAT_S, max(0.0, deadline - time.monotonic())))
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -164,23 +215,16 @@ def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     failures: list[HostFailure] = []
     interrupted: int | None = None
-    open_streams = len(pumps)
     try:
-        while open_streams:
-            event = events.get()
-            if event is None:
-                open_streams -= 1
-            elif not failures:
-                failures.append(event)
-                print(
-                    f"{TAG} host {','.join(event.hosts)} failed (exit code {event.code}); "
-                    "stopping the job on every host",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                break
-            else:
-                failures.append(event)
+        first = _first_failure(proc, events, len(pumps))
+        if first:
+            failures.append(first)
+            print(
+                f"{TAG} host {','.join(first.hosts)} failed (exit code {first.code}); "
+                "stopping the job on every host",
+                file=sys.stderr,
+                flush=True,
+            )
     except _Interrupted as sig:
         interrupted = sig.signum
         print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
@@ -189,9 +233,13 @@ def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
         for s in old:
             signal.signal(s, signal.SIG_IGN)
     try:
-        if failures or interrupted:
-            stop_all(spec)
         deadline = time.monotonic() + settle_s
+        if failures or interrupted:
+            _stop_until_done(spec, proc, deadline)
+        elif any(pump.is_alive() for pump in pumps):
+            print(f"{TAG} {spec.tool} exited but processes it started still hold its output; "
+                  "stopping them", file=sys.stderr)  # fmt: skip
+            stop_all(spec)
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

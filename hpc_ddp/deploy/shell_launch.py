@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from hpc_ddp.cluster.port import derive_port
+from hpc_ddp.deploy.host_scripts import host_script, stop_script
 from hpc_ddp.deploy.hosts import canonical_hosts
 from hpc_ddp.errors import ConfigError
 
@@ -42,12 +43,6 @@ SSH_OPTIONS = ("-oBatchMode=yes", "-oConnectTimeout=10", "-oForwardX11=no")
 FORWARD_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
 
-# Exit codes of the host script itself (the payload's own codes pass through unchanged).
-EXIT_WRONG_RANK = 97  # %n does not name the host the canonical order puts there
-EXIT_NO_WORKDIR = 96
-EXIT_SETUP_FAILED = 95
-
-_H, _N = "\x00H", "\x00N"  # sentinels for %h / %n while the rest of the text gets escaped
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LAUNCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -200,133 +195,6 @@ def make_spec(
         state_dir=state_dir or f"/tmp/hpc-ddp-launch-{getpass.getuser()}",
         **kwargs,  # type: ignore[arg-type]
     )
-
-
-# ----------------------------------------------------------------------------- host script
-
-
-def _finish(lines: list[str]) -> str:
-    """Join, double every literal '%', then turn the sentinels into pdsh/clush placeholders."""
-    return "\n".join(lines).replace("%", "%%").replace(_H, "%h").replace(_N, "%n") + "\n"
-
-
-def payload_argv(spec: LaunchSpec) -> list[str]:
-    """What the host script starts in its own session: torchrun or the node agent."""
-    if spec.mode == "torchrun":
-        return [
-            spec.python,
-            "-m",
-            "torch.distributed.run",  # == torchrun, but needs no console script on PATH
-            f"--nnodes={spec.num_nodes}",
-            f"--node-rank={_N}",
-            f"--nproc-per-node={spec.nproc_per_node}",
-            f"--master-addr={spec.master_addr}",
-            f"--master-port={spec.master_port}",
-            "--max-restarts=0",  # a failed rank fails the launch; restarts belong to requeue
-            "--monitor-interval=0.5",
-            # static rendezvous: how long a node waits for the master's store before giving up
-            f"--rdzv-conf=timeout={spec.rendezvous_timeout_s}",
-            "--no-python",
-            *spec.command,
-        ]
-    return [
-        spec.python,
-        "-m",
-        "hpc_ddp.deploy.node_agent",
-        f"--nproc={spec.nproc_per_node}",
-        f"--grace={spec.stop_grace_s}",
-        "--",
-        *spec.command,
-    ]
-
-
-def host_script(spec: LaunchSpec) -> str:
-    """The bash text every host runs: check rank, cd, export, set up, start, record, wait."""
-    q = shlex.quote
-    launcher_env: list[tuple[str, str]] = [("HPC_DDP_LAUNCH_ID", spec.launch_id)]
-    if spec.mode == "processes":
-        # The contract of hpc_ddp.cluster.launcher; the node agent adds HPC_DDP_LOCAL_RANK.
-        launcher_env += [
-            ("HPC_DDP_LAUNCHER", spec.tool),
-            ("HPC_DDP_JOB_ID", spec.launch_id),
-            ("HPC_DDP_NUM_NODES", str(spec.num_nodes)),
-            ("HPC_DDP_NODE_RANK", _N),
-            ("HPC_DDP_LOCAL_WORLD_SIZE", str(spec.nproc_per_node)),
-            ("HPC_DDP_MASTER_ADDR", spec.master_addr),
-            ("HPC_DDP_MASTER_PORT", str(spec.master_port)),
-        ]
-    tag = "hpc-ddp-launch:"
-    lines = [
-        f"# hpc-ddp launch {spec.launch_id}: host script (node rank from the tool's %n)",
-        f"host={_H}",
-        f"node_rank={_N}",
-        f"hosts=({' '.join(q(h) for h in spec.hosts)})",
-        'if [ "${hosts[$node_rank]:-}" != "$host" ]; then',
-        f'  echo "{tag} host $host got node rank $node_rank, but the launch order '
-        f'{",".join(spec.hosts)} puts ${{hosts[$node_rank]:-no host}} there" >&2',
-        f"  exit {EXIT_WRONG_RANK}",
-        "fi",
-        f'cd {q(spec.workdir)} || {{ echo "{tag} $host: cannot cd to" {q(spec.workdir)} >&2;'
-        f" exit {EXIT_NO_WORKDIR}; }}",
-    ]
-    lines += [f"export {k}={q(v)}" for k, v in spec.env]
-    for step in spec.setup:
-        lines.append(
-            f'{{ {step}\n}} || {{ echo "{tag} $host: setup step failed:" {q(step)} >&2;'
-            f" exit {EXIT_SETUP_FAILED}; }}"
-        )
-    lines += [f"export {k}={q(v) if v != _N else v}" for k, v in launcher_env]
-    pidfile = f'{q(spec.launch_dir)}/"$host".pgid'
-    lines += [
-        f"mkdir -p {q(spec.launch_dir)} || exit 1",
-        # Own session: its process group id is its pid, recorded so `hpc-ddp launch stop`
-        # (or the launcher, when another host fails) can end everything it started here.
-        f"setsid {shlex.join(payload_argv(spec))} </dev/null &",
-        "pid=$!",
-        f'echo "$pid" > {pidfile}',
-        "trap 'kill -TERM -- -$pid 2>/dev/null' TERM INT HUP",
-        'wait "$pid"; rc=$?',
-        # a trapped signal interrupts wait: keep waiting for the real exit code
-        'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done',
-        f"rm -f {pidfile}",
-        f'echo "{tag} host=$host node_rank=$node_rank exit=$rc" >&2',
-        "exit $rc",
-    ]
-    return _finish(lines)
-
-
-def stop_script(spec: LaunchSpec) -> str:
-    """Bash for every host: end the process group recorded for this launch, TERM then KILL.
-
-    A pid file can outlive its launch (a host rebooted, a wrapper was killed). If the recorded
-    leader still exists but was not started by this launch, its pid was reused: leave it alone.
-    While any member of the old group lives, Linux does not reuse the group id, so killing
-    ``-pgid`` cannot hit a stranger.
-    """
-    q = shlex.quote
-    tag = "hpc-ddp-launch-stop:"
-    pidfile = f'{q(spec.launch_dir)}/"$host".pgid'
-    marker = q(f"HPC_DDP_LAUNCH_ID={spec.launch_id}")
-    ticks = max(1, spec.stop_grace_s * 10)
-    lines = [
-        f"host={_H}",
-        f'[ -f {pidfile} ] || {{ echo "{tag} $host: nothing running"; exit 0; }}',
-        f"pg=$(cat {pidfile})",
-        # Unreadable environ = the leader is gone; its group may live on, so go on and kill it.
-        "if leader_env=$( { tr '\\0' '\\n' < \"/proc/$pg/environ\"; } 2>/dev/null ); then",
-        f'  printf "%s\\n" "$leader_env" | grep -qxF {marker} || {{',
-        f'    echo "{tag} $host: pid $pg is no longer this launch"; rm -f {pidfile}; exit 0; }}',
-        "fi",
-        f'kill -TERM -- "-$pg" 2>/dev/null || {{ rm -f {pidfile}; '
-        f'echo "{tag} $host: already gone"; exit 0; }}',
-        f"for _ in $(seq {ticks}); do",
-        f'  kill -0 -- "-$pg" 2>/dev/null || {{ echo "{tag} $host: stopped"; exit 0; }}',
-        "  sleep 0.1",
-        "done",
-        'kill -KILL -- "-$pg" 2>/dev/null',
-        f'echo "{tag} $host: killed (still running {spec.stop_grace_s} s after SIGTERM)"',
-    ]
-    return _finish(lines)
 
 
 # ----------------------------------------------------------------------------- tool argv

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import submitit
 
 from hpc_ddp.deploy.environ import scrubbed_environ
+from hpc_ddp.deploy.render import job_env
 from hpc_ddp.deploy.spec import JobSpec, build_spec
 from hpc_ddp.errors import ConfigError, HpcDdpError
 
@@ -191,7 +192,8 @@ def submit_train(
         raise ConfigError("the submitit backend runs the hpc_ddp trainer (module hpc_ddp.train)")
     folder.mkdir(parents=True, exist_ok=True)
     ex = make_executor(spec, kind=kind, folder=folder, cluster_env=cluster_env)
-    task = TrainTask(list(spec.args), env=dict(spec.env))
+    # Same environment as the sbatch templates give (OMP_NUM_THREADS, HPC_DDP_GPUS_PER_PROCESS...).
+    task = TrainTask(list(spec.args), env=dict(job_env(spec)))
     # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF kept).
     with scrubbed_environ(dict(cluster_env or {})):
         return ex.submit(task)
@@ -232,7 +234,7 @@ def wait_submitit(
         time.sleep(0.2)
     follower.poll()
     try:
-        result = job.result()
+        result = job.results()[0]  # rank 0's: the trainer writes result.json there
     except Exception as err:  # submitit re-raises the task's error, with its traceback
         return state, 1, err
     code = int(result.get("exit_code", 0)) if isinstance(result, dict) else 0

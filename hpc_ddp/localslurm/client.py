@@ -104,11 +104,17 @@ class SlurmClient:
         return proc
 
     def sbatch(
-        self, script: Path | str, *args: str, output: Path | None = None, cwd: Path | None = None
+        self,
+        script: Path | str,
+        *args: str,
+        output: Path | None = None,
+        cwd: Path | None = None,
+        script_args: Sequence[str] = (),
     ) -> tuple[str, Path]:
-        """Submit; returns (job id, output file). Options go in ``args`` before the script."""
+        """Submit; returns (job id, output file). ``args`` are sbatch options (before the
+        script), ``script_args`` the script's own arguments."""
         out = output or (self.workdir or Path.cwd()) / "slurm-%j.out"
-        argv = ["sbatch", "--parsable", f"--output={out}", *args, str(script)]
+        argv = ["sbatch", "--parsable", f"--output={out}", *args, str(script), *script_args]
         proc = self.run(argv, cwd=cwd)
         job_id = proc.stdout.strip().split(";")[0]
         return job_id, Path(str(out).replace("%j", job_id))
@@ -147,8 +153,9 @@ class SlurmClient:
         timeout_s: float = 60,
         output: Path | None = None,
         cwd: Path | None = None,
+        script_args: Sequence[str] = (),
     ) -> JobResult:
-        job_id, out = self.sbatch(script, *args, output=output, cwd=cwd)
+        job_id, out = self.sbatch(script, *args, output=output, cwd=cwd, script_args=script_args)
         return self.wait_job(job_id, timeout_s, out)
 
     def srun(

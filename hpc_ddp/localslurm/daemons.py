@@ -82,9 +82,13 @@ class LocalCluster:
         node_prefix: str = "node",
         first_job_id: int | None = None,
         extra: dict[str, str] | None = None,
+        ephemeral: bool = False,
     ) -> None:
         self.root = Path(root).absolute()
         self.port = port
+        # Ephemeral clusters (test sessions) record the process that started them, so that
+        # orphans.reap() can stop them once that process is gone (killed test run, Ctrl-C).
+        self.ephemeral = ephemeral
         # Validated now (bad input fails before anything starts); ports are filled in by start().
         self._wanted = ClusterConfig(
             root=self.root,
@@ -197,7 +201,10 @@ class LocalCluster:
             for dev in cfg.gpu_devices():
                 os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a char device, like /dev/null
         cfg.state_path.write_text(cfg.to_json())
+        if self.ephemeral:
+            (self.root / "run" / "owner").write_text(procs.identity(os.getpid()) or "")
         try:
+            hosts.prune(_cluster_exists)
             hosts.add_names(cfg.node_names, self.root, NODE_ADDR)
             hosts.check_resolves(cfg.node_names)
             self._spawn("slurmctld", ["slurmctld", "-f", str(cfg.conf_path)], deadline)
@@ -307,3 +314,9 @@ class LocalCluster:
         # straggler sweep in stop() kills what is left.
         with contextlib.suppress(TimeoutError):
             wait_for(queue_empty, timeout_s, what="cancelled jobs to end")
+
+
+def _cluster_exists(root: Path) -> bool:
+    """Whether the cluster in ``root`` may still be alive: its conf or any of its daemons."""
+    conf = root / "slurm.conf"
+    return conf.exists() or bool(procs.pids_with_args("-f", str(conf)))

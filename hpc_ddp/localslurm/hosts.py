@@ -13,7 +13,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
@@ -91,6 +91,29 @@ def remove_names(root: Path, hosts: Path = HOSTS) -> int:
             fh.write("".join(kept))
             fh.truncate()
         return len(lines) - len(kept)
+
+
+def prune(is_alive: Callable[[Path], bool], hosts: Path = HOSTS) -> list[Path]:
+    """Drop lines of clusters that are gone (killed without a stop, dir deleted); returns them.
+
+    ``is_alive(root)`` decides; a starting cluster writes its slurm.conf before its line, so
+    "no conf and no daemon" never hits a cluster that is coming up.
+    """
+    with _locked(hosts) as fh:
+        lines = fh.read().splitlines(keepends=True)
+        dead: list[Path] = []
+        kept = []
+        for line in lines:
+            body, _, comment = line.rstrip().partition(f"{TAG} ")
+            if comment and body.endswith(" ") and not is_alive(Path(comment)):
+                dead.append(Path(comment))
+            else:
+                kept.append(line)
+        if dead:
+            fh.seek(0)
+            fh.write("".join(kept))
+            fh.truncate()
+        return dead
 
 
 def has_lines(root: Path, hosts: Path = HOSTS) -> bool:

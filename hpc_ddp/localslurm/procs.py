@@ -31,6 +31,12 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
+def identity(pid: int) -> str | None:
+    """``"pid starttime"``: names one process for good (a bare pid can be reused)."""
+    fields = _stat_fields(pid)
+    return f"{pid} {fields[19]}" if fields and len(fields) > 19 else None
+
+
 def parent_of(pid: int) -> int | None:
     fields = _stat_fields(pid)
     return int(fields[1]) if fields else None

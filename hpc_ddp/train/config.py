@@ -113,7 +113,10 @@ class TrainConfig:
     )
     backend: str | None = field(default=None, metadata=_opt("process-group backend override"))
     gpus_per_process: int = field(
-        default=1, metadata=_opt("GPUs one process drives (>1: model split across them)")
+        default=0,
+        metadata=_opt(
+            "GPUs one process drives, >1 splits the model (0: $HPC_DDP_GPUS_PER_PROCESS or 1)"
+        ),
     )
     timeout_s: float = field(default=1800.0, metadata=_opt("collective timeout (seconds)"))
     connect_timeout_s: float = field(default=120.0, metadata=_opt("rendezvous timeout (seconds)"))
@@ -142,11 +145,12 @@ class TrainConfig:
                     hint=f"use one of: {', '.join(allowed)}",
                 )
         positive = ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every")
-        positive += ("synthetic_train_size", "synthetic_test_size", "gpus_per_process")
+        positive += ("synthetic_train_size", "synthetic_test_size")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
-        for key in ("num_workers", "checkpoint_every_steps", "warmup_steps", "debug_hold_at_step"):
+        non_negative = ("num_workers", "checkpoint_every_steps", "warmup_steps", "gpus_per_process")
+        for key in (*non_negative, "debug_hold_at_step"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
         if self.keep_checkpoints < 2:

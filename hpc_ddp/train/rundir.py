@@ -2,9 +2,9 @@
 
 - A lock (the checkpoint package's RunDirLock, taken by rank 0) is held for the whole run: a
   second run pointed at the same directory fails at once, naming the holder.
-- ``config.json`` records the resolved config of the run. A later start whose identity settings
-  (model, data, optimizer, seed, ...: ``IDENTITY_KEYS``) differ is refused: resuming would mix
-  two experiments.
+- ``config.json`` records the resolved config of the run. Once a checkpoint or a result exists,
+  a later start whose identity settings (model, data, optimizer, seed, ...: ``IDENTITY_KEYS``)
+  differ is refused: resuming would mix two experiments.
 - A directory with checkpoints resumes; one with ``result.json`` is finished and left alone.
 """
 
@@ -38,7 +38,9 @@ def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
                 hint="restore it, or give this run a new --run-dir",
             ) from None
         changed = [k for k in IDENTITY_KEYS if saved.get(k) != getattr(cfg, k)]
-        if changed:
+        # Until a checkpoint or a result exists, nothing of the old settings is at stake.
+        started = (run_dir / RESULT).exists() or any((run_dir / "checkpoints").glob("step-*"))
+        if changed and started:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
             raise ConfigError(
                 f"run dir {run_dir} holds a run with different settings ({diffs})",

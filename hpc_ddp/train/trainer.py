@@ -89,6 +89,7 @@ class Trainer:
     # ---------------------------------------------------------------- setup
     def setup(self) -> bool:
         """Returns False when the run dir holds a finished run (nothing to do)."""
+        self.amp = amp_dtype(self.cfg, self.ctx.device)  # before touching the run dir
         error: BaseException | None = None
         finished = False
         if self.rank == 0:
@@ -113,10 +114,9 @@ class Trainer:
 
     def build(self, num_classes: int) -> None:
         cfg, ctx = self.cfg, self.ctx
-        self.amp = amp_dtype(cfg, ctx.device)
         rng.seed_everything(cfg.seed)  # identical initial weights on every rank and every run
         net = models.build_model(cfg.model, num_classes, sync_bn=cfg.sync_bn)
-        devices = ctx.devices if cfg.gpus_per_process > 1 else [ctx.device]
+        devices = ctx.devices  # several when one process drives several GPUs
         self.net = models.place_model(net, devices)
         self.in_device, self.out_device = models.input_device(net), models.output_device(net)
         if self.comm.active and not cfg.cuda_graphs:  # the graphed step all-reduces itself
@@ -373,7 +373,10 @@ def train(config: TrainConfig, *, ctx: Any = None) -> results.Result:
 
     own_group = ctx is None and not dist.is_initialized()
     if ctx is None:
+        from hpc_ddp.cluster import detect_env
+
         ctx = init_distributed(
+            detect_env(gpus_per_process=config.gpus_per_process or None),
             backend=config.backend,
             timeout_s=config.timeout_s,
             connect_timeout_s=config.connect_timeout_s,

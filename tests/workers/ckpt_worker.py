@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +46,7 @@ def main() -> int:
     p.add_argument("--big-rank", type=int, default=-1, help="this rank saves --big-mb extra")
     p.add_argument("--big-mb", type=int, default=0)
     p.add_argument("--expect-model", default="")
+    p.add_argument("--shared-mb", type=int, default=0, help="add this much to the model")
     a = p.parse_args()
 
     dist.init_process_group(
@@ -74,13 +76,18 @@ def main() -> int:
             per_rank = {"rank": a.rank, "rng": torch.get_rng_state()}
             if a.rank == a.big_rank:
                 per_rank["ballast"] = torch.zeros(a.big_mb << 18)  # float32: 4 bytes each
+            shared = {"model": model_state(step), "progress": {"step": step}}
+            if a.shared_mb:
+                shared["model"]["module.big"] = torch.zeros(a.shared_mb << 18)
+            t0 = time.perf_counter()
             path = ck.save(
                 step,
-                shared={"model": model_state(step), "progress": {"step": step}},
+                shared=shared,
                 per_rank=per_rank,
                 meta={"epoch": step // 10, "model": "toy"},
             )
             result["saved"].append(str(path))
+            result.setdefault("save_s", []).append(time.perf_counter() - t0)
         if a.load:
             expect = {"model": a.expect_model} if a.expect_model else None
             loaded = ck.load_latest(expect=expect)

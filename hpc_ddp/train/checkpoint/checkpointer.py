@@ -127,7 +127,7 @@ class Checkpointer:
 
         try:
             self._phase("write", step, write)
-        except CheckpointError:
+        except Exception:
             # This save can no longer commit: rank 0 drops the tmp dir now rather than leaving
             # it to the next save (a straggler still writing into it fails and raises too).
             if self.rank == 0:

@@ -19,7 +19,15 @@ import torch
 from . import layout
 from .comm import Agreement, dist_ready, dist_same_int
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from .manifest import SHARED_FILE, VerifyFailure, parse_step, rank_file, step_dirs, verify_dir
+from .manifest import (
+    SHARED_FILE,
+    VerifyFailure,
+    parse_step,
+    rank_file,
+    read_manifest,
+    step_dirs,
+    verify_files,
+)
 
 Log = Callable[[str], None]
 
@@ -98,9 +106,10 @@ def _load_one(path: Path, manifest: dict[str, Any], rank: int, map_location: Any
 
 def _try_one(path: Path, rank: int, map_location: Any, expect: dict[str, Any] | None) -> Loaded:
     """Verify what this rank reads (manifest, shared file, its own file), then load it."""
-    manifest = verify_dir(path, only={SHARED_FILE, rank_file(rank)})
-    if expect:
+    manifest = read_manifest(path)
+    if expect:  # before the files: the manifest is the same for all ranks, so is the verdict
         _check_expect(manifest, path, expect)
+    verify_files(path, manifest, only={SHARED_FILE, rank_file(rank)})
     return _load_one(path, manifest, rank, map_location)
 
 

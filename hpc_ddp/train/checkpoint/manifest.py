@@ -120,11 +120,14 @@ class VerifyFailure(Exception):
 
 
 def verify_dir(path: Path, only: set[str] | None = None) -> dict[str, Any]:
-    """Return the manifest of a complete checkpoint, or raise VerifyFailure saying why not.
+    """Return the manifest of a complete checkpoint, or raise VerifyFailure saying why not."""
+    manifest = read_manifest(path)
+    verify_files(path, manifest, only)
+    return manifest
 
-    ``only`` limits the byte-for-byte check to the files one rank will read: with thousands of
-    ranks, each re-reading every rank's file would be N^2 reads on the shared file system.
-    """
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, if it parses, self-verifies and lists every file a checkpoint needs."""
     try:
         raw = (path / MANIFEST).read_bytes()
     except FileNotFoundError:
@@ -145,7 +148,16 @@ def verify_dir(path: Path, only: set[str] | None = None) -> dict[str, Any]:
     expected = {SHARED_FILE} | {rank_file(r) for r in range(int(manifest["world_size"]))}
     if missing := sorted(expected - files.keys()):
         raise VerifyFailure(path, f"manifest lists no {', '.join(missing)}")
-    for name, entry in files.items():
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict[str, Any], only: set[str] | None = None) -> None:
+    """Check sizes and sha256 against the manifest.
+
+    ``only`` limits the byte-for-byte check to the files one rank will read: with thousands of
+    ranks, each re-reading every rank's file would be N^2 reads on the shared file system.
+    """
+    for name, entry in manifest["files"].items():
         if only is not None and name not in only:
             continue
         fpath = path / name
@@ -161,4 +173,3 @@ def verify_dir(path: Path, only: set[str] | None = None) -> dict[str, Any]:
             )
         if digest != entry["sha256"]:
             raise VerifyFailure(path, f"{name} sha256 {digest[:12]}... != manifest's")
-    return manifest

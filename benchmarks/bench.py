@@ -1,0 +1,321 @@
+"""The benchmark suite: runs every measurement on this machine, prints tables, writes JSON.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench.py --gpus 1,2,4 --out $OUT            # everything
+    PYTHONPATH=$PWD python3 benchmarks/bench.py --suites ref --gpus 4 --out DIR    # one suite
+    PYTHONPATH=$PWD python3 benchmarks/bench.py --smoke --gpus 1,2 --out /tmp/b    # CPU plumbing
+
+Suites (see benchmarks/README.md for what each measures and the targets):
+  ref      the reference workload (CIFAR-100 LeNet, 10 epochs, batch 64/GPU, Adam 1e-3): the
+           conventional script (reference_ddp.py) against ``hpc-ddp train`` on the same files
+  refx     the slow extras of ref: the conventional script on 1 GPU and with DataParallel
+  scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
+           first step, checkpoint stalls, gradient all-reduce time seen by the trainer
+  resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
+  nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
+Every command runs as a subprocess with its own timeout, its log kept; each result is appended
+to ``<out>/bench.json`` as soon as it exists, so a cut-off run still leaves its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+PY = sys.executable
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.logs = self.out / "logs"
+        self.work = Path(args.work)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + args.budget_s
+        self.results: dict[str, Any] = {"meta": self.meta(), "runs": {}}
+        self.port = 29600
+        size = (args.train_size, args.test_size)
+        self.data_dir = self.work / "data"
+        self.root = self.data_dir / f"synthetic-cifar100-{size[0]}-{size[1]}"
+
+    # ------------------------------------------------------------- plumbing
+    def meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        try:
+            import torch
+
+            meta["torch"] = torch.__version__
+            if torch.cuda.is_available():
+                meta["gpu"] = torch.cuda.get_device_name(0)
+                meta["gpu_count"] = torch.cuda.device_count()
+                meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as err:  # the table says so rather than the run dying
+            meta["torch_error"] = repr(err)
+        meta["cpus"] = os.cpu_count()
+        return meta
+
+    def save(self) -> None:
+        tmp = self.out / "bench.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, self.out / "bench.json")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+        """Run ``cmd``; return {rc, wall_s, log}. Skips (rc=None) when the budget is spent."""
+        if self.left() < min(timeout, 30):
+            print(f"[bench] skip {name}: {self.left():.0f} s of budget left", flush=True)
+            return {"rc": None, "skipped": "budget"}
+        timeout = min(timeout, self.left())
+        log = self.logs / f"{name}.log"
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (KINDS.md)
+        t0 = time.time()
+        full_env["BENCH_T0"] = repr(t0)
+        print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "timeout"
+        wall = time.time() - t0
+        print(f"[bench] {name}: rc={rc} {wall:.1f} s", flush=True)
+        if rc != 0:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            print("\n".join(f"    | {line}" for line in tail), flush=True)
+        return {"rc": rc, "wall_s": wall, "log": str(log)}
+
+    def record(self, name: str, entry: dict) -> dict:
+        self.results["runs"][name] = entry
+        self.save()
+        return entry
+
+    def next_port(self) -> int:
+        self.port += 1
+        return self.port
+
+    def torchrun(self, n: int) -> list[str]:
+        return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+
+    # ----------------------------------------------------------------- data
+    def stage(self) -> None:
+        from hpc_ddp.train import synthetic
+
+        args = self.args
+        t0 = time.time()
+        if not synthetic.is_current(self.root, "cifar100", args.train_size, args.test_size, 1234):
+            synthetic.write_synthetic(
+                self.root, "cifar100", train_size=args.train_size, test_size=args.test_size
+            )
+        self.results["meta"]["data"] = {"root": str(self.root), "write_s": time.time() - t0}
+        print(f"[bench] data staged in {time.time() - t0:.1f} s: {self.root}", flush=True)
+
+    # ------------------------------------------------------------------ ref
+    def reference(self, name: str, mode: str, n: int, batch: int) -> None:
+        out = self.work / f"{name}.json"
+        cmd = [PY, str(BENCH / "reference_ddp.py"), "--data", str(self.root), "--mode", mode]
+        cmd += ["--gpus", str(n), "--batch-size", str(batch), "--epochs", str(self.args.epochs)]
+        cmd += ["--port", str(self.next_port()), "--json", str(out)]
+        if self.args.smoke:
+            cmd.append("--cpu")
+        res = self.run(name, cmd, timeout=self.args.ref_timeout)
+        if out.exists():
+            res.update(json.loads(out.read_text()))
+        self.record(name, {"kind": "reference", **res})
+
+    def trainer_flags(self, model: str, epochs: int, batch: int, run_dir: Path) -> list[str]:
+        flags = ["--synthetic", "--dataset", "cifar100", "--data-dir", str(self.data_dir)]
+        flags += ["--synthetic-train-size", str(self.args.train_size)]
+        flags += ["--synthetic-test-size", str(self.args.test_size)]
+        flags += ["--model", model, "--epochs", str(epochs), "--batch-size", str(batch)]
+        flags += ["--run-dir", str(run_dir), "--log-every", "100000"]
+        if not self.args.smoke:
+            flags += ["--data-path", "gpu"]
+        return flags
+
+    def ours(
+        self,
+        name: str,
+        n: int,
+        flags: list[str],
+        probe: list[str] | None = None,
+        timeout: float = 120,
+        env: dict | None = None,
+    ) -> dict:
+        out = self.work / f"{name}.json"
+        out.unlink(missing_ok=True)
+        cmd = [*self.torchrun(n), str(BENCH / "probe.py"), "--probe-json", str(out)]
+        res = self.run(name, cmd + (probe or []) + ["--", *flags], timeout=timeout, env=env)
+        if out.exists():
+            res.update(json.loads(out.read_text()))
+        return self.record(name, {"kind": "ours", "gpus": n, **res})
+
+    def lenet_flags(self, name: str, graphs: bool) -> list[str]:
+        flags = self.trainer_flags("lenet", self.args.epochs, 64, self.work / "runs" / name)
+        flags += ["--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0"]
+        flags += ["--lr-schedule", "constant", "--no-augment", "--amp", "off"]
+        flags += ["--eval-batch-size", "1024"]
+        return flags + (["--cuda-graphs"] if graphs else [])
+
+    def suite_ref(self) -> None:
+        for n in self.gpus:
+            self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
+            self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
+        top = max(self.gpus)
+        self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
+
+    def suite_refx(self) -> None:
+        top = max(self.gpus)
+        self.reference("ref_single_1gpu", "single", 1, 256)
+        self.reference(f"ref_dp_{top}gpu", "dp", top, 64 * top)
+        self.ours(f"ours_lenet_{top}gpu_again", top, self.lenet_flags(f"lenet{top}b", True))
+
+    # -------------------------------------------------------------- scaling
+    def resnet_flags(self, name: str, epochs: int) -> list[str]:
+        flags = self.trainer_flags(
+            "resnet18", epochs, self.args.resnet_batch, self.work / "runs" / name
+        )
+        flags += ["--no-augment", "--eval-batch-size", "1024"]
+        return flags + ([] if self.args.smoke else ["--amp", "bf16"])
+
+    def suite_scaling(self) -> None:
+        epochs = self.args.resnet_epochs
+        for n in self.gpus:
+            self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
+        self.ours(
+            "resnet_1gpu_noddp",
+            1,
+            self.resnet_flags("resnet1n", epochs),
+            probe=["--probe-no-ddp"],
+            timeout=180,
+        )
+
+    def suite_resume(self) -> None:
+        """Preempt at a step mid-epoch 2 with SIGUSR1, then run the same command again."""
+        n = max(self.gpus)
+        name = f"resnet{n}r"
+        flags = self.resnet_flags(name, self.args.resnet_epochs)
+        hold = ["--debug-hold-at-step", str(self.args.resume_hold_step)]
+        run_dir = self.work / "runs" / name
+        progress = run_dir / "progress.json"
+
+        def signal_when_holding() -> None:
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:
+                try:
+                    info = json.loads(progress.read_text())
+                except (OSError, ValueError):
+                    info = {}
+                if info.get("status") == "holding":
+                    for pid in info.get("pids", []):
+                        os.kill(pid, signal.SIGUSR1)
+                    return
+                time.sleep(0.05)  # polling a file the trainer rewrites; bounded by the deadline
+
+        import threading
+
+        waiter = threading.Thread(target=signal_when_holding, daemon=True)
+        waiter.start()
+        first = self.ours(f"resume_{n}gpu_first", n, flags + hold, timeout=180)
+        waiter.join(timeout=1)
+        second = self.ours(f"resume_{n}gpu_second", n, flags, timeout=180)
+        uninterrupted = self.results["runs"].get(f"resnet_{n}gpu", {}).get("result", {})
+        self.record(
+            f"resume_{n}gpu",
+            {
+                "kind": "resume",
+                "first_exit": first.get("exit_code", first.get("rc")),
+                "second_exit": second.get("exit_code", second.get("rc")),
+                "resume_ttfs": second.get("ttfs"),
+                "sha_resumed": second.get("result", {}).get("params_sha256"),
+                "sha_uninterrupted": uninterrupted.get("params_sha256"),
+            },
+        )
+
+    # ----------------------------------------------------------------- nccl
+    def suite_nccl(self) -> None:
+        for n in sorted({max(self.gpus), 2} & set(range(2, 9))):
+            if n > max(self.gpus):
+                continue
+            out = self.work / f"nccl_{n}.json"
+            cmd = [*self.torchrun(n), str(BENCH / "nccl_bench.py"), "--json", str(out)]
+            res = self.run(f"nccl_{n}gpu", cmd, timeout=120)
+            if out.exists():
+                res.update(json.loads(out.read_text()))
+            self.record(f"nccl_{n}gpu", {"kind": "nccl", **res})
+
+    # ---------------------------------------------------------------- main
+    def main(self) -> None:
+        self.gpus = sorted(int(g) for g in self.args.gpus.split(","))
+        self.stage()
+        suites = {
+            "ref": self.suite_ref,
+            "scaling": self.suite_scaling,
+            "resume": self.suite_resume,
+            "nccl": self.suite_nccl,
+            "refx": self.suite_refx,
+        }
+        for name in self.args.suites.split(","):
+            t0 = time.time()
+            suites[name]()
+            print(f"[bench] suite {name} done in {time.time() - t0:.0f} s", flush=True)
+        self.save()
+        from report import tables  # benchmarks/report.py
+
+        text = tables(self.results)
+        (self.out / "tables.md").write_text(text)
+        print(text, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="1,2,4", help="GPU counts to run, e.g. 1,2,4,8")
+    parser.add_argument("--suites", default="ref,scaling,resume,nccl")
+    parser.add_argument("--out", required=True, help="bench.json, tables.md and logs go here")
+    parser.add_argument("--work", default="/tmp/hpc-ddp-bench", help="data and run dirs")
+    parser.add_argument("--epochs", type=int, default=10, help="reference workload epochs")
+    parser.add_argument("--train-size", type=int, default=50_000)
+    parser.add_argument("--test-size", type=int, default=10_000)
+    parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
+    parser.add_argument("--resnet-epochs", type=int, default=3)
+    parser.add_argument(
+        "--resume-hold-step",
+        type=int,
+        default=0,
+        help="global step to preempt at (0: the middle of epoch 2)",
+    )
+    parser.add_argument("--ref-timeout", type=float, default=200)
+    parser.add_argument("--budget-s", type=float, default=560, help="stop starting runs after")
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check (Gloo, tiny)")
+    args = parser.parse_args()
+    if args.resume_hold_step == 0:
+        top = max(int(g) for g in args.gpus.split(","))
+        steps = args.train_size // (args.resnet_batch * top)
+        args.resume_hold_step = steps + max(steps // 2, 1)
+    sys.path.insert(0, str(BENCH))
+    Bench(args).main()
+
+
+if __name__ == "__main__":
+    main()

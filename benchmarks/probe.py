@@ -1,0 +1,216 @@
+"""Run ``hpc-ddp train`` with a stopwatch attached: time to first step, checkpoint stalls, resume.
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/probe.py --probe-json t.json -- \\
+        --model resnet18 --synthetic ...   # any trainer flags after --
+
+The trainer runs unmodified; the probe wraps a few of its functions (process-group init, data
+staging and loading, the data path choice, model build, restore, each checkpoint phase, the
+first optimizer step) and writes, on rank 0, one JSON object with:
+- ``ttfs``: seconds from process start (kernel's start time of this process) and from the
+  command (``BENCH_T0``, set by bench.py just before launching) to the end of the first
+  optimizer step, with the phases in between (imports, process group, data, model, ...);
+- ``saves``: every checkpoint save, split into state_dict copy / prepare / write / commit;
+- ``train_s``: training time, from the first step's start to the end of the last epoch's
+  evaluation and checkpoint (what a user waits for), plus the trainer's result.json.
+``--probe-no-ddp`` replaces DDP by the bare model (for the cost of the DDP wrapper on 1 GPU);
+``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+T_MAIN = time.time()
+
+
+def _process_start() -> float:
+    """This process's start time (wall clock) from /proc: includes the interpreter's start."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return T_MAIN
+
+
+T_PROC = _process_start()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+T_TORCH = time.time()
+
+import hpc_ddp.dist as hdist  # noqa: E402
+from hpc_ddp.train import config, cuda_graphs, data, gpu_data, loop  # noqa: E402
+from hpc_ddp.train import trainer as tr  # noqa: E402
+from hpc_ddp.train.checkpoint import checkpointer  # noqa: E402
+
+T_IMPORTS = time.time()
+EVENTS: list[tuple[str, float, float]] = []  # (name, start, end), wall clock
+SAVES: list[dict[str, float]] = []
+STATE: dict[str, Any] = {"steps": 0}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(owner: Any, name: str, label: str) -> None:
+    """Replace ``owner.name`` by a wrapper that records (label, start, end)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _sync()
+            EVENTS.append((label, t0, time.time()))
+
+    setattr(owner, name, wrapper)
+
+
+def instrument(no_ddp: bool) -> None:
+    timed(hdist, "init_distributed", "process_group")
+    timed(data, "prepare", "data_stage")
+    timed(data, "load_datasets", "data_read")
+    timed(gpu_data, "choose", "data_to_device")
+    timed(tr.Trainer, "build", "build")  # model + optimizer + data path
+    timed(tr.Trainer, "restore", "restore")
+    timed(tr.Trainer, "finish", "finish")
+    for cls in (loop.Stepper, cuda_graphs.GraphedStepper):
+        original = cls.step
+
+        def step(self: Any, micro: Any, times: Any, _orig: Any = original) -> Any:
+            t0 = time.time()
+            out = _orig(self, micro, times)  # returns a float: the GPU work is done
+            if STATE["steps"] == 0:
+                EVENTS.append(("first_step", t0, time.time()))
+            STATE["steps"] += 1
+            return out
+
+        cls.step = step  # type: ignore[method-assign]
+
+    save, phase = tr.Trainer.save, checkpointer.Checkpointer._phase
+
+    def timed_save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        SAVES.append({})
+        _sync()
+        t0 = time.time()
+        out = save(self, *args, **kwargs)
+        SAVES[-1]["total"] = time.time() - t0
+        SAVES[-1]["state_dict_and_rest"] = SAVES[-1]["total"] - sum(
+            v for k, v in SAVES[-1].items() if k != "total"
+        )
+        return out
+
+    def timed_phase(self: Any, name: str, step: int, body: Any) -> Any:
+        t0 = time.time()
+        try:
+            return phase(self, name, step, body)
+        finally:
+            if SAVES:
+                SAVES[-1][name] = time.time() - t0
+
+    tr.Trainer.save = timed_save  # type: ignore[method-assign]
+    checkpointer.Checkpointer._phase = timed_phase  # type: ignore[method-assign]
+    if no_ddp:
+
+        class BareModel:  # isinstance(model, BareModel) is never true: no comm hook either
+            def __new__(cls, module: Any, **_: Any) -> Any:
+                return module
+
+        tr.DDP = BareModel  # type: ignore[misc,assignment]
+
+
+def report(path: str, cfg: config.TrainConfig, code: int) -> None:
+    ev = {name: (t0, t1) for name, t0, t1 in EVENTS}  # last occurrence of each
+    first = {}
+    for name, t0, t1 in EVENTS:
+        first.setdefault(name, (t0, t1))
+    t_cmd = float(os.environ.get("BENCH_T0", T_PROC))
+    out: dict[str, Any] = {"exit_code": code, "world_size": int(os.environ.get("WORLD_SIZE", 1))}
+    if "first_step" in first:
+        fs_end = first["first_step"][1]
+        phases = {
+            "interpreter_start": T_MAIN - T_PROC,
+            "import_torch": T_TORCH - T_MAIN,
+            "import_hpc_ddp": T_IMPORTS - T_TORCH,
+        }
+        for name in (
+            "process_group",
+            "data_stage",
+            "data_read",
+            "data_to_device",
+            "build",
+            "restore",
+            "first_step",
+        ):
+            if name in first:
+                phases[name] = first[name][1] - first[name][0]
+        if "build" in phases and "data_to_device" in phases:
+            phases["model_and_optimizer"] = phases.pop("build") - phases["data_to_device"]
+        out["ttfs"] = {
+            "from_process_start_s": fs_end - T_PROC,
+            "from_command_s": fs_end - t_cmd,
+            "launcher_s": T_PROC - t_cmd,
+            "phases_s": phases,
+        }
+        if "finish" in ev:
+            out["train_s"] = ev["finish"][0] - first["first_step"][0]
+    out["saves"] = SAVES
+    out["steps_this_attempt"] = STATE["steps"]
+    result = tr.Path(cfg.run_dir) / "result.json"
+    if result.exists():
+        out["result"] = json.loads(result.read_text())
+    metrics = tr.Path(cfg.run_dir) / "metrics.jsonl"
+    if metrics.exists():
+        out["history"] = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(out, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    ours = argparse.ArgumentParser()
+    ours.add_argument("--probe-json", required=True)
+    ours.add_argument("--probe-no-ddp", action="store_true")
+    ours.add_argument(
+        "--probe-deterministic",
+        action="store_true",
+        help="deterministic cuDNN/cuBLAS kernels, so two runs can be compared bit for bit",
+    )
+    pargs = ours.parse_args(argv[:split])
+    if pargs.probe_deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True)
+    parser = argparse.ArgumentParser(prog="probe.py -- [trainer flags]")
+    config.add_arguments(parser)
+    cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
+    instrument(pargs.probe_no_ddp)
+
+    def run() -> int:
+        code = tr.train(cfg).exit_code
+        if int(os.environ.get("RANK", 0)) == 0:
+            report(pargs.probe_json, cfg, code)
+        return code
+
+    hdist.run_main(run)
+
+
+if __name__ == "__main__":
+    main()

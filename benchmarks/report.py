@@ -1,0 +1,213 @@
+"""Markdown tables from bench.json (``python3 benchmarks/report.py bench.json``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from statistics import mean
+from typing import Any
+
+RESNET18_CIFAR100_PARAMS = 11_220_132  # fp32 gradients all-reduced per step
+
+
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def steady_rate(run: dict) -> float | None:
+    """Samples/s of the epochs after the first (which pays for cuDNN autotuning and capture)."""
+    hist = run.get("history") or []
+    rows = hist[1:] or hist
+    return mean(r["samples_per_second"] for r in rows) if rows else None
+
+
+def table_ref(runs: dict, gpus: list[int]) -> list[str]:
+    out = ["### a. Reference workload (CIFAR-100 LeNet, 10 epochs, batch 64/GPU, Adam 1e-3)", ""]
+    out += [
+        "| run | GPUs | training s | command-to-exit s | test acc | train speed-up | "
+        "exit speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in gpus:
+        base, ours = runs.get(f"ref_ddp_{n}gpu", {}), runs.get(f"ours_lenet_{n}gpu", {})
+        acc = (ours.get("result") or {}).get("test_accuracy")
+        out.append(
+            f"| conventional DDP script | {n} | {_f(base.get('train_time_s'))} | "
+            f"{_f(base.get('wall_s'))} | {_f(base.get('test_accuracy'), '.4f')} | 1 | 1 |"
+        )
+        out.append(
+            f"| hpc-ddp train --cuda-graphs | {n} | {_f(ours.get('train_s'))} | "
+            f"{_f(ours.get('wall_s'))} | {_f(acc, '.4f')} | "
+            f"{_f(_ratio(base.get('train_time_s'), ours.get('train_s')), '.1f')}x | "
+            f"{_f(_ratio(base.get('wall_s'), ours.get('wall_s')), '.1f')}x |"
+        )
+    for name, label in (
+        ("eager", "hpc-ddp train (eager DDP, no graphs)"),
+        ("again", "hpc-ddp train --cuda-graphs (again)"),
+    ):
+        for key, run in runs.items():
+            if key.startswith("ours_lenet_") and key.endswith(name):
+                acc = (run.get("result") or {}).get("test_accuracy")
+                out.append(
+                    f"| {label} | {run.get('gpus')} | {_f(run.get('train_s'))} | "
+                    f"{_f(run.get('wall_s'))} | {_f(acc, '.4f')} | | |"
+                )
+    for key, label in (("ref_single_1gpu", "conventional, 1 GPU no DDP (batch 256)"),):
+        if key in runs:
+            r = runs[key]
+            out.append(
+                f"| {label} | 1 | {_f(r.get('train_time_s'))} | {_f(r.get('wall_s'))} | "
+                f"{_f(r.get('test_accuracy'), '.4f')} | | |"
+            )
+    for key, r in runs.items():
+        if key.startswith("ref_dp_"):
+            out.append(
+                f"| conventional DataParallel (batch {r.get('batch_size')}) | "
+                f"{r.get('gpus')} | {_f(r.get('train_time_s'))} | {_f(r.get('wall_s'))} | "
+                f"{_f(r.get('test_accuracy'), '.4f')} | | |"
+            )
+    return out
+
+
+def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
+    out = ["", "### b. ResNet-18 weak scaling (bf16, batch 256/GPU, GPU-resident data)", ""]
+    out += ["| GPUs | samples/s | per GPU | efficiency |", "|---|---|---|---|"]
+    base = steady_rate(runs.get("resnet_1gpu", {}))
+    for n in gpus:
+        rate = steady_rate(runs.get(f"resnet_{n}gpu", {}))
+        eff = rate / (n * base) if rate and base else None
+        out.append(
+            f"| {n} | {_f(rate, '.0f')} | {_f(rate and rate / n, '.0f')} | "
+            f"{_f(eff and 100 * eff, '.1f')}% |"
+        )
+    bare = steady_rate(runs.get("resnet_1gpu_noddp", {}))
+    if bare and base:
+        out += [
+            "",
+            f"DDP wrapper cost at 1 GPU: {bare:.0f} samples/s bare vs {base:.0f} with "
+            f"DDP: {100 * (bare / base - 1):.1f}%",
+        ]
+    return out
+
+
+def table_ttfs(runs: dict) -> list[str]:
+    out = ["", "### c. Time to first step (end of the first optimizer step)", ""]
+    rows = [(k, r) for k, r in runs.items() if r.get("ttfs") and not k.startswith("resume")]
+    if not rows:
+        return [*out, "(no data)"]
+    phases: list[str] = []
+    for _, r in rows:
+        phases += [p for p in r["ttfs"]["phases_s"] if p not in phases]
+    out += [
+        "| run | GPUs | from command | launcher | from process start | "
+        + " | ".join(phases)
+        + " |",
+        "|---" * (5 + len(phases)) + "|",
+    ]
+    for key, r in rows:
+        t = r["ttfs"]
+        cells = " | ".join(_f(t["phases_s"].get(p)) for p in phases)
+        out.append(
+            f"| {key} | {r.get('gpus')} | {_f(t['from_command_s'])} | "
+            f"{_f(t['launcher_s'])} | {_f(t['from_process_start_s'])} | {cells} |"
+        )
+    return out
+
+
+def table_ckpt(runs: dict) -> list[str]:
+    out = ["", "### d. Checkpoint stall (ResNet-18, one checkpoint per epoch) and resume", ""]
+    out += [
+        "| run | saves | mean stall s | state_dict s | write s | commit s | epoch s | "
+        "stall % of epoch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in runs.items():
+        if not key.startswith("resnet_") or not r.get("saves"):
+            continue
+        saves, hist = r["saves"], r.get("history") or []
+        epoch = mean(h["seconds"] for h in hist) if hist else None
+        stall = mean(s["total"] for s in saves)
+        out.append(
+            f"| {key} | {len(saves)} | {stall:.3f} | "
+            f"{mean(s.get('state_dict_and_rest', 0) for s in saves):.3f} | "
+            f"{mean(s.get('write', 0) for s in saves):.3f} | "
+            f"{mean(s.get('commit', 0) for s in saves):.3f} | {_f(epoch, '.3f')} | "
+            f"{_f(epoch and 100 * stall / epoch, '.1f')}% |"
+        )
+    for key, r in runs.items():
+        if key.startswith("resume_") and r.get("kind") == "resume":
+            t = r.get("resume_ttfs") or {}
+            ph = t.get("phases_s", {})
+            same = r.get("sha_resumed") == r.get("sha_uninterrupted") and r.get("sha_resumed")
+            out += [
+                "",
+                f"Resume ({key}): exits {r.get('first_exit')} then "
+                f"{r.get('second_exit')}; resume-to-first-step {_f(t.get('from_command_s'))} s "
+                f"from the command ({_f(t.get('from_process_start_s'))} s from process start; "
+                f"restore {_f(ph.get('restore'), '.3f')} s); final weights "
+                f"{'identical to' if same else 'differ from'} the uninterrupted run's "
+                "(bf16 cuDNN kernels are not deterministic, so 'differ' is expected here).",
+            ]
+    return out
+
+
+def table_allreduce(runs: dict, gpus: list[int]) -> list[str]:
+    out = ["", "### e. Gradient all-reduce: trainer vs NCCL ceiling", ""]
+    nbytes = RESNET18_CIFAR100_PARAMS * 4
+    out += [
+        "| GPUs | NCCL busbw at 44.7 MiB (GB/s) | NCCL busbw 1 GiB | trainer all-reduce "
+        "window per step (ms) | trainer-seen busbw (GB/s) |",
+        "|---|---|---|---|---|",
+    ]
+    for n in gpus:
+        if n < 2:
+            continue
+        nccl = runs.get(f"nccl_{n}gpu", {}).get("rows") or []
+        at = {round(r["MiB"], 1): r["busbw_GBps"] for r in nccl}
+        r = runs.get(f"resnet_{n}gpu", {})
+        hist = (r.get("history") or [])[1:] or (r.get("history") or [])
+        steps = [h["step"] for h in r.get("history") or []]
+        per_epoch = (steps[1] - steps[0]) if len(steps) > 1 else (steps[0] if steps else None)
+        comm = mean(h["time"]["comm"] for h in hist) / per_epoch if hist and per_epoch else None
+        seen = nbytes * 2 * (n - 1) / n / comm / 1e9 if comm else None
+        out.append(
+            f"| {n} | {_f(at.get(44.7), '.0f')} | {_f(at.get(1024.0), '.0f')} | "
+            f"{_f(comm and comm * 1e3, '.2f')} | {_f(seen, '.0f')} |"
+        )
+    out.append("")
+    out.append(
+        "The trainer's window runs from the first bucket's launch to the last one's "
+        "completion, so it includes backward compute between buckets: a lower bound on "
+        "the bandwidth the all-reduce itself reached."
+    )
+    return out
+
+
+def tables(results: dict) -> str:
+    runs = results.get("runs", {})
+    meta = results.get("meta", {})
+    gpus = sorted({int(r["gpus"]) for r in runs.values() if r.get("gpus")} or {1})
+    head = [
+        f"## Benchmarks: {meta.get('gpu_count', '?')} x {meta.get('gpu', '?')}, "
+        f"{meta.get('date_utc', '?')}, torch {meta.get('torch', '?')}, NCCL "
+        f"{meta.get('nccl', '?')}",
+        "",
+    ]
+    body = (
+        table_ref(runs, gpus)
+        + table_scaling(runs, gpus)
+        + table_ttfs(runs)
+        + table_ckpt(runs)
+        + table_allreduce(runs, gpus)
+    )
+    return "\n".join(head + body) + "\n"
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    print(tables(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,31 @@
+"""``hpc-ddp doctor``: check that this machine or allocation has what a job needs.
+
+Prints one OK/WARN/FAIL line per check, with a HINT for the others; exits 1 if anything FAILed.
+Run it on the login node before submitting, or as `srun hpc-ddp doctor` inside the allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpc_ddp.deploy.doctor import FAIL, WARN, Options, run_checks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="checkpoint directory")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs per node the job will use")
+    parser.add_argument("--port", type=int, default=None, help="master port to check")
+    parser.add_argument("--no-torch", action="store_true", help="skip importing torch")
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = run_checks(
+        Options(run_dir=args.run_dir, gpus=args.gpus, port=args.port, torch=not args.no_torch)
+    )
+    for check in checks:
+        print(check.line())
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    print(f"{len(checks)} checks: {fails} failed, {warns} warnings")
+    return 1 if fails else 0

@@ -1,0 +1,308 @@
+"""``hpc-ddp doctor``: does this machine (login node or inside an allocation) have what a job needs?
+
+Each check returns one ``Check`` (OK / WARN / FAIL, a detail, a hint). torch is imported only by
+the torch check, lazily, so ``--no-torch`` answers in well under a second on a login node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str
+    name: str
+    detail: str
+    hint: str = ""
+
+    def line(self) -> str:
+        text = f"{self.status:<4} {self.name}: {self.detail}"
+        return f"{text}\n     HINT: {self.hint}" if self.hint and self.status != OK else text
+
+
+@dataclass(frozen=True)
+class Options:
+    run_dir: Path = Path("runs")
+    gpus: int | None = None  # GPUs per node the job will ask for; None = whatever Slurm says
+    port: int | None = None
+    torch: bool = True
+    environ: Mapping[str, str] | None = None
+
+    @property
+    def env(self) -> Mapping[str, str]:
+        return os.environ if self.environ is None else self.environ
+
+
+def in_allocation(env: Mapping[str, str]) -> bool:
+    return bool(env.get("SLURM_JOB_ID"))
+
+
+def check_slurm_tools(o: Options) -> Check:
+    tools = ("sbatch", "srun", "scontrol", "scancel")
+    missing = [t for t in tools if shutil.which(t, path=o.env.get("PATH")) is None]
+    if not missing:
+        return Check(OK, "slurm tools", ", ".join(tools) + " on PATH")
+    return Check(
+        FAIL if "srun" in missing or "sbatch" in missing else WARN,
+        "slurm tools",
+        f"missing: {', '.join(missing)}",
+        "load the site's Slurm module, or run on a login/compute node; without Slurm use "
+        "`hpc-ddp launch` (pdsh/clush) or `hpc-ddp submit --executor local`",
+    )
+
+
+def check_controller(o: Options) -> Check:
+    if shutil.which("scontrol", path=o.env.get("PATH")) is None:
+        return Check(WARN, "slurm controller", "scontrol not found: not checked")
+    if not o.env.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+        # Without a config scontrol spends seconds on DNS SRV lookups before failing.
+        return Check(
+            WARN,
+            "slurm controller",
+            "no Slurm configured (no SLURM_CONF, no /etc/slurm/slurm.conf)",
+            "`hpc-ddp submit` will start the embedded local cluster; set SLURM_CONF to use "
+            "another one",
+        )
+    try:
+        proc = subprocess.run(
+            ["scontrol", "ping"], env=dict(o.env), capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired:
+        return Check(FAIL, "slurm controller", "scontrol ping: no answer in 20 s")
+    if proc.returncode == 0 and "UP" in proc.stdout:
+        return Check(OK, "slurm controller", proc.stdout.strip().splitlines()[0])
+    return Check(
+        FAIL,
+        "slurm controller",
+        ((proc.stdout + proc.stderr).strip().splitlines() or [f"exit {proc.returncode}"])[-1],
+        "is SLURM_CONF right? with no Slurm, `hpc-ddp submit` starts the embedded local cluster",
+    )
+
+
+def check_launch_env(o: Options) -> Check:
+    """Inside an allocation: are we a task (srun) or the batch shell? What does each rank see?"""
+    env = o.env
+    if not in_allocation(env):
+        return Check(OK, "allocation", "not inside a Slurm job (login node checks only)")
+    # The batch shell has SLURM_PROCID=0 too (Slurm 22.05); only srun tasks have SLURM_STEP_ID.
+    if "SLURM_STEP_ID" not in env:
+        return Check(
+            WARN,
+            "allocation",
+            f"job {env['SLURM_JOB_ID']}: this is the batch shell, not an srun task",
+            "training processes must be started with srun (one task per process) or "
+            "srun + torchrun; a bare `python train.py` runs one process and waits for the rest",
+        )
+    from hpc_ddp.cluster import detect_env
+    from hpc_ddp.errors import HpcDdpError
+
+    try:
+        d = detect_env(env)
+    except HpcDdpError as err:
+        return Check(FAIL, "allocation", err.message, err.hint or "")
+    return Check(
+        OK,
+        "allocation",
+        f"job {d.job_id}: rank {d.rank}/{d.world_size}, local {d.local_rank}/"
+        f"{d.local_world_size}, node {d.node_rank}/{d.num_nodes}, master "
+        f"{d.master_addr}:{d.master_port} ({d.source})",
+    )
+
+
+def check_nodelist(o: Options) -> Check:
+    nodelist = o.env.get("SLURM_STEP_NODELIST") or o.env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return Check(OK, "node list", "no allocation: skipped")
+    from hpc_ddp.cluster.hostlist import expand_hostlist
+
+    hosts = expand_hostlist(nodelist)
+    bad = []
+    for host in hosts:
+        try:
+            socket.gethostbyname(host)
+        except OSError:
+            bad.append(host)
+    if bad:
+        return Check(
+            FAIL,
+            "node list",
+            f"{len(bad)} of {len(hosts)} hosts do not resolve: {', '.join(bad[:5])}",
+            "MASTER_ADDR is the first of these names; every node must resolve it (DNS or "
+            "/etc/hosts), or set MASTER_ADDR to an address",
+        )
+    return Check(OK, "node list", f"{nodelist}: {len(hosts)} host(s) resolve, first {hosts[0]}")
+
+
+def check_gpus(o: Options) -> Check:
+    from hpc_ddp.cluster.devices import count_visible_gpus, driver_gpu_count
+
+    env = o.env
+    asked = o.gpus
+    if asked is None and env.get("SLURM_GPUS_ON_NODE"):
+        asked = int(env["SLURM_GPUS_ON_NODE"])
+    visible = count_visible_gpus(env)
+    driver = driver_gpu_count()
+    detail = (
+        f"asked {asked if asked is not None else '-'}, visible {visible} "
+        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}), driver sees {driver}"
+    )
+    if asked and driver == 0:
+        return Check(
+            FAIL,
+            "gpus",
+            detail,
+            "GPUs were requested but no NVIDIA driver is loaded here: wrong partition or node?",
+        )
+    if asked and visible < asked and "SLURM_STEP_ID" not in env:
+        return Check(FAIL, "gpus", detail, "ask Slurm for them: --gpus-per-node=N")
+    if not asked and visible:
+        return Check(
+            WARN, "gpus", detail, "GPUs are visible but the job asks for none: CPU/Gloo job?"
+        )
+    return Check(OK, "gpus", detail)
+
+
+def check_torch(o: Options) -> Check:
+    if not o.torch:
+        return Check(OK, "torch", "skipped (--no-torch)")
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as err:  # any import failure is the finding
+        return Check(FAIL, "torch", f"import failed: {err}", "activate the job's environment")
+    available = {
+        "nccl": dist.is_nccl_available(),
+        "gloo": dist.is_gloo_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    backends = [name for name, ok in available.items() if ok]
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    detail = (
+        f"torch {torch.__version__}, CUDA {'yes' if cuda else 'no'} ({count} device(s)), "
+        f"backends: {', '.join(backends) or 'none'}"
+    )
+    if "gloo" not in backends:
+        return Check(FAIL, "torch", detail, "this torch build has no Gloo: reinstall torch")
+    wants_gpu = bool(o.gpus) or bool(o.env.get("SLURM_GPUS_ON_NODE"))
+    if wants_gpu and (not cuda or "nccl" not in backends):
+        return Check(
+            FAIL,
+            "torch",
+            detail,
+            "GPUs expected but torch cannot use them with NCCL: CPU-only torch wheel or "
+            "driver/CUDA mismatch",
+        )
+    return Check(OK, "torch", detail)
+
+
+def check_network(o: Options) -> Check:
+    from hpc_ddp.network import choose_backend
+
+    env = o.env
+    master = None
+    if in_allocation(env) and (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")):
+        from hpc_ddp.cluster.hostlist import expand_hostlist
+
+        master = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])[0]
+    nodes = int(env.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    ifname = env.get("GLOO_SOCKET_IFNAME", "")
+    if ifname.startswith("^") or "," in ifname:
+        return Check(
+            FAIL,
+            "network",
+            f"GLOO_SOCKET_IFNAME={ifname!r}",
+            "Gloo takes one interface name; the '^lo,docker0' syntax is NCCL's only",
+        )
+    from hpc_ddp.errors import HpcDdpError
+
+    try:
+        choice = choose_backend(
+            cuda_available=bool(o.gpus), master_addr=master, num_nodes=nodes, environ=env
+        )
+    except HpcDdpError as err:
+        return Check(FAIL, "network", err.message, err.hint or "")
+    detail = f"{choice.backend}: {choice.reason}; interconnect {choice.interconnect}"
+    if choice.interface:
+        detail += f", interface {choice.interface}"
+    return Check(OK, "network", detail)
+
+
+def check_port(o: Options) -> Check:
+    from hpc_ddp.cluster.port import derive_port
+
+    env = o.env
+    port = o.port
+    source = "--port"
+    if port is None and env.get("MASTER_PORT"):
+        port, source = int(env["MASTER_PORT"]), "MASTER_PORT"
+    if port is None and env.get("SLURM_JOB_ID"):
+        port, source = derive_port(env["SLURM_JOB_ID"]), f"derived from job {env['SLURM_JOB_ID']}"
+    if port is None:
+        return Check(OK, "master port", "no job and no --port: skipped")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as err:
+            return Check(
+                FAIL,
+                "master port",
+                f"{port} ({source}) is in use here: {err.strerror}",
+                "another job or a stale process holds it: set MASTER_PORT explicitly, or find "
+                f"it with `ss -ltnp | grep {port}`",
+            )
+    return Check(OK, "master port", f"{port} ({source}) is free")
+
+
+def check_run_dir(o: Options) -> Check:
+    path = o.run_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return Check(
+            FAIL,
+            "checkpoint dir",
+            f"{path}: {err.strerror}",
+            "checkpoints need a writable directory on storage every node shares",
+        )
+    free = shutil.disk_usage(path).free / 2**30
+    status = WARN if free < 1 else OK
+    hint = "less than 1 GiB free: checkpoints may fail" if status == WARN else ""
+    return Check(status, "checkpoint dir", f"{path.resolve()} writable, {free:.1f} GiB free", hint)
+
+
+CHECKS: tuple[Callable[[Options], Check], ...] = (
+    check_slurm_tools,
+    check_controller,
+    check_launch_env,
+    check_nodelist,
+    check_gpus,
+    check_network,
+    check_port,
+    check_run_dir,
+    check_torch,
+)
+
+
+def run_checks(o: Options) -> list[Check]:
+    out = []
+    for check in CHECKS:
+        try:
+            out.append(check(o))
+        except Exception as err:  # a broken check is reported, never a crash of the doctor
+            out.append(Check(FAIL, check.__name__.removeprefix("check_"), f"check crashed: {err}"))
+    return out

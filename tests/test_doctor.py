@@ -1,0 +1,122 @@
+"""``hpc-ddp doctor``: OK/WARN/FAIL lines with hints, non-zero exit on FAIL.
+
+Login-node checks run here as they are; allocation checks run under real srun/sbatch on the
+local cluster. The fake-GPU cluster (gres over character devices; no GPU can exist here) gives
+the "GPUs requested but no driver" failure a real allocation to be found in.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GLOO_", "MASTER_"))}
+    env.update(extra)
+    return env
+
+
+def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "hpc_ddp.cli", "doctor", *args],
+        capture_output=True, text=True, env=env or _env(), timeout=120,
+    )  # fmt: skip
+
+
+def _line(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line[5:].startswith(name + ":"))
+
+
+def test_login_node_without_torch_is_fast_and_passes(tmp_path: Path) -> None:
+    code = (
+        "import sys; from hpc_ddp.cli import main; "
+        f"rc = main(['doctor', '--no-torch', '--run-dir', {str(tmp_path / 'runs')!r}]); "
+        "print('TORCH', 'torch' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TORCH False" in proc.stdout
+    assert _line(proc.stdout, "checkpoint dir").startswith("OK")
+    assert _line(proc.stdout, "slurm tools").startswith("OK")
+
+
+def test_unwritable_checkpoint_dir_fails_with_a_hint(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    proc = _doctor("--no-torch", "--run-dir", str(blocker / "runs"))
+    assert proc.returncode == 1
+    line = _line(proc.stdout, "checkpoint dir")
+    assert line.startswith("FAIL") and "HINT: checkpoints need a writable" in proc.stdout
+
+
+def test_port_in_use_fails(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = _doctor("--no-torch", "--run-dir", str(tmp_path), "--port", str(port))
+    assert proc.returncode == 1
+    assert _line(proc.stdout, "master port").startswith("FAIL")
+    assert f"ss -ltnp | grep {port}" in proc.stdout
+
+
+def test_nccl_syntax_in_gloo_ifname_fails(tmp_path: Path) -> None:
+    proc = _doctor("--no-torch", "--run-dir", str(tmp_path), env=_env(GLOO_SOCKET_IFNAME="^lo"))
+    assert proc.returncode == 1
+    assert _line(proc.stdout, "network").startswith("FAIL")
+    assert "NCCL's only" in proc.stdout
+
+
+def test_torch_check_reports_backends(tmp_path: Path) -> None:
+    proc = _doctor("--run-dir", str(tmp_path))
+    line = _line(proc.stdout, "torch")
+    assert line.startswith("OK") and "gloo" in line, proc.stdout
+
+
+@pytest.mark.slurm
+def test_inside_an_allocation_every_task_checks_itself(slurm_cluster, tmp_path: Path) -> None:
+    proc = slurm_cluster.srun(
+        ["-N2", "--ntasks-per-node=1", slurm_cluster.hpc_ddp, "doctor", "--no-torch",
+         "--run-dir", str(tmp_path)],
+        timeout_s=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    allocation = [line for line in proc.stdout.splitlines() if "allocation:" in line]
+    assert len(allocation) == 2 and all(line.startswith("OK") for line in allocation)
+    assert any("rank 0/2" in line for line in allocation)
+    assert any("rank 1/2" in line for line in allocation)
+    node_lines = [line for line in proc.stdout.splitlines() if "node list:" in line]
+    assert all(line.startswith("OK") and "node[1-2]" in line for line in node_lines)
+
+
+@pytest.mark.slurm
+def test_batch_shell_is_told_it_forgot_srun(slurm_cluster, tmp_path: Path) -> None:
+    script = tmp_path / "doctor.sbatch"
+    script.write_text(
+        f"#!/bin/bash\n{slurm_cluster.hpc_ddp} doctor --no-torch --run-dir {tmp_path}\n"
+    )
+    res = slurm_cluster.sbatch_wait(script, "-N1", timeout_s=60, output=tmp_path / "out-%j.txt")
+    assert res.state == "COMPLETED", res.output
+    assert "WARN allocation" in res.output and "not an srun task" in res.output
+
+
+@pytest.mark.slurm
+def test_gpus_requested_without_a_driver_fail(slurm_gpu_cluster, tmp_path: Path) -> None:
+    """Fake GPUs: Slurm grants and binds them, but no NVIDIA driver exists here."""
+    proc = slurm_gpu_cluster.srun(
+        ["-N1", "--gpus-per-node=2", slurm_gpu_cluster.hpc_ddp, "doctor", "--no-torch",
+         "--run-dir", str(tmp_path)],
+        timeout_s=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = _line(proc.stdout, "gpus")
+    assert line.startswith("FAIL") and "asked 2, visible 2" in line
+    assert "no NVIDIA driver" in proc.stdout

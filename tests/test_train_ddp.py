@@ -1,0 +1,99 @@
+"""Two real Gloo ranks under real torchrun: exact resume, exact evaluation, accumulation, errors."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import (
+    interrupt_at,
+    read_metrics,
+    read_result,
+    run,
+    single_cmd,
+    torchrun_cmd,
+    train_args,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    shared = torch.load(run_dir / "checkpoints" / latest / "shared.pt", weights_only=True)
+    return shared["model"]
+
+
+def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    # 256 samples, 2 ranks x 16: 8 steps per epoch, 2 epochs.
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = run(torchrun_cmd(2, train_args(ref_dir, data_dir)))
+    assert ref.returncode == 0, ref.stderr
+    reference = read_result(ref_dir)
+    assert reference["world_size"] == 2 and reference["steps"] == 16
+
+    # Exact evaluation: 101 test samples over 2 ranks -> 51 + 50, each counted once.
+    for row in read_metrics(ref_dir):
+        assert row["test_samples"] == 101 and row["test_samples_per_rank"] == [51, 50]
+        assert row["allreduce_calls"] > 0
+
+    args = train_args(run_dir, data_dir)
+    rc, log = interrupt_at(
+        torchrun_cmd(2, [*args, "--debug-hold-at-step", "3"]), run_dir, tmp_path / "1.log"
+    )
+    assert rc != 0 and "exitcode  : 75" in log, log  # torchrun reports its workers' 75
+    assert "preempted (SIGUSR1): checkpointed at step 3" in log
+
+    # A different world size is refused: the data order and RNG streams depend on it.
+    other = run(single_cmd(args))
+    assert other.returncode == 2 and "written by 2 processes, this run has 1" in other.stderr
+
+    rc, log = interrupt_at(
+        torchrun_cmd(2, [*args, "--debug-hold-at-step", "11"]),
+        run_dir,
+        tmp_path / "2.log",
+        signal.SIGTERM,
+    )
+    assert rc != 0 and "exitcode  : 75" in log and "preempted (SIGTERM)" in log, log
+    assert "step 3" in log  # it resumed from the first interruption
+
+    final = run(torchrun_cmd(2, args))
+    assert final.returncode == 0, final.stderr
+    result = read_result(run_dir)
+    assert result["interruptions"] == 2 and result["steps"] == 16
+    assert result["params_sha256"] == reference["params_sha256"]
+    assert result["test_accuracy"] == reference["test_accuracy"]
+    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
+        r["train_loss"] for r in read_metrics(ref_dir)
+    ]
+
+
+def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) -> None:
+    common = {"epochs": 1, "augment": False}
+    big = run(torchrun_cmd(2, train_args(tmp_path / "big", data_dir, batch_size=32, **common)))
+    assert big.returncode == 0, big.stderr
+    acc_args = train_args(tmp_path / "acc", data_dir, batch_size=8, accum_steps=4, **common)
+    acc = run(torchrun_cmd(2, acc_args))
+    assert acc.returncode == 0, acc.stderr
+    r_big, r_acc = read_result(tmp_path / "big"), read_result(tmp_path / "acc")
+    assert r_big["steps"] == r_acc["steps"] == 4
+    # no_sync on the 3 non-final micro-batches: as many all-reduces as without accumulation.
+    assert r_acc["extra"]["allreduce_calls"] == r_big["extra"]["allreduce_calls"]
+    s_big, s_acc = _final_state(tmp_path / "big"), _final_state(tmp_path / "acc")
+    for name, value in s_big.items():
+        torch.testing.assert_close(s_acc[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
+    done = run(torchrun_cmd(2, train_args(tmp_path / "run", tmp_path / "missing")), timeout=120)
+    assert done.returncode != 0
+    err = done.stderr
+    assert "[rank 0/2" in err and "does not exist" in err, err
+    assert "[rank 1/2" in err and "other rank(s) failed while staging the dataset" in err, err
