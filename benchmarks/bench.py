@@ -7,7 +7,8 @@
 Suites (see benchmarks/README.md for what each measures and the targets):
   ref      the reference workload (CIFAR-100 LeNet, 10 epochs, batch 64/GPU, Adam 1e-3): the
            conventional script (reference_ddp.py) against ``hpc-ddp train`` on the same files
-  refx     the slow extras of ref: the conventional script on 1 GPU and with DataParallel
+  refx     the slow extras of ref: the conventional script on 1 GPU and with DataParallel,
+           and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
@@ -179,16 +180,21 @@ class Bench:
         return flags + (["--cuda-graphs"] if graphs else [])
 
     def suite_ref(self) -> None:
-        for n in self.gpus:
-            self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
+        """Ours on every GPU count; the conventional script on the counts above 1 (``refx``
+        has its slow 1-GPU run), the largest count first: the headline comparison."""
+        for n in sorted(self.gpus, reverse=True):
+            if n > 1:
+                self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
             self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
         top = max(self.gpus)
         self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
-        self.reference("ref_single_1gpu", "single", 1, 256)
+        self.reference("ref_ddp_1gpu", "ddp", 1, 64)
         self.reference(f"ref_dp_{top}gpu", "dp", top, 64 * top)
+        if self.args.single:
+            self.reference("ref_single_1gpu", "single", 1, 64 * top)
         self.ours(f"ours_lenet_{top}gpu_again", top, self.lenet_flags(f"lenet{top}b", True))
 
     # -------------------------------------------------------------- scaling
@@ -291,7 +297,8 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to run, e.g. 1,2,4,8")
-    parser.add_argument("--suites", default="ref,scaling,resume,nccl")
+    parser.add_argument("--suites", default="ref,scaling,nccl,resume")
+    parser.add_argument("--single", action="store_true", help="refx: also the 1-GPU no-DDP run")
     parser.add_argument("--out", required=True, help="bench.json, tables.md and logs go here")
     parser.add_argument("--work", default="/tmp/hpc-ddp-bench", help="data and run dirs")
     parser.add_argument("--epochs", type=int, default=10, help="reference workload epochs")

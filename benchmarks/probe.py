@@ -197,7 +197,7 @@ def main() -> None:
     if pargs.probe_deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     parser = argparse.ArgumentParser(prog="probe.py -- [trainer flags]")
     config.add_arguments(parser)
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))

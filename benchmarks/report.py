@@ -56,11 +56,12 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
                     f"| {label} | {run.get('gpus')} | {_f(run.get('train_s'))} | "
                     f"{_f(run.get('wall_s'))} | {_f(acc, '.4f')} | | |"
                 )
-    for key, label in (("ref_single_1gpu", "conventional, 1 GPU no DDP (batch 256)"),):
+    for key, label in (("ref_single_1gpu", "conventional, 1 GPU no DDP"),):
         if key in runs:
             r = runs[key]
             out.append(
-                f"| {label} | 1 | {_f(r.get('train_time_s'))} | {_f(r.get('wall_s'))} | "
+                f"| {label} (batch {r.get('batch_size')}) | 1 | {_f(r.get('train_time_s'))} | "
+                f"{_f(r.get('wall_s'))} | "
                 f"{_f(r.get('test_accuracy'), '.4f')} | | |"
             )
     for key, r in runs.items():
@@ -149,8 +150,12 @@ def table_ckpt(runs: dict) -> list[str]:
                 f"{r.get('second_exit')}; resume-to-first-step {_f(t.get('from_command_s'))} s "
                 f"from the command ({_f(t.get('from_process_start_s'))} s from process start; "
                 f"restore {_f(ph.get('restore'), '.3f')} s); final weights "
-                f"{'identical to' if same else 'differ from'} the uninterrupted run's "
-                "(bf16 cuDNN kernels are not deterministic, so 'differ' is expected here).",
+                + (
+                    "identical to the uninterrupted run's."
+                    if same
+                    else "differ from the uninterrupted run's (expected: this run does not ask "
+                    "for deterministic cuDNN kernels; tests/test_gpu.py checks exactness)."
+                ),
             ]
     return out
 

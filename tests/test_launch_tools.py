@@ -27,6 +27,7 @@ from launch_support import (
     kill_leftovers,
     launch_args,
     popen_hpc_ddp,
+    processes_of,
     wait_until,
 )
 
@@ -143,23 +144,42 @@ def test_gloo_allreduce_across_two_hosts(
     assert [r["node_rank"] for r in results] == [0, 1]
 
 
-@pytest.mark.parametrize("mode", ["processes", "torchrun"])
-@pytest.mark.parametrize("tool", TOOLS)
-def test_failing_host_stops_the_others(
+@pytest.mark.parametrize(("tool", "mode"), [("pdsh", "torchrun"), ("clush", "processes")])
+def test_failing_rank_stops_the_others(
     tool: str, mode: str, tmp_path: Path, launches: list[Launch]
 ) -> None:
-    """Rank 1 (node1) exits 1 while rank 0 (node0) would sleep forever: the launch must stop
+    """Gloo rank 1 (node1) exits 1 while rank 0 (node0) would sleep forever: the launch must stop
     node0, exit non-zero and name node1, in bounded time."""
     launch = launch_args(tool, tmp_path, mode=mode)
     launches.append(launch)
     out = tmp_path / "out"
     cmd = ["python3", WORKER, "--out", str(out), "--fail-rank", "1", "--hang-rank", "0"]
     res = hpc_ddp([*launch.base, "--", *cmd], timeout=BOUND_S + 30)
-    assert res.returncode != 0
+    assert res.returncode == 1, res.stderr
     assert res.seconds < BOUND_S, res.stderr
     assert "host node1 failed" in res.stderr, res.stderr
     assert "FAILED on node1" in res.stderr
     assert (out / "hanging-0").exists()  # node0 really was running when it got stopped
+    assert_no_processes_left(launch.launch_id)
+
+
+# Node rank 1 exits 3 at once; node rank 0 would sleep 10 minutes. GROUP_RANK is torchrun's.
+ONE_HOST_FAILS = ["bash", "-c", 'r=${HPC_DDP_NODE_RANK:-$GROUP_RANK}; [ "$r" = 1 ] && exit 3; '
+                  "exec sleep 600"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tool", "mode"), [("pdsh", "processes"), ("clush", "torchrun")])
+def test_failing_host_stops_the_others(
+    tool: str, mode: str, tmp_path: Path, launches: list[Launch]
+) -> None:
+    """The same with a plain command (no torch in the workers): exit 3 on node1."""
+    launch = launch_args(tool, tmp_path, mode=mode)
+    launches.append(launch)
+    res = hpc_ddp([*launch.base, "--", *ONE_HOST_FAILS], timeout=BOUND_S + 30)
+    assert res.returncode == 3, res.stderr
+    assert res.seconds < BOUND_S, res.stderr
+    assert "host node1 failed (exit code 3)" in res.stderr, res.stderr
+    assert re.search(r"host=node0 node_rank=0 exit=[1-9]", res.stderr), res.stderr  # stopped
     assert_no_processes_left(launch.launch_id)
 
 
@@ -204,36 +224,43 @@ def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> 
     assert_no_processes_left(launch.launch_id)
 
 
+def _sleepers(launch_id: str) -> int:
+    return sum(
+        1
+        for pid in processes_of(launch_id)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0")
+    )
+
+
 @pytest.mark.parametrize("tool", TOOLS)
 def test_stop_command_ends_a_running_launch(
     tool: str, tmp_path: Path, launches: list[Launch]
 ) -> None:
+    """torchrun puts its workers in sessions of their own: stop must end them too."""
     launch = launch_args(tool, tmp_path, mode="torchrun")
     launches.append(launch)
-    out = tmp_path / "out"
-    proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
-                          "--hang-rank", "0"])  # fmt: skip
-    wait_until(lambda: (out / "hanging-0").exists(), 60, "rank 0 to start")
+    proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
+    wait_until(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' workers to start")
     stop = hpc_ddp(launch.stop_args(via=tool), timeout=BOUND_S)
     assert stop.returncode == 0, stop.stderr + stop.stdout
-    assert "node0: hpc-ddp-launch-stop: node0: stopped" in stop.stdout, stop.stdout
-    proc.communicate(timeout=BOUND_S)
-    assert proc.returncode != 0
+    for host in ("node0", "node1"):
+        assert f"{host}: hpc-ddp-launch-stop: {host}: stopped" in stop.stdout, stop.stdout
+    _, stderr = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode != 0, stderr
     assert_no_processes_left(launch.launch_id)
     again = hpc_ddp(launch.stop_args(via=tool), timeout=BOUND_S)  # idempotent
-    assert again.returncode == 0 and "nothing running" in again.stdout
+    assert again.returncode == 0 and again.stdout.count("nothing running") == 2
 
 
 def test_ctrl_c_on_the_launcher_stops_every_host(tmp_path: Path, launches: list[Launch]) -> None:
     launch = launch_args("pdsh", tmp_path)
     launches.append(launch)
-    out = tmp_path / "out"
-    proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
-                          "--hang-rank", "1"])  # fmt: skip
-    wait_until(lambda: (out / "hanging-1").exists(), 60, "rank 1 to start")
+    proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
+    wait_until(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' processes to start")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 130, stderr
+    assert "stopping the job on every host" in stderr
     assert_no_processes_left(launch.launch_id)
 
 

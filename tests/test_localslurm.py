@@ -25,6 +25,7 @@ from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_sl
 from hpc_ddp.localslurm.embedded import configured_slurm, ensure_local_cluster
 
 pytestmark = pytest.mark.slurm
+TESTS_DIR = Path(__file__).parent
 
 
 @pytest.fixture
@@ -185,6 +186,16 @@ def test_failed_start_undoes_itself_and_shows_the_log(root: Path) -> None:
         cluster.start(timeout_s=10)
     assert "Can't find plugin for select/bogus" in str(info.value)
     _assert_nothing_left(cluster, set())
+
+
+def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
+    require_local_slurm()
+    (root / "thesis.tex").write_text("precious")
+    with pytest.raises(ConfigError, match=r"thesis\.tex") as info:
+        LocalCluster(root, ephemeral=True).start()
+    assert "empty or new dir" in (info.value.hint or "")
+    LocalCluster(root).stop()  # `hpc-ddp cluster down --dir` on the wrong dir: harmless too
+    assert [p.name for p in root.iterdir()] == ["thesis.tex"]
 
 
 def test_bad_shapes_fail_before_anything_starts(tmp_path: Path) -> None:
@@ -375,3 +386,23 @@ def test_orphaned_test_cluster_is_reaped(root: Path) -> None:
     assert orphans.reap(root.parent, root.name) == [root / "c"]
     _assert_nothing_left(cluster, daemon_pids)
     assert orphans.reap(root.parent, root.name) == []
+
+
+@pytest.mark.parametrize("ci", [None, "1"])
+def test_fixture_without_slurm_skips_locally_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
+    """A CI run that skipped every Slurm test would prove nothing: there, a missing Slurm fails."""
+    (tmp_path / "test_uses.py").write_text("def test_x(slurm_cluster):\n    pass\n")
+    env = clean_job_env(PATH=str(Path(sys.executable).parent), PYTHONPATH=str(TESTS_DIR))
+    env.pop("CI", None)
+    if ci:
+        env["CI"] = ci
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "conftest"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if ci:
+        assert proc.returncode == 1 and "1 error" in proc.stdout, proc.stdout
+        assert "CI is set but the local Slurm cluster cannot start" in proc.stdout
+    else:
+        assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout
+        assert "local Slurm cluster unavailable: Slurm is not installed" in proc.stdout

@@ -227,3 +227,16 @@ def test_render_never_imports_torch_and_is_fast() -> None:
     assert rc == "0" and torch_loaded == "False", proc.stderr
     assert float(inner) < 0.5, f"render took {inner} s in-process"
     assert wall < 5  # interpreter start included; generous for a loaded 2-core machine
+
+
+def test_spec_file_given_as_positional_is_refused(tmp_path: Path) -> None:
+    proc = _cli("render", "jobs/specs/local_cpu_2x2.toml")
+    assert proc.returncode == 2 and "--config jobs/specs/local_cpu_2x2.toml" in proc.stderr
+
+
+def test_per_rank_logs_go_to_one_file_per_rank() -> None:
+    text = render(JobSpec(nodes=2, procs_per_node=2, per_rank_logs=True, output="logs/%x-%j.out"))
+    step = text[text.index("python -u") - 200 :]
+    assert "--output=logs/%x-%j.out.rank%t" in step and "--open-mode=append" in step
+    with pytest.raises(ConfigError, match="per_rank_logs needs launcher srun"):
+        JobSpec(launcher="torchrun", per_rank_logs=True)

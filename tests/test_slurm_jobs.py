@@ -20,69 +20,34 @@ import time
 from pathlib import Path
 
 import pytest
+from deploy_support import (
+    progress_status,
+    read_result,
+    reference_run_fixture,  # noqa: F401  (the reference_run fixture)
+    submit_spec,
+    train_args,
+    train_spec,
+)
 
 from hpc_ddp.deploy import JobSpec, render
-from hpc_ddp.deploy.submit import Finished, sbatch, wait_job
+from hpc_ddp.deploy.submit import wait_job
 from hpc_ddp.localslurm import wait_for
 
 pytestmark = pytest.mark.slurm
 
-TRAIN = [
-    "--dataset", "cifar10", "--synthetic", "--synthetic-train-size", "512",
-    "--synthetic-test-size", "128", "--data-dir", "data", "--model", "lenet", "--epochs", "2",
-    "--batch-size", "32", "--checkpoint-every-steps", "2", "--log-every", "1",
-]  # fmt: skip
 PREFLIGHT = re.compile(
     r"hpc-ddp preflight: rank=(\d+)/(\d+) local_rank=(\d+)/(\d+) node_rank=(\d+)/(\d+) "
     r"node=(\S+) master=(\S+):(\d+) .*gpus=(\S+) gpus_per_process=(\d+) CUDA_VISIBLE_DEVICES=(\S+)"
 )
 
 
-def _spec(name: str, run: str, **kw: object) -> JobSpec:
-    base: dict[str, object] = dict(
-        name=name, nodes=2, procs_per_node=1, time="5", signal_lead_s=60,
-        output=f"{run}/%x-%j.out", python=sys.executable, setup=["mkdir -p data"],
-        args=[*TRAIN, "--run-dir", run],
-    )  # fmt: skip
-    base.update(kw)
-    return JobSpec(**base)  # type: ignore[arg-type]
-
-
-def _submit(spec: JobSpec, cwd: Path, env: dict[str, str]) -> tuple[str, Path]:
-    script = cwd / f"{spec.name}.sbatch"
-    script.write_text(render(spec, command="tests/test_slurm_jobs.py"))
-    sub = sbatch(script, env, cwd=cwd)
-    assert sub.output is not None
-    return sub.job_id, sub.output
-
-
-def _result(cwd: Path, run: str) -> dict:
-    return json.loads((cwd / run / "result.json").read_text())
-
-
-def _progress_status(path: Path) -> str | None:
-    try:
-        return json.loads(path.read_text()).get("status")
-    except (OSError, ValueError):
-        return None
-
-
 def _ranks(log: str) -> dict[int, tuple[str, ...]]:
     return {int(m.group(1)): m.groups() for m in PREFLIGHT.finditer(log)}
 
 
-# World size 2 (one process per node): the cheapest 2-node job on 2 cores. The 2-per-node task
-# geometry is covered by the GPU-layout tests below.
-@pytest.fixture(scope="module")
-def reference(slurm_cluster, tmp_path_factory) -> tuple[Path, Finished]:
-    """One uninterrupted 2x2 CPU run: the baseline every other run's weights must match."""
-    cwd = tmp_path_factory.mktemp("ref")
-    job_id, out = _submit(_spec("ref-cpu", "run"), cwd, slurm_cluster.env)
-    return cwd, wait_job(job_id, slurm_cluster.env, timeout_s=120, output=out)
-
-
-def test_cpu_srun_job_trains_with_the_right_ranks(reference) -> None:
-    cwd, done = reference
+def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
+    """The reference job itself: 2 nodes x 1 process, real srun placement and env."""
+    cwd, done = reference_run
     log = done.output.read_text() if done.output else ""
     assert (done.state, done.exit_code) == ("COMPLETED", 0), log
     ranks = _ranks(log)
@@ -92,53 +57,52 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference) -> None:
         assert g[6] == f"node{rank + 1}"  # block placement, Slurm's order
         assert g[7] == "node1"  # master = first host of the node list, for every rank
     assert len({g[8] for g in ranks.values()}) == 1  # one port everyone derived alone
-    result = _result(cwd, "run")
+    result = read_result(cwd / "run")
     assert result["status"] == "finished" and result["world_size"] == 2
 
 
-def test_torchrun_job_trains_and_matches(slurm_cluster, reference, tmp_path: Path) -> None:
-    spec = _spec("tr-cpu", "run", launcher="torchrun")
-    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
-    done = wait_job(job_id, slurm_cluster.env, timeout_s=120, output=out)
-    log = out.read_text()
-    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
-    assert re.search(r"torchrun rendezvous at node1:\d+", log), log
-    assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 2, log
-    result = _result(tmp_path, "run")
-    assert result["world_size"] == 2
-    assert result["params_sha256"] == _result(reference[0], "run")["params_sha256"]
-
-
-@pytest.mark.parametrize(
-    ("launcher", "scancel_target"),
-    [("srun", []), ("torchrun", ["--batch"])],
-    ids=["srun-step-signal", "torchrun-batch-signal-forwarded"],
-)
 def test_preemption_checkpoints_requeues_resumes_same_weights(
-    slurm_cluster, reference, tmp_path: Path, launcher: str, scancel_target: list[str]
+    slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """USR1 (to the step tasks as `--signal=USR1@N` would, or to the batch shell only, which
-    forwards it) -> ranks agree, checkpoint, rank 0 `scontrol requeue`s, exit 75 -> the job
-    comes back with SLURM_RESTART_COUNT=1, resumes, and ends with the reference's weights."""
-    spec = _spec(f"pre-{launcher}", "run", launcher=launcher)
-    spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
-    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
-    progress = tmp_path / "run" / "progress.json"
-    wait_for(lambda: _progress_status(progress) == "holding", 90, "trainer holding at step 3")
-    slurm_cluster.run(["scancel", "--signal=USR1", *scancel_target, job_id])
-    states: list[str] = []
-    done = wait_job(
-        job_id, slurm_cluster.env, timeout_s=150, output=out,
-        on_poll=lambda info: states.append(info.get("JobState", "?")),
-    )  # fmt: skip
-    log = out.read_text()
-    assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
-    assert "PENDING" in states[states.index("RUNNING") :], states  # it really went back
-    assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
-    assert "resumed from" in log, log
-    result = _result(tmp_path, "run")
-    assert result["interruptions"] == 1
-    assert result["params_sha256"] == _result(reference[0], "run")["params_sha256"]
+    """Both launch styles at once (their ~11 s requeue waits overlap):
+
+    * srun layout: USR1 to the step tasks (``scancel --signal=USR1``, what ``--signal=USR1@N``
+      does);
+    * torchrun layout: USR1 to the batch shell only (``--batch``, what ``--signal=B:USR1@N``
+      does), which the template forwards; torchrun ignores it, its workers checkpoint.
+
+    Then: ranks agree, checkpoint, rank 0 ``scontrol requeue``s, all exit 75; the job comes back
+    with SLURM_RESTART_COUNT=1, resumes, and ends with the uninterrupted reference's weights."""
+    cases = {"srun": [], "torchrun": ["--batch"]}
+    jobs = {}
+    for launcher in cases:
+        cwd = tmp_path / launcher
+        cwd.mkdir()
+        spec = train_spec(f"pre-{launcher}", launcher=launcher)
+        spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+        jobs[launcher] = (cwd, *submit_spec(spec, cwd, slurm_cluster.env))
+    for launcher, (cwd, job_id, _) in jobs.items():
+        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{launcher} hold")
+        slurm_cluster.run(["scancel", "--signal=USR1", *cases[launcher], job_id])
+    reference = read_result(reference_run[0] / "run")["params_sha256"]
+    for launcher, (cwd, job_id, out) in jobs.items():
+        states: list[str] = []
+        done = wait_job(
+            job_id, slurm_cluster.env, timeout_s=180, output=out,
+            on_poll=lambda info, st=states: st.append(info.get("JobState", "?")),
+        )  # fmt: skip
+        log = out.read_text()
+        assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+        assert "PENDING" in states[states.index("RUNNING") :], states  # it really went back
+        assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
+        assert "resumed from" in log, log
+        result = read_result(cwd / "run")
+        assert (result["interruptions"], result["world_size"]) == (1, 2)
+        assert result["params_sha256"] == reference, launcher
+        if launcher == "torchrun":
+            assert re.search(r"torchrun rendezvous at node1:\d+", log), log
+            assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 4, log
+            assert "batch shell got SIGUSR1, forwarding" in log, log
 
 
 def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path) -> None:
@@ -154,7 +118,7 @@ def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path
         python=sys.executable, output="%x-%j.out", time="10",
     )  # fmt: skip
     start = time.monotonic()
-    job_id, out = _submit(spec, tmp_path, slurm_cluster.env)
+    job_id, out = submit_spec(spec, tmp_path, slurm_cluster.env)
     done = wait_job(job_id, slurm_cluster.env, timeout_s=60, output=out)
     assert done.state == "FAILED" and done.exit_code != 0, out.read_text()
     assert time.monotonic() - start < 30
@@ -180,7 +144,7 @@ def test_gpu_layouts_bind_gpus_as_intended(
         name="gpu", nodes=2, gpus_per_node=2, module="hpc_ddp.deploy.preflight",
         python=sys.executable, output="%x-%j.out", time="5", preflight=False, **kw,
     )  # fmt: skip
-    job_id, out = _submit(spec, tmp_path, slurm_gpu_cluster.env)
+    job_id, out = submit_spec(spec, tmp_path, slurm_gpu_cluster.env)
     done = wait_job(job_id, slurm_gpu_cluster.env, timeout_s=60, output=out)
     log = out.read_text()
     assert (done.state, done.exit_code) == ("COMPLETED", 0), log
@@ -219,7 +183,7 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
         name="parent", nodes=2, procs_per_node=2, module="", script=str(parent_py),
         python=sys.executable, output="%x-%j.out", time="5", preflight=False,
     )  # fmt: skip
-    job_id, out = _submit(parent, tmp_path, slurm_cluster.env)
+    job_id, out = submit_spec(parent, tmp_path, slurm_cluster.env)
     done = wait_job(job_id, slurm_cluster.env, timeout_s=60, output=out)
     assert done.state == "COMPLETED", out.read_text()
     child_id = (tmp_path / "child.id").read_text()
@@ -237,7 +201,7 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
 def _tiny_spec_file(tmp_path: Path, **kw: object) -> Path:
     data = dict(
         name="cli", nodes=2, procs_per_node=1, time="5", output="run/%x-%j.out",
-        python=sys.executable, setup=["mkdir -p data"], args=[*TRAIN, "--run-dir", "run"],
+        python=sys.executable, setup=["mkdir -p data"], args=train_args("data", "run"),
     )  # fmt: skip
     data.update(kw)
     path = tmp_path / "job.json"
@@ -271,7 +235,7 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "hpc-ddp preflight: rank=1/2" in proc.stdout  # the log was followed
         assert "COMPLETED, exit code 0" in proc.stdout
-        sha = _result(tmp_path, "run")["params_sha256"]
+        sha = read_result(tmp_path / "run")["params_sha256"]
         assert f"params_sha256: {sha}" in proc.stdout
 
         failing = tmp_path / "fail.py"

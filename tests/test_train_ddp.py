@@ -60,6 +60,7 @@ def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
         run_dir,
         tmp_path / "2.log",
         signal.SIGTERM,
+        launcher=True,  # to torchrun, which forwards it to both workers
     )
     assert rc != 0 and "exitcode  : 75" in log and "preempted (SIGTERM)" in log, log
     assert "step 3" in log  # it resumed from the first interruption

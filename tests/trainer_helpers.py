@@ -131,13 +131,23 @@ def finish(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> tupl
 
 
 def interrupt_at(
-    cmd: list[str], run_dir: Path, log: Path, sig: signal.Signals = signal.SIGUSR1
+    cmd: list[str],
+    run_dir: Path,
+    log: Path,
+    sig: signal.Signals = signal.SIGUSR1,
+    *,
+    launcher: bool = False,
 ) -> tuple[int, str]:
-    """Run ``cmd`` (which must pass --debug-hold-at-step N), signal every rank at step N."""
+    """Run ``cmd`` (which must pass --debug-hold-at-step N) and signal it at step N: every
+    rank's process, or with ``launcher`` only the process started (torchrun forwards SIGTERM
+    to its workers, as it does when Slurm signals ``srun torchrun``)."""
     proc = start(cmd, log)
     try:
         progress = wait_for_progress(run_dir, holding, proc)
-        signal_workers(progress, sig)
+        if launcher:
+            proc.send_signal(sig)
+        else:
+            signal_workers(progress, sig)
     except BaseException:
         proc.kill()
         proc.wait()

@@ -65,6 +65,11 @@ def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def spec_from_args(args: argparse.Namespace) -> JobSpec:
+    if args.args and not args.config and args.args[0].endswith((".toml", ".json")):
+        raise ConfigError(
+            f"{args.args[0]!r} looks like a spec file but would become the program's arguments",
+            hint=f"pass it as --config {args.args[0]} (program arguments go after --)",
+        )
     return build_spec(args.config, spec_overrides(args))
 
 

@@ -10,8 +10,10 @@ abort).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import NoReturn
 
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.train import config
 
 
@@ -20,14 +22,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
+    cfg = config.from_args(args)  # bad settings fail here (exit 2), before torch is imported
+
     from hpc_ddp.dist import run_main
     from hpc_ddp.train.trainer import train
 
     # run_main prints any error with this process's rank and exits with its code, via os._exit.
-    run_main(lambda: train(config.from_args(args)).exit_code)
+    run_main(lambda: train(cfg).exit_code)
 
 
 def main(argv: list[str]) -> NoReturn:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.train", description=__doc__)
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    try:
+        run(parser.parse_args(argv))
+    except HpcDdpError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

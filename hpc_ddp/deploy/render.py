@@ -7,6 +7,7 @@ the templates in ``templates/`` only arrange them and carry the comments a reade
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,7 @@ TEMPLATES = {
     "torchrun": "torchrun.sbatch.j2",
 }
 DEFAULT_COMMAND = "hpc-ddp render"
+_BLANKS = re.compile(r"\n{3,}")
 
 
 @dataclass(frozen=True)
@@ -190,4 +192,5 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         python_q=shlex.quote(spec.python),
     )
     template = _environment().get_template(TEMPLATES[spec.layout])
-    return template.render(r=ctx)
+    # Optional sections leave empty lines behind; keep at most one blank line between sections.
+    return _BLANKS.sub("\n\n", template.render(r=ctx))

@@ -6,6 +6,7 @@ toolkit's default when no Slurm is configured. See docs/local-cluster.md.
 
 from hpc_ddp.localslurm.client import JobResult, SlurmClient, wait_for
 from hpc_ddp.localslurm.daemons import ClusterStartError, LocalCluster, check_prerequisites
+from hpc_ddp.localslurm.embedded import default_state_dir, ensure_local_cluster
 
 __all__ = [
     "ClusterStartError",
@@ -13,5 +14,7 @@ __all__ = [
     "LocalCluster",
     "SlurmClient",
     "check_prerequisites",
+    "default_state_dir",
+    "ensure_local_cluster",
     "wait_for",
 ]

@@ -14,6 +14,9 @@ MAX_ROOT_LEN = 64
 # Every name resolves to this address (see hosts.py): the same answer in every cluster, so two
 # clusters that both call their first node "node1" never disagree about where it is.
 NODE_ADDR = "127.0.0.1"
+# Everything a cluster writes in its dir: start and stop remove these names and nothing else,
+# so a --dir pointed at a directory holding other files never loses them.
+OWNED_NAMES = frozenset({"state", "log", "run", "jobs", "spool", "dev", "slurm.conf", "gres.conf"})
 
 
 @dataclass(frozen=True)

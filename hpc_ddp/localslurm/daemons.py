@@ -22,6 +22,7 @@ from hpc_ddp.localslurm import hosts, procs
 from hpc_ddp.localslurm.client import SlurmClient, client_env, wait_for
 from hpc_ddp.localslurm.config import (
     NODE_ADDR,
+    OWNED_NAMES,
     ClusterConfig,
     render_gres_conf,
     render_slurm_conf,
@@ -159,6 +160,7 @@ class LocalCluster:
     def start(self, timeout_s: float = 30) -> None:
         """Start the daemons and wait until every node is idle. Undoes itself on failure."""
         check_prerequisites()
+        self._check_dir_is_ours()
         if self.is_running():
             raise HpcDdpError(
                 f"a local cluster is already running in {self.root}",
@@ -192,7 +194,7 @@ class LocalCluster:
     def _start_once(self, timeout_s: float) -> None:
         cfg = self.config
         deadline = time.monotonic() + timeout_s
-        shutil.rmtree(self.root, ignore_errors=True)  # old state would resurrect old jobs
+        self._remove_files()  # old state would resurrect old jobs
         for d in cfg.dirs():
             d.mkdir(parents=True, exist_ok=True)
         cfg.conf_path.write_text(render_slurm_conf(cfg))
@@ -295,9 +297,30 @@ class LocalCluster:
             for name in ("pids", "cluster.json"):
                 (self.root / "run" / name).unlink(missing_ok=True)
         else:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._remove_files()
         if left:
             raise HpcDdpError(f"processes {sorted(left)} of {self.root} survived SIGKILL")
+
+    def _remove_files(self) -> None:
+        """Remove what the cluster wrote, then the dir itself if that left it empty."""
+        for name in OWNED_NAMES:
+            path = self.root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+    def _check_dir_is_ours(self) -> None:
+        foreign = sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
+        foreign = [name for name in foreign if name not in OWNED_NAMES]
+        if foreign:
+            raise ConfigError(
+                f"{self.root} holds files that are not a local cluster's: "
+                + ", ".join(foreign[:5]),
+                hint="give the cluster an empty or new dir of its own (--dir)",
+            )
 
     def _cancel_jobs(self, timeout_s: float) -> None:
         client = self.client()

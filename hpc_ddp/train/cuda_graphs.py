@@ -75,8 +75,9 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
         if "capturable" not in group:
             raise ConfigError(f"{type(optimizer).__name__} has no capturable mode; use Adam")
         group["capturable"] = True
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor) or lr.device != device:  # a restore loads it on CPU
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
     for state in optimizer.state.values():  # e.g. 'step' restored on the CPU from a checkpoint
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != device:

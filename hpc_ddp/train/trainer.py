@@ -7,12 +7,11 @@ that fails alone is reported by name instead of leaving the others in a collecti
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,47 +24,13 @@ from hpc_ddp.train.checkpoint import Checkpointer, RunDirLock
 from hpc_ddp.train.collectives import Comm
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
+from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.preemption import EXIT_REQUEUE, PreemptionFlag, requeue
+from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.sampler import ShardPlan
 
 HOLD_TIMEOUT_S = 120.0
-
-
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint, so a resume continues every counter."""
-
-    epoch: int = 0  # current epoch (0-based)
-    start: int = 0  # GLOBAL samples of this epoch already trained on
-    global_step: int = 0
-    epoch_loss_sum: float = 0.0
-    epoch_loss_count: float = 0.0
-    epoch_times: dict[str, float] = field(default_factory=lambda: Times().to_dict())
-    samples_total: int = 0  # global training samples over all attempts
-    train_seconds: float = 0.0  # time inside steps over all attempts
-    wall_seconds: float = 0.0  # wall time of earlier attempts
-    interruptions: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    mode = cfg.amp if cfg.amp != "auto" else ("bf16" if device.type == "cuda" else "off")
-    if mode != "off" and device.type != "cuda":
-        raise ConfigError(f"amp={cfg.amp} needs a GPU", hint="use --amp off (or auto) on CPU")
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        span = max(total_steps - cfg.warmup_steps, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(step - cfg.warmup_steps, span) / span))
-
-    return factor
 
 
 class Trainer:
@@ -124,12 +89,7 @@ class Trainer:
             self.model: torch.nn.Module = DDP(self.net, device_ids=ids)
         else:
             self.model = self.net
-        if cfg.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(
-                net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
-        else:
-            opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = build_optimizer(cfg, net.parameters())
         total = self.plan.steps_per_epoch() * cfg.epochs
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp == torch.float16)

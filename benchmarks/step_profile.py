@@ -1,0 +1,103 @@
+"""Where a training step's time goes: eager DDP vs the captured step, with and without the
+per-step host sync the trainer does (reading the loss), on random data already on the GPU.
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/step_profile.py --json out.json
+
+Per variant: host wall time per step over ``--steps`` steps (synchronised at the end only, so
+CPU launch work and GPU work overlap as they would in a loop that never waits), and for the
+graph the GPU time of back-to-back replays (CUDA events): the floor a step can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_ddp.train.cuda_graphs import GraphedStep
+from hpc_ddp.train.models import build_model
+
+
+def eager_step(model, opt, x, y, amp):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+        out = model(x)
+    loss = F.cross_entropy(out.float(), y, reduction="sum")
+    (loss / y.shape[0]).backward()
+    opt.step()
+    return loss
+
+
+def timed(fn, steps: int, sync_each: bool) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = fn()
+        if sync_each:
+            float(loss)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def profile(model_name: str, batch: int, amp, steps: int, dev: torch.device) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, device=dev)
+    y = torch.randint(0, 100, (batch,), device=dev)
+    res: dict = {}
+    net = build_model(model_name, 100).to(dev)
+    ddp = DDP(net, device_ids=[dev])
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0, foreach=True)
+    for sync in (False, True):
+        key = f"eager_ddp{'_sync' if sync else ''}_ms"
+        res[key] = 1e3 * timed(lambda: eager_step(ddp, opt, x, y, amp), steps, sync)
+    net2 = build_model(model_name, 100).to(dev)
+    graphed = GraphedStep(
+        net2, torch.optim.AdamW(net2.parameters(), lr=1e-3, weight_decay=0), amp_dtype=amp
+    )
+    for sync in (False, True):
+        key = f"graphed{'_sync' if sync else ''}_ms"
+        res[key] = 1e3 * timed(lambda: graphed.step(x, y), steps, sync)
+    g = graphed.graphs[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    res["graph_replay_gpu_ms"] = start.elapsed_time(end) / steps
+    res["replays"] = graphed.replays
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    n = dist.get_world_size()
+    out = {"gpus": n, "gpu_name": torch.cuda.get_device_name(dev)}
+    out["lenet_b64_fp32"] = profile("lenet", 64, None, args.steps, dev)
+    out["resnet18_b256_bf16"] = profile("resnet18", 256, torch.bfloat16, 50, dev)
+    if dist.get_rank() == 0:
+        print("STEP_PROFILE " + json.dumps(out), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
