@@ -13,6 +13,7 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
   nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
+  profile  per-step time of eager DDP vs the captured step (benchmarks/step_profile.py)
 Every command runs as a subprocess with its own timeout, its log kept; each result is appended
 to ``<out>/bench.json`` as soon as it exists, so a cut-off run still leaves its numbers.
 """
@@ -188,6 +189,10 @@ class Bench:
             self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
         top = max(self.gpus)
         self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
+        if top > 1:  # the all-reduce outside the graph (two graphs per step), for comparison
+            env = {"HPC_DDP_GRAPH_ALLREDUCE": "0"}
+            flags = self.lenet_flags(f"lenet{top}s", True)
+            self.ours(f"ours_lenet_{top}gpu_split", top, flags, env=env)
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
@@ -271,6 +276,16 @@ class Bench:
                 res.update(json.loads(out.read_text()))
             self.record(f"nccl_{n}gpu", {"kind": "nccl", **res})
 
+    # -------------------------------------------------------------- profile
+    def suite_profile(self) -> None:
+        for n in sorted({min(self.gpus), max(self.gpus)}):
+            out = self.work / f"profile_{n}.json"
+            cmd = [*self.torchrun(n), str(BENCH / "step_profile.py"), "--json", str(out)]
+            res = self.run(f"profile_{n}gpu", cmd, timeout=150)
+            if out.exists():
+                res.update(json.loads(out.read_text()))
+            self.record(f"profile_{n}gpu", {"kind": "profile", **res})
+
     # ---------------------------------------------------------------- main
     def main(self) -> None:
         self.gpus = sorted(int(g) for g in self.args.gpus.split(","))
@@ -281,6 +296,7 @@ class Bench:
             "resume": self.suite_resume,
             "nccl": self.suite_nccl,
             "refx": self.suite_refx,
+            "profile": self.suite_profile,
         }
         for name in self.args.suites.split(","):
             t0 = time.time()
@@ -297,7 +313,7 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to run, e.g. 1,2,4,8")
-    parser.add_argument("--suites", default="ref,scaling,nccl,resume")
+    parser.add_argument("--suites", default="ref,scaling,nccl,profile,resume")
     parser.add_argument("--single", action="store_true", help="refx: also the 1-GPU no-DDP run")
     parser.add_argument("--out", required=True, help="bench.json, tables.md and logs go here")
     parser.add_argument("--work", default="/tmp/hpc-ddp-bench", help="data and run dirs")

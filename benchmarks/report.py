@@ -48,6 +48,7 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
     for name, label in (
         ("eager", "hpc-ddp train (eager DDP, no graphs)"),
         ("again", "hpc-ddp train --cuda-graphs (again)"),
+        ("split", "hpc-ddp train --cuda-graphs, all-reduce outside the graph"),
     ):
         for key, run in runs.items():
             if key.startswith("ours_lenet_") and key.endswith(name):
@@ -192,6 +193,27 @@ def table_allreduce(runs: dict, gpus: list[int]) -> list[str]:
     return out
 
 
+def table_profile(runs: dict) -> list[str]:
+    rows = [(k, r) for k, r in runs.items() if r.get("kind") == "profile" and r.get("gpus")]
+    if not rows:
+        return []
+    out = ["", "### Step profile (ms per step; random data on the GPU; benchmarks/step_profile.py)"]
+    cols = [
+        "eager_ddp_ms",
+        "eager_ddp_sync_ms",
+        "graphed_ms",
+        "graphed_sync_ms",
+        "graph_replay_gpu_ms",
+    ]
+    out += ["", "| workload | GPUs | " + " | ".join(cols) + " |", "|---" * (2 + len(cols)) + "|"]
+    for _, r in rows:
+        for wl in ("lenet_b64_fp32", "resnet18_b256_bf16"):
+            if wl in r:
+                cells = " | ".join(_f(r[wl].get(c), ".3f") for c in cols)
+                out.append(f"| {wl} | {r['gpus']} | {cells} |")
+    return out
+
+
 def tables(results: dict) -> str:
     runs = results.get("runs", {})
     meta = results.get("meta", {})
@@ -208,6 +230,7 @@ def tables(results: dict) -> str:
         + table_ttfs(runs)
         + table_ckpt(runs)
         + table_allreduce(runs, gpus)
+        + table_profile(runs)
     )
     return "\n".join(head + body) + "\n"
 

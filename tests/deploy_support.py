@@ -57,9 +57,17 @@ def progress_status(run_dir: Path) -> str | None:
         return None
 
 
+# Each test module that imports the fixture gets its own fixture definition; this cache makes
+# them share one run per cluster (the cluster fixture lives for the whole session).
+_REFERENCE: dict[str, tuple[Path, Finished]] = {}
+
+
 @pytest.fixture(scope="session", name="reference_run")
 def reference_run_fixture(slurm_cluster, tmp_path_factory) -> tuple[Path, Finished]:
     """(its working dir, how it ended): result.json is in <dir>/run."""
-    cwd = tmp_path_factory.mktemp("reference")
-    job_id, out = submit_spec(train_spec("reference"), cwd, slurm_cluster.env)
-    return cwd, wait_job(job_id, slurm_cluster.env, timeout_s=180, output=out)
+    key = str(slurm_cluster.cluster.root)
+    if key not in _REFERENCE:
+        cwd = tmp_path_factory.mktemp("reference")
+        job_id, out = submit_spec(train_spec("reference"), cwd, slurm_cluster.env)
+        _REFERENCE[key] = (cwd, wait_job(job_id, slurm_cluster.env, timeout_s=180, output=out))
+    return _REFERENCE[key]

@@ -58,7 +58,10 @@ def test_full_disk_on_one_rank_makes_every_rank_raise(tmp_path, full_disk):
     root = full_disk / "run"
     first = launch(tmp_path, root, 2, "--steps", "10", tag="first")
     assert first.wait() == [0, 0], first.logs()
-    ranks = launch(tmp_path, root, 2, "--steps", "20", "--big-rank", "1", "--big-mb", "4")
+    # Rank 1 starts writing only after rank 0 has written its files: otherwise rank 1 may fill
+    # the disk first and rank 0 fails on its own ENOSPC (also correct, but not this test).
+    args = ["--steps", "20", "--big-rank", "1", "--big-mb", "4", "--rank0-writes-first"]
+    ranks = launch(tmp_path, root, 2, *args)
     assert ranks.wait(timeout=90) == [3, 3], ranks.logs()
     e0, e1 = ranks.result(0)["error"], ranks.result(1)["error"]
     assert e1["type"] == "CheckpointWriteError" and "ENOSPC" in e1["message"], e1

@@ -7,6 +7,7 @@ machine (no second physical host exists here).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -81,6 +82,24 @@ def test_rendered_script_stop_action(tmp_path: Path) -> None:
         assert stop.stdout.count(": stopped") == 2, stop.stdout
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0, out
+        assert_no_processes_left(launch_id)
+    finally:
+        proc.kill()
+        kill_leftovers(launch_id)
+
+
+def test_rendered_script_ctrl_c_stops_every_host(tmp_path: Path) -> None:
+    script, launch_id = _render("clush", tmp_path, ["sleep", "600"])
+    state = tmp_path / "state" / launch_id
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(lambda: state.is_dir() and len(list(state.glob("*.pgid"))) == 2, 60,
+                   "both hosts to record their process groups")  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+        assert "interrupted; stopping every host" in out
         assert_no_processes_left(launch_id)
     finally:
         proc.kill()

@@ -191,3 +191,23 @@ def test_rendered_script_names_its_order_and_stop() -> None:
     from hpc_ddp import __version__
 
     assert f"Rendered by `hpc-ddp launch` (hpc-ddp {__version__})" in text.splitlines()[1]
+
+
+def test_launch_modules_never_import_torch() -> None:
+    """deploy/ must stay torch-free: a dry run or a stop answers at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hpc_ddp.commands.launch, hpc_ddp.deploy.launch_runner, "
+        "hpc_ddp.deploy.launch_script, hpc_ddp.deploy.node_agent; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_tool_is_a_clear_error() -> None:
+    res = hpc_ddp(["launch", "pdsh", "--hosts", "n1", "--tool-path", "/nonexistent/pdsh", "--",
+                   "true"])  # fmt: skip
+    assert res.returncode == 2
+    assert "'/nonexistent/pdsh' is not installed" in res.stderr and "HINT:" in res.stderr

@@ -44,8 +44,8 @@ def launches() -> Iterator[list[Launch]]:
 
 
 def _json_lines(stdout: str) -> dict[str, list[dict]]:
-    """JSON objects per host. Two local processes share one pipe to pdsh, and pdsh can put
-    two objects on one line (seen 1 in ~10 runs), so decode objects, not lines."""
+    """JSON objects per host. A host's processes share one pipe, and unbuffered Python
+    (PYTHONUNBUFFERED=1) prints text and newline in two writes: two objects can share a line."""
     by_host: dict[str, list[dict]] = {}
     decoder = json.JSONDecoder()
     for line in stdout.splitlines():
@@ -79,7 +79,7 @@ def test_env_on_two_hosts(tool: str, mode: str, tmp_path: Path, launches: list[L
     assert sorted(ranks) == [0, 1, 2, 3]
     assert len({e["master_port"] for envs in by_host.values() for e in envs}) == 1
     assert "all 2 host(s) finished with exit code 0" in res.stderr
-    assert list((launch.state_dir / launch.launch_id).iterdir()) == []  # pid files cleaned up
+    assert not (launch.state_dir / launch.launch_id).exists()  # pid files and dir cleaned up
     assert_no_processes_left(launch.launch_id)
 
 
@@ -176,9 +176,10 @@ def test_failing_host_stops_the_others(
     launch = launch_args(tool, tmp_path, mode=mode)
     launches.append(launch)
     res = hpc_ddp([*launch.base, "--", *ONE_HOST_FAILS], timeout=BOUND_S + 30)
-    assert res.returncode == 3, res.stderr
+    code = 3 if mode == "processes" else 1  # torchrun exits 1 whatever its worker's code
+    assert res.returncode == code, res.stderr
     assert res.seconds < BOUND_S, res.stderr
-    assert "host node1 failed (exit code 3)" in res.stderr, res.stderr
+    assert f"host node1 failed (exit code {code})" in res.stderr, res.stderr
     assert re.search(r"host=node0 node_rank=0 exit=[1-9]", res.stderr), res.stderr  # stopped
     assert_no_processes_left(launch.launch_id)
 
@@ -236,12 +237,14 @@ def _sleepers(launch_id: str) -> int:
 def test_stop_command_ends_a_running_launch(
     tool: str, tmp_path: Path, launches: list[Launch]
 ) -> None:
-    """torchrun puts its workers in sessions of their own: stop must end them too."""
+    """torchrun puts its workers in sessions of their own: stop must end them too. The stop
+    goes through the *other* tool: what it needs (tags, pid files) does not depend on the tool."""
     launch = launch_args(tool, tmp_path, mode="torchrun")
     launches.append(launch)
     proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
     wait_until(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' workers to start")
-    stop = hpc_ddp(launch.stop_args(via=tool), timeout=BOUND_S)
+    other = "clush" if tool == "pdsh" else "pdsh"
+    stop = hpc_ddp(launch.stop_args(via=other), timeout=BOUND_S)
     assert stop.returncode == 0, stop.stderr + stop.stdout
     for host in ("node0", "node1"):
         assert f"{host}: hpc-ddp-launch-stop: {host}: stopped" in stop.stdout, stop.stdout

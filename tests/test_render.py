@@ -240,3 +240,8 @@ def test_per_rank_logs_go_to_one_file_per_rank() -> None:
     assert "--output=logs/%x-%j.out.rank%t" in step and "--open-mode=append" in step
     with pytest.raises(ConfigError, match="per_rank_logs needs launcher srun"):
         JobSpec(launcher="torchrun", per_rank_logs=True)
+
+
+def test_gpus_per_process_env_must_agree_with_the_spec() -> None:
+    with pytest.raises(ConfigError, match="contradicts gpus_per_process=8"):
+        JobSpec(gpus_per_node=8, gpus_per_process=8, env={"HPC_DDP_GPUS_PER_PROCESS": "4"})

@@ -32,6 +32,7 @@ from deploy_support import (
 from hpc_ddp.deploy import JobSpec, render
 from hpc_ddp.deploy.submit import wait_job
 from hpc_ddp.localslurm import wait_for
+from hpc_ddp.localslurm.client import TERMINAL
 
 pytestmark = pytest.mark.slurm
 
@@ -81,19 +82,27 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
         spec = train_spec(f"pre-{launcher}", launcher=launcher)
         spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
         jobs[launcher] = (cwd, *submit_spec(spec, cwd, slurm_cluster.env))
-    for launcher, (cwd, job_id, _) in jobs.items():
+    for launcher, (cwd, _, _) in jobs.items():
         wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{launcher} hold")
+    for launcher, (_, job_id, _) in jobs.items():
         slurm_cluster.run(["scancel", "--signal=USR1", *cases[launcher], job_id])
     reference = read_result(reference_run[0] / "run")["params_sha256"]
+    # Watch both jobs' states together: each was RUNNING (holding) when signalled and must be
+    # seen PENDING (requeued) before it ends.
+    states: dict[str, list[str]] = {job_id: [] for _, job_id, _ in jobs.values()}
+
+    def all_ended() -> bool:
+        for job_id, seen in states.items():
+            seen.append(slurm_cluster.job_state(job_id))
+        return all(seen[-1] in TERMINAL for seen in states.values())
+
+    wait_for(all_ended, 180, "both preempted jobs to finish", interval_s=0.2)
     for launcher, (cwd, job_id, out) in jobs.items():
-        states: list[str] = []
-        done = wait_job(
-            job_id, slurm_cluster.env, timeout_s=180, output=out,
-            on_poll=lambda info, st=states: st.append(info.get("JobState", "?")),
-        )  # fmt: skip
+        done = wait_job(job_id, slurm_cluster.env, timeout_s=10, output=out)
+        seen = states[job_id]
+        assert "PENDING" in seen, seen  # it really went back to the queue
         log = out.read_text()
         assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
-        assert "PENDING" in states[states.index("RUNNING") :], states  # it really went back
         assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
         assert "resumed from" in log, log
         result = read_result(cwd / "run")
@@ -256,3 +265,24 @@ def test_submit_rejects_a_bad_spec_before_sbatch(slurm_cluster, tmp_path: Path) 
     assert proc.returncode == 2 and "valid gpus_per_process" in proc.stderr
     assert "submitted" not in proc.stdout
     assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout == before
+
+
+def test_broken_launch_env_fails_in_preflight_not_in_training(
+    slurm_gpu_cluster, tmp_path: Path
+) -> None:
+    """Two processes per node that each want both of the node's 2 (fake) GPUs: the preflight
+    step refuses in seconds with a HINT and the training step never starts."""
+    spec = JobSpec(
+        name="bad-gpus", nodes=2, gpus_per_node=2, python=sys.executable, output="%x-%j.out",
+        time="5", setup=["export HPC_DDP_GPUS_PER_PROCESS=2  # the mistake"],
+        module="hpc_ddp.deploy.port",  # would print a port if it ever ran
+    )  # fmt: skip
+    start = time.monotonic()
+    job_id, out = submit_spec(spec, tmp_path, slurm_gpu_cluster.env)
+    done = wait_job(job_id, slurm_gpu_cluster.env, timeout_s=60, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("FAILED", 2), log
+    assert "preflight FAILED" in log and "GPUs per node" in log and "HINT" in log, log
+    assert "preflight failed, not starting training" in log
+    assert "step ended" not in log
+    assert time.monotonic() - start < 30

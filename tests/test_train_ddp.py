@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from trainer_helpers import (
+    finish,
+    holding,
     interrupt_at,
+    read_json,
     read_metrics,
     read_result,
     run,
     single_cmd,
+    start,
     torchrun_cmd,
     train_args,
+    wait_for_progress,
 )
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """An uninterrupted 2-rank run: 256 samples, 2 ranks x 16 -> 8 steps per epoch, 2 epochs."""
+    ref_dir = tmp_path_factory.mktemp("ref") / "run"
+    done = run(torchrun_cmd(2, train_args(ref_dir, data_dir)))
+    assert done.returncode == 0, done.stderr
+    return ref_dir
 
 
 def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -30,12 +46,9 @@ def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
-    tmp_path: Path, data_dir: Path
+    tmp_path: Path, data_dir: Path, reference: Path
 ) -> None:
-    # 256 samples, 2 ranks x 16: 8 steps per epoch, 2 epochs.
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = run(torchrun_cmd(2, train_args(ref_dir, data_dir)))
-    assert ref.returncode == 0, ref.stderr
+    ref_dir, run_dir = reference, tmp_path / "run"
     reference = read_result(ref_dir)
     assert reference["world_size"] == 2 and reference["steps"] == 16
 
@@ -62,7 +75,9 @@ def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
         signal.SIGTERM,
         launcher=True,  # to torchrun, which forwards it to both workers
     )
-    assert rc != 0 and "exitcode  : 75" in log and "preempted (SIGTERM)" in log, log
+    # torchrun itself dies of the signal (no exit-code summary); the workers checkpointed first.
+    assert rc != 0 and "preempted (SIGTERM): checkpointed at step 11" in log, log
+    assert read_json(run_dir / "progress.json")["status"] == "preempted"
     assert "step 3" in log  # it resumed from the first interruption
 
     final = run(torchrun_cmd(2, args))
@@ -74,6 +89,33 @@ def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
     assert [r["train_loss"] for r in read_metrics(run_dir)] == [
         r["train_loss"] for r in read_metrics(ref_dir)
     ]
+
+
+def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
+    tmp_path: Path, data_dir: Path, reference: Path
+) -> None:
+    """SIGKILL one rank mid-run (no handler can run): the job must fail, not hang, and a rerun
+    continues from the last committed checkpoint to the uninterrupted run's exact weights."""
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir, checkpoint_every_steps=2)
+    log = tmp_path / "killed.log"
+    proc = start(torchrun_cmd(2, [*args, "--debug-hold-at-step", "5"]), log)
+    try:
+        progress = wait_for_progress(run_dir, holding, proc)
+        os.kill(progress["pids"][1], signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        raise
+    started = time.monotonic()
+    rc, text = finish(proc, log, timeout=90)
+    assert rc != 0 and "exitcode  : -9" in text, text
+    assert time.monotonic() - started < 60, "the surviving rank hung instead of failing"
+    assert not (run_dir / "result.json").exists()
+
+    resumed = run(torchrun_cmd(2, args))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step 4)" in resumed.stdout
+    assert read_result(run_dir)["params_sha256"] == read_result(reference)["params_sha256"]
 
 
 def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) -> None:

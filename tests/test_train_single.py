@@ -108,3 +108,5 @@ def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
     assert done.returncode == 2 and "data dir" in done.stderr and "does not exist" in done.stderr
     done = run(single_cmd(train_args(tmp_path / "r", data_dir, amp="bf16")))
     assert done.returncode == 2 and "amp=bf16 needs a GPU" in done.stderr
+    done = run(single_cmd(train_args(tmp_path / "r", data_dir, sync_bn=True)))
+    assert done.returncode == 2 and "sync_bn needs GPUs" in done.stderr

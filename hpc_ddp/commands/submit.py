@@ -16,12 +16,19 @@ from pathlib import Path
 
 from hpc_ddp.errors import ConfigError
 
-EXECUTORS = ("sbatch", "submitit", "local")
+# "slurm" is another name for "submitit" (submitit's AutoExecutor on the Slurm cluster).
+EXECUTORS = ("sbatch", "submitit", "slurm", "local")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", type=Path, help="a rendered .sbatch script or a .toml/.json spec")
-    parser.add_argument("--executor", choices=EXECUTORS, default="sbatch")
+    parser.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="sbatch",
+        help="sbatch (default); submitit or slurm: submitit's AutoExecutor on Slurm; "
+        "local: submitit's LocalExecutor on this machine (spec files only)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=3600, help="seconds to wait before cancelling the job"
     )
@@ -58,14 +65,15 @@ def run(args: argparse.Namespace) -> int:
         )
     from hpc_ddp.deploy.submitit_backend import run_spec
 
+    executor = "submitit" if args.executor == "slurm" else args.executor
     return run_spec(
         job,
-        executor=args.executor,
+        executor=executor,
         folder=args.folder,
         timeout_s=args.timeout,
         wait=not args.no_wait,
         follow=None if args.quiet else sys.stdout,
-        cluster_env=None if args.executor == "local" else _cluster_env(2, 0),
+        cluster_env=None if executor == "local" else _cluster_env(2, 0),
     )
 
 

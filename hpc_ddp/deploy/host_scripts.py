@@ -78,7 +78,7 @@ def host_script(spec: LaunchSpec) -> str:
         ]
     tag = "hpc-ddp-launch:"
     lines = [
-        f"# hpc-ddp launch {spec.launch_id}: host script (node rank from the tool's %n)",
+        f"# hpc-ddp launch {spec.launch_id}: host script; %h = this host, %n = its node rank",
         f"host={_H}",
         f"node_rank={_N}",
         f"hosts=({' '.join(q(h) for h in spec.hosts)})",
@@ -104,12 +104,14 @@ def host_script(spec: LaunchSpec) -> str:
         # (or the launcher, when another host fails) can end everything it started here.
         f"setsid {shlex.join(payload_argv(spec))} </dev/null &",
         "pid=$!",
-        f'echo "$pid" > {pidfile}',
+        # mkdir again: another "host" sharing this dir may have just removed it (rmdir below)
+        f'mkdir -p {q(spec.launch_dir)}; echo "$pid" > {pidfile}',
         "trap 'kill -TERM -- -$pid 2>/dev/null' TERM INT HUP",
         'wait "$pid"; rc=$?',
         # a trapped signal interrupts wait: keep waiting for the real exit code
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done',
         f"rm -f {pidfile}",
+        f"rmdir --ignore-fail-on-non-empty {q(spec.launch_dir)} 2>/dev/null",
         f'echo "{tag} host=$host node_rank=$node_rank exit=$rc" >&2',
         "exit $rc",
     ]

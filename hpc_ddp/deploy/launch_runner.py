@@ -14,6 +14,8 @@ import contextlib
 import os
 import queue
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from typing import IO
 
 from hpc_ddp.cluster.hostlist import expand_hostlist
 from hpc_ddp.deploy.shell_launch import LaunchSpec, ToolCommand, launch_command, stop_command
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 
 TAG = "hpc-ddp launch:"
 # The tools' own per-host failure lines (pdsh on stderr, clush on stderr; clush may fold hosts
@@ -116,24 +118,26 @@ def _first_failure(
     return None
 
 
-def _start(cmd: ToolCommand, *, capture: bool) -> subprocess.Popen[str]:
-    try:
-        return subprocess.Popen(
-            list(cmd.argv),
-            env={**os.environ, **dict(cmd.env)},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if capture else None,
-            stderr=subprocess.PIPE if capture else None,
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # our signal handling decides what the tool gets
+def require_tool(spec: LaunchSpec) -> None:
+    if shutil.which(spec.tool_exe) is None:
+        raise ConfigError(
+            f"{spec.tool_exe!r} is not installed here (not found on PATH)",
+            hint="install it (Debian/Ubuntu: apt-get install pdsh clustershell; or pip install "
+            "clustershell), use the other tool, or pass --tool-path",
         )
-    except FileNotFoundError as err:
-        raise HpcDdpError(
-            f"{cmd.argv[0]!r} not found: {err}",
-            hint="install pdsh / clustershell (Debian: apt-get install pdsh clustershell), or "
-            "pass --tool-path",
-        ) from err
+
+
+def _start(cmd: ToolCommand) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        list(cmd.argv),
+        env={**os.environ, **dict(cmd.env)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # our signal handling decides what the tool gets
+    )
 
 
 def _kill_tree(proc: subprocess.Popen[str], grace_s: float) -> None:
@@ -154,6 +158,7 @@ def _kill_tree(proc: subprocess.Popen[str], grace_s: float) -> None:
 def stop_all(spec: LaunchSpec, out: IO[str] | None = None) -> int:
     """Run the stop script on every host (bounded by the tool's -u); its exit code."""
     out = out or sys.stderr
+    require_tool(spec)
     cmd = stop_command(spec)
     proc = subprocess.run(
         list(cmd.argv),
@@ -188,19 +193,27 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+def stop_hint(spec: LaunchSpec) -> str:
+    """The exact ``hpc-ddp launch stop`` command for this launch."""
+    return shlex.join(
+        ["hpc-ddp", "launch", "stop", "--via", spec.tool, "--rcmd", spec.rcmd, "--hosts",
+         ",".join(spec.hosts), "--launch-id", spec.launch_id, "--state-dir", spec.state_dir]
+    )  # fmt: skip
+
+
 def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
     """Start the launch; return 0 only if every host's command exited 0."""
+    require_tool(spec)
     cmd = launch_command(spec)
     print(
         f"{TAG} {spec.launch_id}: {spec.num_nodes} host(s) {','.join(spec.hosts)} x "
         f"{spec.nproc_per_node} process(es), {spec.mode}, master "
-        f"{spec.master_addr}:{spec.master_port} (stop: hpc-ddp launch stop --hosts "
-        f"{','.join(spec.hosts)} --launch-id {spec.launch_id})",
+        f"{spec.master_addr}:{spec.master_port}\n{TAG} to stop it: {stop_hint(spec)}",
         file=sys.stderr,
         flush=True,
     )
     events: queue.Queue[HostFailure | None] = queue.Queue()
-    proc = _start(cmd, capture=True)
+    proc = _start(cmd)
     assert proc.stdout is not None and proc.stderr is not None
     pumps = [
         threading.Thread(target=_pump, args=(s, sink, events), daemon=True)

@@ -51,7 +51,10 @@ def line(environ: dict[str, str] | None = None) -> str:
 
 def main() -> int:
     try:
-        print(line(), flush=True)
+        # One write() per line: under `python -u` (torchrun's workers) print() issues the text
+        # and the newline as two writes, and lines of processes sharing a pipe interleave.
+        sys.stdout.write(line() + "\n")
+        sys.stdout.flush()
     except HpcDdpError as err:
         print(f"hpc-ddp preflight FAILED on {socket.gethostname()}: {err}", file=sys.stderr)
         return 2

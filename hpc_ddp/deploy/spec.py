@@ -279,6 +279,12 @@ def _check(s: JobSpec) -> list[str]:
         p.append("output must name a log file, e.g. '%x-%j.out'")
     if s.per_rank_logs and s.launcher != "srun":
         p.append("per_rank_logs needs launcher srun (torchrun writes its own per-worker logs)")
+    gpp_env = s.env.get("HPC_DDP_GPUS_PER_PROCESS")
+    if gpp_env is not None and gpp_env != str(s.gpus_per_process):
+        p.append(
+            f"env HPC_DDP_GPUS_PER_PROCESS={gpp_env} contradicts gpus_per_process="
+            f"{s.gpus_per_process}; set gpus_per_process only (the script exports it)"
+        )
     for key in s.env:
         if not _ENV_KEY.match(key):
             p.append(f"env key {key!r} is not a valid variable name")

@@ -132,6 +132,7 @@ def wait_job(
     follower = LogFollower(output, follow)
     deadline = time.monotonic() + timeout_s
     info: dict[str, str] = {}
+    unknown_since: float | None = None
     while True:
         info = client.job_info(job_id)
         follower.poll()
@@ -139,7 +140,12 @@ def wait_job(
             on_poll(info)
         if info.get("JobState") in TERMINAL:
             break
-        if not info:
+        # A busy controller can miss one answer; a job gone for 15 s is really gone.
+        if info:
+            unknown_since = None
+        elif unknown_since is None:
+            unknown_since = time.monotonic()
+        elif time.monotonic() - unknown_since > 15:
             raise HpcDdpError(f"Slurm no longer knows job {job_id}", hint="check squeue/sacct")
         if time.monotonic() > deadline:
             client.run(["scancel", job_id], check=False)

@@ -17,6 +17,7 @@ imports torch.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,8 +91,6 @@ class TrainTask(submitit.helpers.Checkpointable):
         return self.summary(code)
 
     def summary(self, code: int) -> dict[str, Any]:
-        import json
-
         out: dict[str, Any] = {"exit_code": code}
         run_dir = _run_dir(self.argv)
         if run_dir is not None and (run_dir / "result.json").exists():

@@ -43,6 +43,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.lock = RunDirLock(self.run_dir)
         self.base_wall = 0.0  # wall seconds of earlier attempts (from the checkpoint)
+        self._progress_at = float("-inf")  # when progress.json was last written
 
     def elapsed(self) -> float:
         return self.base_wall + time.perf_counter() - self.t_start
@@ -55,6 +56,11 @@ class Trainer:
     def setup(self) -> bool:
         """Returns False when the run dir holds a finished run (nothing to do)."""
         self.amp = amp_dtype(self.cfg, self.ctx.device)  # before touching the run dir
+        if self.cfg.sync_bn and self.ctx.device.type != "cuda":
+            raise ConfigError(
+                "sync_bn needs GPUs: DDP runs SyncBatchNorm only on CUDA modules",
+                hint="drop --sync-bn on CPU (each rank then keeps its own BatchNorm statistics)",
+            )
         error: BaseException | None = None
         finished = False
         if self.rank == 0:
@@ -166,6 +172,12 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def write_progress(self, progress: Progress, status: str) -> None:
+        """Rank 0: progress.json, for monitors and tests; routine updates at most every 0.5 s
+        (a rename per step would load a parallel filesystem), status changes always."""
+        now = time.monotonic()
+        if status == "training" and now - self._progress_at < 0.5:
+            return
+        self._progress_at = now
         if self.rank == 0:
             info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
             info.update(pids=self.pids, world_size=self.world_size, start=progress.start)

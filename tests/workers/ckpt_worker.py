@@ -47,6 +47,11 @@ def main() -> int:
     p.add_argument("--big-mb", type=int, default=0)
     p.add_argument("--expect-model", default="")
     p.add_argument("--shared-mb", type=int, default=0, help="add this much to the model")
+    p.add_argument(
+        "--rank0-writes-first",
+        action="store_true",
+        help="other ranks start writing only once rank 0 has written (deterministic full disk)",
+    )
     a = p.parse_args()
 
     dist.init_process_group(
@@ -61,6 +66,16 @@ def main() -> int:
     armed = {"on": False}
 
     def on_phase(phase: str) -> None:
+        if a.rank0_writes_first and armed["on"]:
+            flag = a.out / "rank0-written"
+            if a.rank == 0 and phase == "written":
+                flag.write_text("")
+            elif a.rank > 0 and phase == "prepared":
+                deadline = time.monotonic() + 60
+                while not flag.exists():  # rank 0 is writing; bounded by the deadline
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("rank 0 did not finish writing within 60 s")
+                    time.sleep(0.01)
         if armed["on"] and a.pause and int(pause_rank) == a.rank and phase == pause_phase:
             (a.out / f"paused-{a.rank}").write_text(phase)
             threading.Event().wait()  # until SIGKILL: the test waits for the file, then kills
