@@ -14,6 +14,7 @@ Suites (see benchmarks/README.md for what each measures and the targets):
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
   nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
   profile  per-step time of eager DDP vs the captured step (benchmarks/step_profile.py)
+  tests    tests/test_gpu.py, the trainer's GPU checks
 Every command runs as a subprocess with its own timeout, its log kept; each result is appended
 to ``<out>/bench.json`` as soon as it exists, so a cut-off run still leaves its numbers.
 """
@@ -162,7 +163,7 @@ class Bench:
         n: int,
         flags: list[str],
         probe: list[str] | None = None,
-        timeout: float = 120,
+        timeout: float = 75,
         env: dict | None = None,
     ) -> dict:
         out = self.work / f"{name}.json"
@@ -193,6 +194,8 @@ class Bench:
             env = {"HPC_DDP_GRAPH_ALLREDUCE": "0"}
             flags = self.lenet_flags(f"lenet{top}s", True)
             self.ours(f"ours_lenet_{top}gpu_split", top, flags, env=env)
+        flags = self.lenet_flags(f"lenet{top}p", True)
+        self.ours(f"ours_lenet_{top}gpu_noprogress", top, flags, probe=["--probe-no-progress-file"])
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
@@ -276,6 +279,19 @@ class Bench:
                 res.update(json.loads(out.read_text()))
             self.record(f"nccl_{n}gpu", {"kind": "nccl", **res})
 
+    # ---------------------------------------------------------------- tests
+    def suite_tests(self) -> None:
+        """tests/test_gpu.py (``--tests-k`` selects), each test bounded by pytest-timeout."""
+        cmd = [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "--timeout", "100"]
+        cmd += ["--junitxml", str(self.out / "gpu_tests.xml")]
+        if self.args.tests_k:
+            cmd += ["-k", self.args.tests_k]
+        res = self.run("gpu_tests", cmd, timeout=self.args.tests_timeout)
+        log = Path(res.get("log", "/nonexistent"))
+        if log.exists():
+            res["summary"] = log.read_text(errors="replace").strip().splitlines()[-1:]
+        self.record("gpu_tests", {"kind": "tests", **res})
+
     # -------------------------------------------------------------- profile
     def suite_profile(self) -> None:
         for n in sorted({min(self.gpus), max(self.gpus)}):
@@ -297,6 +313,7 @@ class Bench:
             "nccl": self.suite_nccl,
             "refx": self.suite_refx,
             "profile": self.suite_profile,
+            "tests": self.suite_tests,
         }
         for name in self.args.suites.split(","):
             t0 = time.time()
@@ -314,6 +331,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts to run, e.g. 1,2,4,8")
     parser.add_argument("--suites", default="ref,scaling,nccl,profile,resume")
+    parser.add_argument("--tests-k", default="", help="pytest -k expression for the tests suite")
+    parser.add_argument("--tests-timeout", type=float, default=200)
     parser.add_argument("--single", action="store_true", help="refx: also the 1-GPU no-DDP run")
     parser.add_argument("--out", required=True, help="bench.json, tables.md and logs go here")
     parser.add_argument("--work", default="/tmp/hpc-ddp-bench", help="data and run dirs")

@@ -188,6 +188,7 @@ def main() -> None:
     ours = argparse.ArgumentParser()
     ours.add_argument("--probe-json", required=True)
     ours.add_argument("--probe-no-ddp", action="store_true")
+    ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
         "--probe-deterministic",
         action="store_true",
@@ -203,9 +204,25 @@ def main() -> None:
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
 
+    if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
+        tr.Trainer.write_progress = lambda self, progress, status: None  # type: ignore[method-assign]
+    destroy = torch.distributed.destroy_process_group
+    done: list[int] = []
+
+    def report_then_destroy(*args: Any, **kwargs: Any) -> Any:
+        # Training is over when the trainer destroys its group: report first, so that the
+        # figures survive even if the teardown were to hang.
+        if int(os.environ.get("RANK", 0)) == 0 and not done:
+            report(pargs.probe_json, cfg, 0)
+            done.append(1)
+        return destroy(*args, **kwargs)
+
+    torch.distributed.destroy_process_group = report_then_destroy
+
     def run() -> int:
         code = tr.train(cfg).exit_code
         if int(os.environ.get("RANK", 0)) == 0:
+            EVENTS.append(("exit", time.time(), time.time()))
             report(pargs.probe_json, cfg, code)
         return code
 

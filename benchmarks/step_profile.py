@@ -74,6 +74,7 @@ def profile(model_name: str, batch: int, amp, steps: int, dev: torch.device) -> 
     end.synchronize()
     res["graph_replay_gpu_ms"] = start.elapsed_time(end) / steps
     res["replays"] = graphed.replays
+    graphed.release()  # before the process group goes (see GraphedStep.release)
     return res
 
 

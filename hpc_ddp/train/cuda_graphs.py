@@ -189,6 +189,17 @@ class GraphedStep:
                 self._update()
             self.graphs.append(second)
 
+    def release(self) -> None:
+        """Destroy the graphs. Must run before the process group is destroyed: NCCL keeps the
+        resources of a captured all-reduce until its graph is gone, and ncclCommDestroy waits
+        for them, so destroying the group first hangs forever (seen on H200s, NCCL 2.28)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            for graph in self.graphs:
+                graph.reset()
+            self.graphs = []
+            torch.cuda.synchronize(self.device)
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.prepared:  # after the trainer restored a checkpoint into the optimizer
             if self.capture and self.device.type == "cuda":
@@ -245,3 +256,7 @@ class GraphedStepper:
         times.compute += time.perf_counter() - t0
         self.comm_timer.bucket_calls += int(self.graphed.world_size > 1)
         return result, len(y)
+
+    def close(self) -> None:
+        """Call before ``destroy_process_group`` (see ``GraphedStep.release``)."""
+        self.graphed.release()

@@ -364,6 +364,8 @@ def train(config: TrainConfig, *, ctx: Any = None) -> results.Result:
         flag.uninstall()
         trainer.lock.release()
     if own_group:
+        # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
+        getattr(trainer.stepper, "close", lambda: None)()
         dist.destroy_process_group()  # only on success: on errors peers may be gone
     return result
 

@@ -70,7 +70,7 @@ def main() -> int:
             flag = a.out / "rank0-written"
             if a.rank == 0 and phase == "written":
                 flag.write_text("")
-            elif a.rank > 0 and phase == "prepared":
+            elif a.rank > 0 and phase == "writing":
                 deadline = time.monotonic() + 60
                 while not flag.exists():  # rank 0 is writing; bounded by the deadline
                     if time.monotonic() > deadline:

@@ -49,7 +49,8 @@ class Checkpointer:
     Call :meth:`save` and :meth:`load_latest` on every rank, with the same arguments where they
     are shared. ``agree`` (optional) is ``all_ok = agree(local_ok)`` across ranks; without it the
     initialised torch.distributed group is used, else ``barrier``. ``on_phase`` is called with
-    "prepared" and "written" (every rank, when its local part is done, before the agreement),
+    "prepared", "writing" and "written" (every rank; the first and last when its local part
+    is done, before the agreement),
     then "manifest", "renamed", "committed" (rank 0): tests use it to crash a rank at a chosen
     point.
     """
@@ -118,6 +119,7 @@ class Checkpointer:
         self._phase("prepare", step, prepare)
 
         def write() -> None:
+            self._on_phase("writing")
             if self.rank == 0:
                 state["files"] = {SHARED_FILE: self._torch_save(tmp / SHARED_FILE, state["shared"])}
             state["own"] = self._torch_save(tmp / rank_file(self.rank), per_rank)
