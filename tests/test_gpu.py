@@ -328,7 +328,7 @@ def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
 @need(1)
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
-    from hpc_ddp.train.cuda_graphs import GraphedStep
+    from hpc_ddp.train.cuda_graphs import GraphedStep, make_capturable
     from hpc_ddp.train.models import build_model
 
     torch.backends.cudnn.deterministic = True
@@ -340,6 +340,7 @@ def test_graphed_step_replays_and_matches_eager() -> None:
     steps = []
     for model, capture in ((a, False), (b, True)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0)
+        make_capturable(opt, dev)  # the same optimizer arithmetic on both sides
         steps.append(GraphedStep(model, opt, capture=capture))
     g = torch.Generator(device=dev).manual_seed(1)
     for _ in range(12):
@@ -348,5 +349,6 @@ def test_graphed_step_replays_and_matches_eager() -> None:
         la, lb = (float(s.step(x, y)) for s in steps)
         assert la == pytest.approx(lb, rel=1e-4)
     assert steps[1].replays == 12 - steps[1].warmup and steps[0].replays == 0
+    # A graph replaying stale inputs would be off by ~lr (1e-3) per step; rounding is far less.
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-4)

@@ -249,7 +249,8 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
 
         failing = tmp_path / "fail.py"
         failing.write_text("import sys\nsys.exit(3)\n")
-        spec = _tiny_spec_file(tmp_path, module="", script=str(failing), args=[])
+        # One task: with several, srun's code can be 143 (a peer killed by kill-on-bad-exit).
+        spec = _tiny_spec_file(tmp_path, nodes=1, module="", script=str(failing), args=[])
         proc = _hpc_ddp(["submit", str(spec), "--timeout", "60", "--quiet"], tmp_path, env)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert "FAILED, exit code 3" in proc.stdout

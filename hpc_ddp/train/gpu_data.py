@@ -69,8 +69,12 @@ def load_cifar_arrays(
 def normalize(
     images_u8: torch.Tensor, mean: Sequence[float] = MEAN, std: Sequence[float] = STD
 ) -> torch.Tensor:
-    """ToTensor + Normalize with the torchvision path's float32 operations (bit-identical)."""
-    x = images_u8.to(torch.float32).div(255)
+    """ToTensor + Normalize with the torchvision path's float32 operations (bit-identical).
+
+    255 is divided as a device tensor, not a Python number: for a host scalar, CUDA's division
+    multiplies by the reciprocal instead, one ulp off the CPU's true division (seen on H200).
+    """
+    x = images_u8.to(torch.float32).div(torch.tensor(255.0, device=images_u8.device))
     m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
     return (x - m) / s
