@@ -30,7 +30,15 @@ def _saves_s(run: dict) -> float | None:
     return sum(x.get("total", 0.0) for x in saves) if saves is not None else None
 
 
+def _ok(run: dict | None) -> bool:
+    return bool(run) and run.get("rc") == 0
+
+
 def _ours_row(label: str, run: dict, base: dict | None = None) -> str:
+    if not _ok(run):
+        return f"| {label} | {run.get('gpus')} | {_why(run)} | | | | |"
+    if not _ok(base):
+        base = None
     acc = (run.get("result") or {}).get("test_accuracy")
     train, saves = run.get("train_s"), _saves_s(run)
     no_ckpt = train - saves if train is not None and saves is not None else None
@@ -49,7 +57,15 @@ def _ours_row(label: str, run: dict, base: dict | None = None) -> str:
     )
 
 
+def _why(run: dict) -> str:
+    if run.get("skipped"):
+        return "not run (time budget)"
+    return "timed out" if run.get("rc") == "timeout" else f"failed (rc={run.get('rc')})"
+
+
 def _base_row(label: str, r: dict, n: Any) -> str:
+    if not _ok(r):
+        return f"| {label} | {n} | {_why(r) if r else 'not run'} | | | | |"
     return (
         f"| {label} | {n} | {_f(r.get('train_time_s'))} | {_f(r.get('wall_s'))} | "
         f"{_f(r.get('test_accuracy'), '.4f')} | 1 | 1 |"

@@ -47,19 +47,20 @@ def _ranks(log: str) -> dict[int, tuple[str, ...]]:
 
 
 def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
-    """The reference job itself: 2 nodes x 1 process, real srun placement and env."""
+    """The reference job itself: 2 nodes x 2 processes, real srun placement and env."""
     cwd, done = reference_run
     log = done.output.read_text() if done.output else ""
     assert (done.state, done.exit_code) == ("COMPLETED", 0), log
     ranks = _ranks(log)
-    assert sorted(ranks) == [0, 1], log
+    assert sorted(ranks) == [0, 1, 2, 3], log
     for rank, g in ranks.items():
-        assert g[1] == "2" and g[3] == "1" and g[5] == "2"  # world 2, 1 per node, 2 nodes
-        assert g[6] == f"node{rank + 1}"  # block placement, Slurm's order
+        assert g[1] == "4" and g[3] == "2" and g[5] == "2"  # world 4, 2 per node, 2 nodes
+        assert int(g[2]) == rank % 2 and int(g[4]) == rank // 2  # local rank, node rank
+        assert g[6] == f"node{rank // 2 + 1}"  # block placement, Slurm's order
         assert g[7] == "node1"  # master = first host of the node list, for every rank
     assert len({g[8] for g in ranks.values()}) == 1  # one port everyone derived alone
     result = read_result(cwd / "run")
-    assert result["status"] == "finished" and result["world_size"] == 2
+    assert result["status"] == "finished" and result["world_size"] == 4
 
 
 def test_preemption_checkpoints_requeues_resumes_same_weights(
@@ -106,7 +107,7 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
         assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
         assert "resumed from" in log, log
         result = read_result(cwd / "run")
-        assert (result["interruptions"], result["world_size"]) == (1, 2)
+        assert (result["interruptions"], result["world_size"]) == (1, 4)
         assert result["params_sha256"] == reference, launcher
         if launcher == "torchrun":
             assert re.search(r"torchrun rendezvous at node1:\d+", log), log

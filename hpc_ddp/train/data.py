@@ -68,6 +68,8 @@ def data_root(cfg: TrainConfig) -> Path:
 def stage(cfg: TrainConfig) -> Path:
     """Make the dataset present under ``data_root(cfg)``; call on local rank 0 only."""
     data_dir = Path(cfg.data_dir)
+    if cfg.synthetic:  # we write the data ourselves: a missing folder is no typo to catch
+        data_dir.mkdir(parents=True, exist_ok=True)
     if not data_dir.is_dir():
         raise ConfigError(
             f"data dir {data_dir} does not exist",

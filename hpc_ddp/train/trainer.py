@@ -107,6 +107,8 @@ class Trainer:
         else:
             self.stepper = Stepper(self.model, opt, sched, scaler, self.amp, self.out_device)
         if isinstance(self.model, DDP):
+            # Gloo (CPU) promises bit-exact resume at any world size; NCCL keeps flat buckets.
+            self.stepper.comm_timer.per_tensor = ctx.backend == "gloo"
             self.model.register_comm_hook(self.stepper.comm_timer, timed_allreduce)
         self.train_data, self.eval_data = gpu_data.choose(
             cfg,
