@@ -32,7 +32,11 @@ def _module_name(command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="hpc-ddp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hpc-ddp",
+        description="PyTorch DDP from a laptop to a Slurm cluster: launch, train, checkpoint, "
+        "requeue. `hpc-ddp COMMAND --help` describes each command.",
+    )
     parser.add_argument("--version", action="version", version=f"hpc-ddp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
