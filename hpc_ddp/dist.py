@@ -169,6 +169,15 @@ def rank_prefix() -> str:
     return f"[rank {rank}/{world} {socket.gethostname()}]"
 
 
+def print_rank_traceback() -> None:
+    """The exception being handled, every line prefixed with ``rank_prefix()`` (ranks' logs are
+    often merged into one file, where an unprefixed traceback belongs to nobody)."""
+    prefix = rank_prefix()
+    text = traceback.format_exc()
+    sys.stderr.write("".join(f"{prefix} {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
+
+
 def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Run a worker entry point and exit through ``shutdown_and_exit`` whatever happens.
 
@@ -187,8 +196,6 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
-        text = traceback.format_exc()
-        prefix = rank_prefix()
-        sys.stderr.write("".join(f"{prefix} {line}\n" for line in text.splitlines()))
+        print_rank_traceback()
         code = 1
     shutdown_and_exit(code)

@@ -221,7 +221,7 @@ def choose_backend(
         else ("CUDA GPUs present" if cuda_available else "no CUDA GPU")
     )
     notes: list[str] = []
-    env: dict[str, str] = {}
+    settings: dict[str, str] = {}  # becomes BackendChoice.env (`env` is the DistEnv argument)
 
     iface = None
     if master_addr:
@@ -237,9 +237,9 @@ def choose_backend(
             notes.append(f"{iface} ({local}) routes to master {master_addr}")
             if loop and num_nodes > 1:
                 notes.append(f"{master_addr} is a loopback address: every node must be this host")
-            env["GLOO_SOCKET_IFNAME"] = iface
+            settings["GLOO_SOCKET_IFNAME"] = iface
             if backend == "nccl":
-                env["NCCL_SOCKET_IFNAME"] = iface
+                settings["NCCL_SOCKET_IFNAME"] = iface
     remote = bool(iface and iface != "lo")
     if "GLOO_SOCKET_IFNAME" in environ:
         _check_user_gloo_ifname(environ["GLOO_SOCKET_IFNAME"], remote and num_nodes > 1)
@@ -253,7 +253,7 @@ def choose_backend(
         gids = {p.roce_v2_gid for p in ports if p.roce_v2_gid is not None}
         notes.append(f"NCCL uses RoCE on {devices}")
         if len(gids) == 1:
-            env["NCCL_IB_GID_INDEX"] = str(gids.pop())
+            settings["NCCL_IB_GID_INDEX"] = str(gids.pop())
     elif backend == "nccl":
         notes.append("no RDMA device: NCCL talks over TCP sockets between nodes")
     elif backend == "gloo" and interconnect in ("infiniband", "roce"):
@@ -261,13 +261,13 @@ def choose_backend(
             f"Gloo has no RDMA transport: it uses TCP (IPoIB if that routes), not {devices}"
         )
 
-    kept = sorted(k for k in env if k in environ)
+    kept = sorted(k for k in settings if k in environ)
     for key in kept:
-        del env[key]
+        del settings[key]
     if kept:
         notes.append("kept your " + ", ".join(f"{k}={environ[k]}" for k in kept))
     label = {"nccl": "NCCL", "gloo": "Gloo", "mpi": "MPI"}[backend]
     reason = f"{label}: {why}, {interconnect} interconnect"
     if notes:
         reason += "; " + "; ".join(notes)
-    return BackendChoice(backend, reason, interconnect, env, iface)
+    return BackendChoice(backend, reason, interconnect, settings, iface)

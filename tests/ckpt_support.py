@@ -8,20 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``cond`` until it holds; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 ``slurm_cluster``: 2 nodes x 4 CPUs for the whole session. ``slurm_gpu_cluster``: 2 nodes x 2
 fake GPUs, started only if a test asks for it. Without slurm-wlm or root they skip locally, but
 FAIL when $CI is set: a CI run that skips every Slurm test proves nothing. Helpers for these
-tests are in slurm_support.py.
+tests are in slurm_support.py. ``data_dir``: one dataset directory per test module, for the
+trainer tests (helpers in trainer_helpers.py).
 """
 
 from __future__ import annotations
@@ -49,3 +50,9 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
 def slurm_gpu_cluster() -> Iterator[SlurmTestCluster]:
     """2 nodes x 2 fake GPUs (gres over char devices): Slurm sets CUDA_VISIBLE_DEVICES."""
     yield from _session_cluster("hpcddp-gslurm-", nodes=2, cpus_per_node=4, gpus_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trainer's --data-dir, shared by all runs of one test module."""
+    return tmp_path_factory.mktemp("data")

@@ -15,12 +15,14 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpc_ddp.cluster.port import free_port
+from hpc_ddp.localslurm import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv"
@@ -38,12 +40,6 @@ esac
 # sshd gives the command a fresh login environment, not the caller's: so does this.
 exec env -i HOME="$HOME" PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 /bin/sh -c "$*"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def new_id(prefix: str = "t") -> str:
@@ -164,16 +160,8 @@ def processes_of(launch_id: str) -> list[int]:
     return pids
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 def assert_no_processes_left(launch_id: str, timeout: float = 10.0) -> None:
-    wait_until(lambda: not processes_of(launch_id), timeout, f"processes of {launch_id} to end")
+    wait_for(lambda: not processes_of(launch_id), timeout, f"processes of {launch_id} to end")
 
 
 def kill_leftovers(launch_id: str) -> None:

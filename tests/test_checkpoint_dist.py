@@ -6,8 +6,9 @@ import os
 import signal
 
 import pytest
-from ckpt_support import launch, wait_for
+from ckpt_support import launch
 
+from hpc_ddp.localslurm import wait_for
 from hpc_ddp.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 import torch
-from ckpt_support import wait_for
 
+from hpc_ddp.localslurm import wait_for
 from hpc_ddp.train.checkpoint import RunDirLock, RunDirLockedError
 from hpc_ddp.train.fingerprint import params_sha256
 

@@ -5,27 +5,20 @@ the exit path. Ranks get their places from the project's own launcher variables 
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from trainer_helpers import job_env
+
+from hpc_ddp.cluster.port import free_port
+
 WORKER = Path(__file__).parent / "workers" / "dist_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    drop = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_", "OMPI_", "PMI", "HPC_DDP_")
-    names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
-    env.update(
+    return job_env(
         HPC_DDP_LAUNCHER="pdsh",
         HPC_DDP_NODE_RANK="0",
         HPC_DDP_NUM_NODES="1",
@@ -33,9 +26,7 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
         HPC_DDP_LOCAL_WORLD_SIZE=str(world),
         HPC_DDP_MASTER_ADDR="127.0.0.1",
         HPC_DDP_MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
     )
-    return env
 
 
 def _start(ranks: list[int], world: int, port: int, *args: str) -> list[subprocess.Popen[str]]:
@@ -70,7 +61,7 @@ def test_two_ranks_all_reduce_and_leave_without_running_exit_handlers() -> None:
     """The sum is right, both exit 0, and no atexit handler ran: run_main left through
     os._exit, past the point where Gloo's C++ destructors abort 10-30 % of processes here."""
     for _ in range(3):
-        port = _free_port()
+        port = free_port()
         results = _finish(_start([0, 1], 2, port), timeout=120)
         for rank, (code, out) in enumerate(results):
             assert code == 0, out
@@ -79,7 +70,7 @@ def test_two_ranks_all_reduce_and_leave_without_running_exit_handlers() -> None:
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_connect_deadline() -> None:
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     [(code, out)] = _finish(_start([0], 2, port, "--connect-timeout-s", "3"), timeout=90)
     assert code == 2, out
@@ -89,7 +80,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_connect_deadline() -> Non
 
 
 def test_a_rank_that_cannot_reach_rank_0_says_so() -> None:
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     [(code, out)] = _finish(_start([1], 2, port, "--connect-timeout-s", "3"), timeout=90)
     assert code == 2, out
     assert f"could not reach rank 0 at 127.0.0.1:{port}" in out, out
@@ -97,7 +88,7 @@ def test_a_rank_that_cannot_reach_rank_0_says_so() -> None:
 
 
 def test_an_exception_on_one_rank_is_named_and_the_other_rank_does_not_hang() -> None:
-    port = _free_port()
+    port = free_port()
     (code0, out0), (code1, out1) = _finish(_start([0, 1], 2, port, "--mode", "raise"), 120)
     assert code1 == 1, out1
     assert "[rank 1/2" in out1 and "RuntimeError: rank 1 fails on purpose" in out1, out1
@@ -105,6 +96,6 @@ def test_an_exception_on_one_rank_is_named_and_the_other_rank_does_not_hang() ->
 
 
 def test_a_user_error_exits_2_with_its_hint() -> None:
-    [(code, out)] = _finish(_start([0], 1, _free_port(), "--mode", "usage"), timeout=60)
+    [(code, out)] = _finish(_start([0], 1, free_port(), "--mode", "usage"), timeout=60)
     assert code == 2, out
     assert "error: --mode usage was asked for" in out and "HINT: this is what a hint" in out

@@ -6,10 +6,12 @@ machine (no second physical host exists here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,9 @@ from launch_support import (
     hpc_ddp,
     kill_leftovers,
     launch_args,
-    wait_until,
 )
+
+from hpc_ddp.localslurm import wait_for
 
 # Node rank 1 fails at once; node rank 0 would sleep for 10 minutes unless stopped.
 ONE_FAILS = ["bash", "-c", 'if [ "$HPC_DDP_NODE_RANK" = 1 ]; then exit 3; fi; exec sleep 600']
@@ -69,38 +72,37 @@ def test_rendered_script_stops_every_host_when_one_fails(tool: str, tmp_path: Pa
         kill_leftovers(launch_id)
 
 
-def test_rendered_script_stop_action(tmp_path: Path) -> None:
-    script, launch_id = _render("pdsh", tmp_path, ["sleep", "600"])
+@contextlib.contextmanager
+def _running(tool: str, tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str], str]]:
+    """The rendered script running ``sleep 600`` on both hosts, once both recorded their process
+    groups; afterwards it is killed and nothing it started is left."""
+    script, launch_id = _render(tool, tmp_path, ["sleep", "600"])
     state = tmp_path / "state" / launch_id
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        wait_until(lambda: state.is_dir() and len(list(state.glob("*.pgid"))) == 2, 60,
+        wait_for(lambda: state.is_dir() and len(list(state.glob("*.pgid"))) == 2, 60,
                    "both hosts to record their process groups")  # fmt: skip
+        yield script, proc, launch_id
+    finally:
+        proc.kill()
+        kill_leftovers(launch_id)
+
+
+def test_rendered_script_stop_action(tmp_path: Path) -> None:
+    with _running("pdsh", tmp_path) as (script, proc, launch_id):
         stop = _bash(script, "stop", timeout=60)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert stop.stdout.count(": stopped") == 2, stop.stdout
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0, out
         assert_no_processes_left(launch_id)
-    finally:
-        proc.kill()
-        kill_leftovers(launch_id)
 
 
 def test_rendered_script_ctrl_c_stops_every_host(tmp_path: Path) -> None:
-    script, launch_id = _render("clush", tmp_path, ["sleep", "600"])
-    state = tmp_path / "state" / launch_id
-    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_until(lambda: state.is_dir() and len(list(state.glob("*.pgid"))) == 2, 60,
-                   "both hosts to record their process groups")  # fmt: skip
+    with _running("clush", tmp_path) as (_, proc, launch_id):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, out
         assert "interrupted; stopping every host" in out
         assert_no_processes_left(launch_id)
-    finally:
-        proc.kill()
-        kill_leftovers(launch_id)

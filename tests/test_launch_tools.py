@@ -28,8 +28,9 @@ from launch_support import (
     launch_args,
     popen_hpc_ddp,
     processes_of,
-    wait_until,
 )
+
+from hpc_ddp.localslurm import wait_for
 
 TOOLS = ("pdsh", "clush")
 BOUND_S = 60  # a failed launch must end well within this (torchrun alone would wait 300 s)
@@ -193,7 +194,7 @@ def test_rank_killed_mid_run(tool: str, mode: str, tmp_path: Path, launches: lis
     proc = popen_hpc_ddp([*launch.base, "--", "python3", WORKER, "--out", str(out),
                           "--hang-rank", "1"])  # fmt: skip
     hanging = out / "hanging-1"
-    wait_until(lambda: hanging.exists() and hanging.read_text(), 60, "rank 1 to start")
+    wait_for(lambda: hanging.exists() and hanging.read_text(), 60, "rank 1 to start")
     killed_at = time.monotonic()
     os.kill(int(hanging.read_text()), signal.SIGKILL)
     _, stderr = proc.communicate(timeout=BOUND_S)
@@ -242,7 +243,7 @@ def test_stop_command_ends_a_running_launch(
     launch = launch_args(tool, tmp_path, mode="torchrun")
     launches.append(launch)
     proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
-    wait_until(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' workers to start")
+    wait_for(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' workers to start")
     other = "clush" if tool == "pdsh" else "pdsh"
     stop = hpc_ddp(launch.stop_args(via=other), timeout=BOUND_S)
     assert stop.returncode == 0, stop.stderr + stop.stdout
@@ -259,7 +260,7 @@ def test_ctrl_c_on_the_launcher_stops_every_host(tmp_path: Path, launches: list[
     launch = launch_args("pdsh", tmp_path)
     launches.append(launch)
     proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
-    wait_until(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' processes to start")
+    wait_for(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' processes to start")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 130, stderr

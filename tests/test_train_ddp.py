@@ -26,11 +26,6 @@ from trainer_helpers import (
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data")
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """An uninterrupted 2-rank run: 256 samples, 2 ranks x 16 -> 8 steps per epoch, 2 epochs."""
     ref_dir = tmp_path_factory.mktemp("ref") / "run"

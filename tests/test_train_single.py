@@ -6,7 +6,6 @@ import json
 import signal
 from pathlib import Path
 
-import pytest
 from trainer_helpers import (
     finish,
     holding,
@@ -20,11 +19,6 @@ from trainer_helpers import (
     train_args,
     wait_for_progress,
 )
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data")
 
 
 def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:

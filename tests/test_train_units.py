@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from hpc_ddp import exit_codes
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import config as cfgmod
 from hpc_ddp.train import data, models, preemption, rng, synthetic
@@ -256,4 +257,4 @@ def test_requeue_calls_scontrol_with_the_array_task(
     env = {"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"}
     assert preemption.requeue("scontrol", env) == "requeued Slurm job 10_3 (scontrol requeue)"
     assert record.read_text().split() == ["requeue", "10_3"]
-    assert preemption.EXIT_REQUEUE == 75
+    assert preemption.EXIT_REQUEUE == exit_codes.EXIT_REQUEUE == 75  # one definition

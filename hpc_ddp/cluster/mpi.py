@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hpc_ddp.cluster._vars import get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
-from hpc_ddp.cluster.port import derive_port, parse_port
+from hpc_ddp.cluster.port import master_port
 from hpc_ddp.errors import LaunchEnvError
 
 
@@ -91,11 +91,8 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             )
         addr = "127.0.0.1"
     job_id = next((environ[k] for k in _JOB_IDS if environ.get(k)), None)
-    port_text = environ.get("MASTER_PORT")
-    if port_text:
-        port = parse_port(port_text)
-    elif job_id is not None:
-        port = derive_port(job_id)
+    if job_id is not None or environ.get("MASTER_PORT"):
+        port = master_port(environ, job_id)
     else:
         raise LaunchEnvError(
             f"{flavor.name}: MASTER_PORT is not set and there is no job id to derive it from",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Mapping
 
 from hpc_ddp.errors import LaunchEnvError
 
@@ -34,6 +35,20 @@ def derive_port(job_id: str) -> int:
     """Same job id -> same port on every rank, no communication needed."""
     key = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
     return PORT_BASE + key % PORT_SPAN
+
+
+def master_port(environ: Mapping[str, str], job_id: str | None) -> int:
+    """THE port rule, shared by the launcher sources and the torchrun template's batch shell
+    (``python -m hpc_ddp.deploy.port``): an explicit MASTER_PORT wins, else ``derive_port``.
+
+    ``job_id`` may be None only when MASTER_PORT is set; callers say what is missing otherwise.
+    """
+    explicit = environ.get("MASTER_PORT")
+    if explicit:
+        return parse_port(explicit)
+    if job_id is None:
+        raise ValueError("master_port: no MASTER_PORT and no job id")  # a caller's bug
+    return derive_port(job_id)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

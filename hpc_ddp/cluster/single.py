@@ -25,8 +25,25 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             "to run a single process",
         )
     port_text = environ.get("MASTER_PORT")
+    # Nobody has to agree on the port of a one-process group: take any free one.
+    port = parse_port(port_text) if port_text else free_port()
+    return one_process(
+        environ, source="single", master_port=port, job_id=None, gpus_per_process=gpus_per_process
+    )
+
+
+def one_process(
+    environ: Mapping[str, str],
+    *,
+    source: str,
+    master_port: int,
+    job_id: str | None,
+    gpus_per_process: int,
+) -> DistEnv:
+    """Rank 0 of a one-process world on this host (no launcher, or a one-task Slurm job's
+    batch shell); an exported MASTER_ADDR is kept."""
     return DistEnv(
-        source="single",
+        source=source,
         rank=0,
         local_rank=0,
         world_size=1,
@@ -34,8 +51,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         node_rank=0,
         num_nodes=1,
         master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
-        # Nobody has to agree on the port of a one-process group: take any free one.
-        master_port=parse_port(port_text) if port_text else free_port(),
-        job_id=None,
+        master_port=master_port,
+        job_id=job_id,
         gpus_per_process=gpus_per_process,
     )

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from hpc_ddp.cluster._vars import first_int, get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
-from hpc_ddp.cluster.port import derive_port, parse_port
+from hpc_ddp.cluster.port import master_port
+from hpc_ddp.cluster.single import one_process
 from hpc_ddp.errors import LaunchEnvError
 
 # Other launchers' sizes that, when present beside an srun step, must describe the same world
@@ -48,17 +49,10 @@ def _outside_step(environ: Mapping[str, str], gpus_per_process: int) -> DistEnv:
             hint="start the processes with `srun <command>` in the batch script "
             "(to inspect what each task sees: `srun hpc-ddp env`)",
         )
-    port_text = environ.get("MASTER_PORT")
-    return DistEnv(
+    return one_process(
+        environ,
         source="slurm",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        num_nodes=1,
-        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=parse_port(port_text) if port_text else derive_port(job_id),
+        master_port=master_port(environ, job_id),
         job_id=job_id,
         gpus_per_process=gpus_per_process,
     )
@@ -134,7 +128,6 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     for name in _MPI_SIZES:
         _check_same(environ, name, world, "SLURM_STEP_NUM_TASKS")
     _check_gpus_per_node(environ, local_world, gpus_per_process)
-    port_text = environ.get("MASTER_PORT")
     return DistEnv(
         source="slurm",
         rank=rank,
@@ -146,7 +139,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         # An exported MASTER_ADDR (e.g. an InfiniBand hostname) is the user's choice; otherwise
         # the first host in Slurm's order, where task 0 runs.
         master_addr=environ.get("MASTER_ADDR") or hosts[0],
-        master_port=parse_port(port_text) if port_text else derive_port(job_id),
+        master_port=master_port(environ, job_id),
         job_id=job_id,
         gpus_per_process=gpus_per_process,
     )

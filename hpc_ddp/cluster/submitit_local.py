@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from hpc_ddp.cluster._vars import get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
-from hpc_ddp.cluster.port import derive_port, parse_port
+from hpc_ddp.cluster.port import master_port
 
 
 def detect(environ: Mapping[str, str]) -> bool:
@@ -20,7 +20,6 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     tasks_per_node = get_int(environ, "SUBMITIT_LOCAL_NTASKS", minimum=1)
     num_nodes = get_opt_int(environ, "SUBMITIT_LOCAL_JOB_NUM_NODES", minimum=1) or 1
     job_id = environ["SUBMITIT_LOCAL_JOB_ID"]
-    port_text = environ.get("MASTER_PORT")
     return DistEnv(
         source="submitit",
         rank=get_int(environ, "SUBMITIT_LOCAL_GLOBALID"),
@@ -30,7 +29,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         node_rank=get_opt_int(environ, "SUBMITIT_LOCAL_NODEID") or 0,
         num_nodes=num_nodes,
         master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=parse_port(port_text) if port_text else derive_port(job_id),
+        master_port=master_port(environ, job_id),
         job_id=job_id,
         gpus_per_process=gpus_per_process,
     )

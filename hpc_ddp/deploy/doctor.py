@@ -239,15 +239,18 @@ def check_network(o: Options) -> Check:
 
 
 def check_port(o: Options) -> Check:
-    from hpc_ddp.cluster.port import derive_port
+    from hpc_ddp.cluster.port import master_port
+    from hpc_ddp.errors import HpcDdpError
 
     env = o.env
-    port = o.port
-    source = "--port"
-    if port is None and env.get("MASTER_PORT"):
-        port, source = int(env["MASTER_PORT"]), "MASTER_PORT"
-    if port is None and env.get("SLURM_JOB_ID"):
-        port, source = derive_port(env["SLURM_JOB_ID"]), f"derived from job {env['SLURM_JOB_ID']}"
+    port, source = o.port, "--port"
+    job_id = env.get("SLURM_JOB_ID")
+    if port is None and (env.get("MASTER_PORT") or job_id):
+        source = "MASTER_PORT" if env.get("MASTER_PORT") else f"derived from job {job_id}"
+        try:
+            port = master_port(env, job_id)  # the rule every rank of the job will apply
+        except HpcDdpError as err:
+            return Check(FAIL, "master port", err.message, err.hint or "")
     if port is None:
         return Check(OK, "master port", "no job and no --port: skipped")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

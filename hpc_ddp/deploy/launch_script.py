@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc_ddp import __version__
-from hpc_ddp.deploy.render import _environment  # one Jinja2 setup for every template
 from hpc_ddp.deploy.shell_launch import LaunchSpec, launch_command, stop_command
+from hpc_ddp.deploy.templating import get_template
 
 TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}
 
@@ -20,7 +20,7 @@ def render_launch_script(
     spec: LaunchSpec, *, produced_by: str = "hpc-ddp launch", script_name: str = "launch.sh"
 ) -> str:
     launch, stop = launch_command(spec), stop_command(spec)
-    template = _environment().get_template(TEMPLATES[spec.tool])
+    template = get_template(TEMPLATES[spec.tool])
     return template.render(
         spec=spec,
         version=__version__,

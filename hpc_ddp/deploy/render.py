@@ -6,23 +6,15 @@ the templates in ``templates/`` only arrange them and carry the comments a reade
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
-
-import jinja2
 
 from hpc_ddp import __version__
 from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.deploy.templating import get_template
+from hpc_ddp.exit_codes import EXIT_REQUEUE
 
-# The trainer's "checkpointed, please requeue" exit code (EX_TEMPFAIL; docs/architecture.md).
-EXIT_REQUEUE = 75
-TEMPLATE_DIR = Path(
-    os.environ.get("HPC_DDP_TEMPLATES", Path(__file__).resolve().parents[2] / "templates")
-)
 TEMPLATES = {
     "per-gpu": "srun.sbatch.j2",
     "per-node": "srun.sbatch.j2",
@@ -47,20 +39,6 @@ class RenderContext:
     preflight_command: str
     python_q: str
     exit_requeue: int = EXIT_REQUEUE
-
-
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,  # a typo in a template fails instead of printing ""
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,  # shell, not HTML: quoting is done with shlex
-    )
-    env.filters["shquote"] = shlex.quote
-    return env
 
 
 def layout_text(spec: JobSpec) -> str:
@@ -191,6 +169,6 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         preflight_command=preflight_command(spec),
         python_q=shlex.quote(spec.python),
     )
-    template = _environment().get_template(TEMPLATES[spec.layout])
+    template = get_template(TEMPLATES[spec.layout])
     # Optional sections leave empty lines behind; keep at most one blank line between sections.
     return _BLANKS.sub("\n\n", template.render(r=ctx))

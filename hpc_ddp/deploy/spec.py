@@ -263,7 +263,11 @@ def _check(s: JobSpec) -> list[str]:
         )
     if not _TIME.match(s.time):
         p.append(f"time {s.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS)")
-    elif s.signal_lead_s and _seconds(s.time) is not None and s.signal_lead_s >= _seconds(s.time):
+    elif (
+        s.signal_lead_s
+        and (limit := time_limit_seconds(s.time)) is not None
+        and s.signal_lead_s >= limit
+    ):
         p.append(f"signal_lead_s={s.signal_lead_s} is not shorter than the time limit {s.time}")
     if s.cpus_per_task < 0:
         p.append(f"cpus_per_task must be >= 0, got {s.cpus_per_task}")
@@ -316,7 +320,7 @@ def _check_trainer_args(s: JobSpec) -> list[str]:
     return []
 
 
-def _seconds(limit: str) -> int | None:
+def time_limit_seconds(limit: str) -> int | None:
     """Seconds in a Slurm time limit, or None for UNLIMITED."""
     if limit in ("UNLIMITED", "INFINITE"):
         return None

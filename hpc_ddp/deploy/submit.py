@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from hpc_ddp.deploy.environ import submission_env
 from hpc_ddp.errors import HpcDdpError
@@ -163,6 +163,23 @@ def wait_job(
     )
 
 
+# What `hpc-ddp submit` shows of the trainer's result.json (sbatch and submitit alike).
+RESULT_KEYS = (
+    "status",
+    "epochs",
+    "steps",
+    "world_size",
+    "test_accuracy",
+    "train_loss",
+    "params_sha256",
+    "wall_seconds",
+)
+
+
+def result_lines(result: Mapping[str, Any]) -> list[str]:
+    return [f"  {k}: {result[k]}" for k in RESULT_KEYS if k in result]
+
+
 def result_summary(run_dir: Path | None) -> str:
     """A few lines from the trainer's result.json, or why there are none."""
     if run_dir is None:
@@ -170,23 +187,7 @@ def result_summary(run_dir: Path | None) -> str:
     path = run_dir / "result.json"
     if not path.exists():
         return f"{path} was not written"
-    data = json.loads(path.read_text())
-    keys = [
-        k
-        for k in (
-            "status",
-            "epochs",
-            "steps",
-            "world_size",
-            "test_accuracy",
-            "train_loss",
-            "params_sha256",
-            "wall_s",
-        )
-        if k in data
-    ]
-    lines = [f"result ({path}):"] + [f"  {k}: {data[k]}" for k in keys]
-    return "\n".join(lines)
+    return "\n".join([f"result ({path}):", *result_lines(json.loads(path.read_text()))])
 
 
 def print_finished(done: Finished, sink: TextIO = sys.stdout) -> None:

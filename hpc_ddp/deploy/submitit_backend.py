@@ -33,10 +33,12 @@ import submitit
 
 from hpc_ddp.deploy.environ import scrubbed_environ
 from hpc_ddp.deploy.render import job_env
-from hpc_ddp.deploy.spec import JobSpec, build_spec
+from hpc_ddp.deploy.spec import JobSpec, build_spec, time_limit_seconds
+from hpc_ddp.deploy.submit import LogFollower, result_lines
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
 
-EXIT_REQUEUE = 75
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
 CHILD_CHECKPOINT_TIMEOUT_S = 120.0
 
@@ -173,9 +175,7 @@ def make_executor(
 
 
 def _minutes(limit: str) -> int:
-    from hpc_ddp.deploy.spec import _seconds
-
-    secs = _seconds(limit)
+    secs = time_limit_seconds(limit)
     return 60 * 24 * 365 if secs is None else (secs + 59) // 60
 
 
@@ -210,9 +210,6 @@ def wait_submitit(
     submitit's own watcher asks sacct, which clusters without accounting (like the local one)
     do not answer, so a job that died before writing its result would be waited on forever.
     """
-    from hpc_ddp.deploy.submit import LogFollower
-    from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
-
     client = SlurmClient({**os.environ, **(cluster_env or {})}) if cluster_env else None
     follower = LogFollower(Path(job.paths.stdout), follow)
     deadline = time.monotonic() + timeout_s
@@ -261,9 +258,7 @@ def run_spec(
     )
     print(f"job {job.job_id}: {state}, exit code {code}")
     if isinstance(result, dict):
-        for key in ("status", "epochs", "steps", "world_size", "test_accuracy", "params_sha256"):
-            if key in result:
-                print(f"  {key}: {result[key]}")
+        print("\n".join(result_lines(result)))
     else:
         print(f"  error: {result}")
     return code

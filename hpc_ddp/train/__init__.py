@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.train.config import TrainConfig
 
 if TYPE_CHECKING:
-    from hpc_ddp.train.preemption import EXIT_REQUEUE
     from hpc_ddp.train.results import Result
     from hpc_ddp.train.trainer import run_process, train
 
@@ -21,7 +21,6 @@ _LAZY = {
     "train": "hpc_ddp.train.trainer",
     "run_process": "hpc_ddp.train.trainer",
     "Result": "hpc_ddp.train.results",
-    "EXIT_REQUEUE": "hpc_ddp.train.preemption",
 }
 
 

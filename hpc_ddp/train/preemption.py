@@ -15,10 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
+from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
 from hpc_ddp.train.config import parse_signal
-
-# EX_TEMPFAIL from sysexits.h: "try again later". Launch scripts treat it as "requeued".
-EXIT_REQUEUE = 75
 
 
 @dataclass

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
 
 RESULT = "result.json"
 METRICS = "metrics.jsonl"
@@ -41,23 +37,6 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def params_sha256(model: nn.Module) -> str:
-    """SHA-256 over the unwrapped model's floating-point state, in name order, as CPU bytes.
-
-    Names are hashed too, so a renamed or missing tensor changes the digest. Integer buffers
-    (BatchNorm's num_batches_tracked) are left out: they count steps, not weights.
-    """
-    h = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        t = state[name]
-        if not t.is_floating_point():
-            continue
-        h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -3,7 +3,7 @@
 The permutation is ``torch.randperm(n)`` with a generator seeded ``seed + epoch``, as
 DistributedSampler does, so every data path (torchvision loader, GPU-resident tensors) that calls
 these functions sees the identical order, sharded as DistributedSampler(drop_last=False) shards it
-(hpc_ddp.train.gpu_data.sampler_indices is the same function; a test holds them together).
+(gpu_data.GpuTrainData cuts its batches from ShardPlan.indices too; tests/test_gpu_data.py checks).
 Positions are counted in GLOBAL samples: after k micro-batches of size b on each of W ranks,
 ``k * b * W`` samples of the epoch are consumed (padding included).
 """

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,7 @@ def write_synthetic(
     return final
 
 
-def _batch(label: str, x: np.ndarray, y: list[int], idx) -> dict:
+def _batch(label: str, x: np.ndarray, y: list[int], idx: Iterable[int]) -> dict:
     idx = list(idx)
     return {
         "batch_label": label,

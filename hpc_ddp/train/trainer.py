@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.train import cuda_graphs, data, gpu_data, models, results, rng
 from hpc_ddp.train.checkpoint import Checkpointer, RunDirLock
 from hpc_ddp.train.collectives import Comm
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fingerprint import params_sha256
 from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
-from hpc_ddp.train.preemption import EXIT_REQUEUE, PreemptionFlag, requeue
+from hpc_ddp.train.preemption import PreemptionFlag, requeue
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.sampler import ShardPlan
@@ -322,7 +323,7 @@ class Trainer:
             test_samples=int(last.get("test_samples", 0)),
             samples_per_second=progress.samples_total / max(progress.train_seconds, 1e-9),
             wall_seconds=self.elapsed(),
-            params_sha256=results.params_sha256(self.net),
+            params_sha256=params_sha256(self.net.state_dict()),
             run_dir=str(self.run_dir),
             interruptions=progress.interruptions,
             extra={"allreduce_calls": self.stepper.comm_timer.bucket_calls},
@@ -374,7 +375,7 @@ def train(config: TrainConfig, *, ctx: Any = None) -> results.Result:
 
 def run_process(config: TrainConfig) -> int:
     """Train and return the exit code (0, 2 bad input, 1 crash, 75 requeue), errors printed."""
-    from hpc_ddp.dist import rank_prefix
+    from hpc_ddp.dist import print_rank_traceback, rank_prefix
 
     try:
         return train(config).exit_code
@@ -382,8 +383,5 @@ def run_process(config: TrainConfig) -> int:
         print(f"{rank_prefix()} error: {err}", file=sys.stderr, flush=True)
         return err.exit_code
     except Exception:
-        prefix = rank_prefix()
-        text = "".join(f"{prefix} {line}\n" for line in traceback.format_exc().splitlines())
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        print_rank_traceback()
         return 1

@@ -55,7 +55,6 @@ def main() -> int:
     if args.hang_rank >= 0:
         if env.rank == args.hang_rank:
             (args.out / f"hanging-{env.rank}").write_text(str(os.getpid()))
-        if env.rank == args.hang_rank:
             while True:  # killed from outside; never joins the all-reduce below
                 time.sleep(1)
         # The other ranks block here until the hanging one dies (or a stop ends them).
