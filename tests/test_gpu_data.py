@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import gpu_data, synthetic
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.data import LoaderTrainData, eval_batches, load_datasets
+from hpc_ddp.train.data import (
+    CifarTensors,
+    LoaderTrainData,
+    dataset_class,
+    eval_batches,
+    load_datasets,
+)
 from hpc_ddp.train.sampler import ShardPlan
 
 CPU = torch.device("cpu")
@@ -138,3 +144,109 @@ def test_choose_falls_back_on_cpu_and_refuses_forced_gpu(staged) -> None:
     cfg.data_path = "gpu"
     with pytest.raises(ConfigError, match="not a CUDA GPU"):
         gpu_data.choose(cfg, plan, train, test, **kw)
+
+
+def _own_split(root: Path, dataset: str, *, train: bool) -> gpu_data.Split:
+    images, labels = gpu_data.load_cifar_arrays(root, dataset, train=train)
+    return gpu_data.Split(torch.from_numpy(images), torch.from_numpy(labels))
+
+
+def test_both_readers_give_identical_arrays(staged) -> None:
+    """gpu_data's own reader of CIFAR's pickles == torchvision's CIFAR10/CIFAR100 classes."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    dataset, root = staged
+    base = {"cifar10": CIFAR10, "cifar100": CIFAR100}[dataset]
+    cls = dataset_class(dataset, is_synthetic=True)
+    assert issubclass(cls, base)
+    for train, n in ((True, TRAIN), (False, TEST)):
+        theirs = cls(str(root), train=train, download=False)
+        images, labels = gpu_data.load_cifar_arrays(root, dataset, train=train)
+        assert images.dtype.name == "uint8" and images.shape == (n, 3, 32, 32)
+        assert labels.dtype.name == "int64" and labels.shape == (n,)
+        assert (images == theirs.data.transpose(0, 3, 1, 2)).all()  # torchvision holds NHWC
+        assert labels.tolist() == list(theirs.targets)
+        assert gpu_data.load_class_names(root, dataset) == theirs.classes
+    # The trainer's read on a GPU-capable setting: the same tensors as the loader path's.
+    cfg = TrainConfig(dataset=dataset, synthetic=True, seed=7)
+    train_set, test_set, num_classes = load_datasets(cfg, root)
+    own = [_own_split(root, dataset, train=t) for t in (True, False)]
+    for ours, theirs in zip(own, (train_set, test_set), strict=True):
+        assert torch.equal(ours.images, theirs.images) and torch.equal(ours.targets, theirs.targets)
+    assert num_classes == len(gpu_data.load_class_names(root, dataset))
+
+
+def test_load_splits_uses_torchvision_only_for_the_loader(staged) -> None:
+    dataset, root = staged
+    cfg = TrainConfig(dataset=dataset, synthetic=True)
+    train, test, num_classes = gpu_data.load_splits(cfg, root, CPU)  # CPU: the loader runs
+    assert isinstance(train, CifarTensors) and isinstance(test, CifarTensors)
+    assert len(train) == TRAIN and len(test) == TEST
+    assert num_classes == {"cifar10": 10, "cifar100": 100}[dataset]
+
+
+def test_choose_falls_back_with_arrays_read_without_torchvision(staged) -> None:
+    """auto on a GPU with too little room: the arrays gpu_data read feed the loader, unchanged."""
+    dataset, root = staged
+    cfg = TrainConfig(dataset=dataset, synthetic=True, augment=True, seed=7)
+    ref_train, ref_test, _ = load_datasets(cfg, root)
+    own = [_own_split(root, dataset, train=t) for t in (True, False)]
+    plan = ShardPlan(n=TRAIN, seed=cfg.seed, world_size=2, micro_batch=16)
+    kw = {"rank": 1, "world_size": 2, "device": CPU, "log": lambda _: None}
+    data, evaluation = gpu_data.choose(cfg, plan, *own, **kw)
+    assert isinstance(data, LoaderTrainData)
+    _assert_same(LoaderTrainData(plan, ref_train, 1, CPU).batches(1, 0), data.batches(1, 0))
+    _assert_same(eval_batches(ref_test, 1, 2, 10, CPU), evaluation.batches(10))
+
+
+GPU_PATH_RUN = r"""
+import json, sys
+from hpc_ddp.train import gpu_data
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.trainer import train
+if sys.argv[1] == "gpu":  # the GPU-resident classes, run on the CPU: pretend the device fits
+    gpu_data.fits_on_device = lambda nbytes, device, fraction=0.25: (True, "pretended")
+cfg = TrainConfig(**json.loads(sys.argv[2]))
+result = train(cfg)
+print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
+                  "acc": result.test_accuracy, "torchvision": "torchvision" in sys.modules}))
+"""
+
+
+def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
+    """A whole training run on the GPU-resident path (on the CPU) without importing torchvision,
+    and the same weights, loss and accuracy as the torchvision loader path."""
+    import json
+    import subprocess
+    import sys
+
+    from trainer_helpers import job_env
+
+    out = {}
+    for path in ("gpu", "torchvision"):
+        settings = {
+            "run_dir": str(tmp_path / path),
+            "data_dir": str(tmp_path / "data"),
+            "synthetic": True,
+            "synthetic_train_size": 96,
+            "synthetic_test_size": 21,
+            "epochs": 2,
+            "batch_size": 16,
+            "augment": True,
+            "data_path": "auto" if path == "gpu" else "torchvision",
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", GPU_PATH_RUN, path, json.dumps(settings)],
+            env=job_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert ("data: GPU-resident" in done.stdout) == (path == "gpu"), done.stdout
+        out[path] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["gpu"]["torchvision"] is False and out["torchvision"]["torchvision"] is True
+    assert out["gpu"]["sha"] == out["torchvision"]["sha"]
+    assert out["gpu"]["loss"] == out["torchvision"]["loss"]
+    assert out["gpu"]["acc"] == out["torchvision"]["acc"]

@@ -130,7 +130,9 @@ def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) 
 
 
 def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
-    done = run(torchrun_cmd(2, train_args(tmp_path / "run", tmp_path / "missing")), timeout=120)
+    # A real dataset in a missing dir (a synthetic one would be created): rank 0 fails staging.
+    missing = train_args(tmp_path / "run", tmp_path / "missing", synthetic=False)
+    done = run(torchrun_cmd(2, missing), timeout=120)
     assert done.returncode != 0
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err

@@ -98,7 +98,8 @@ def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
     done = run(single_cmd(["--config", str(cfg), "--run-dir", str(tmp_path / "r")]))
     assert done.returncode == 2
     assert "unknown setting(s): momentun" in done.stderr and "valid settings:" in done.stderr
-    done = run(single_cmd(train_args(tmp_path / "r", tmp_path / "no-such-dir")))
+    # A real dataset's missing data dir is a typo to report (a synthetic one is created).
+    done = run(single_cmd(train_args(tmp_path / "r", tmp_path / "no-such-dir", synthetic=False)))
     assert done.returncode == 2 and "data dir" in done.stderr and "does not exist" in done.stderr
     done = run(single_cmd(train_args(tmp_path / "r", data_dir, amp="bf16")))
     assert done.returncode == 2 and "amp=bf16 needs a GPU" in done.stderr

@@ -211,16 +211,8 @@ def store_bus(ax, procs, y, label):
         ax.plot([x, x], [b[1], y], color=red, ls="--", lw=1.3)
     ax.plot([x0, max(xs)], [y, y], color=red, ls="--", lw=1.3)
     arrow(ax, (x0, y), (x0, procs[0][1]), color=red, ls="--")
-    ax.text(
-        max(xs) - 0.1,
-        y - 0.05,
-        label,
-        fontsize=9,
-        color=red,
-        ha="right",
-        va="top",
-        bbox=dict(fc=C["node"][0], ec="none", pad=0.5),
-    )
+    # Under the bus, between rank 0's and rank 1's GPU arrows (nothing else crosses there).
+    ax.text(x0 + 1.5, y - 0.06, label, fontsize=9, color=red, ha="left", va="top")
 
 
 # ---------------------------------------------------------------------------------- layouts
@@ -283,9 +275,7 @@ def layout_srun() -> None:
             )
             arrow(ax, (b[0] + 1.6, b[1]), (b[0] + 1.6, g[1] + g[3]), color=C["gpu"][1])
         arrow(ax, bottom(sh), (x0 + 3.17, 6.2), f"srun: 2 tasks on node{n + 1}", ty=0.08)
-    store_bus(
-        ax, procs, node[1] + 1.3, "ranks 1-3 connect to rank 0's TCPStore at node1:MASTER_PORT"
-    )
+    store_bus(ax, procs, node[1] + 1.3, "ranks 1-3 -> rank 0's TCPStore\n(node1:MASTER_PORT)")
     note(
         ax,
         0.15,

@@ -1,5 +1,9 @@
 """CIFAR-10/100 through torchvision's own dataset classes: staging, sharding, augmentation.
 
+torchvision is imported only where its classes are used (the loader path, downloads): importing it
+costs ~3.5 s of start-up (``torchvision.datasets`` pulls in ``torchvision.models`` and
+``torch._dynamo``), and the GPU-resident path reads CIFAR's files itself (``gpu_data``).
+
 Staging (download or synthetic write) runs once per node *and* per filesystem: on each node only
 local rank 0 stages, under a file lock in the data dir (so nodes sharing a filesystem take turns
 and the second finds the data present), then every rank waits at a barrier.
@@ -7,28 +11,49 @@ and the second finds the data present), then every rank waits at a barrier.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Subset
-from torchvision.datasets import CIFAR10, CIFAR100
-from torchvision.datasets.utils import check_integrity
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.train import synthetic
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
 
+if TYPE_CHECKING:
+    import numpy as np
+    from torchvision.datasets import CIFAR10
+
 # CIFAR-10's training-set statistics, the values the conventional scripts use for both sets.
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 DOWNLOAD_TIMEOUT_S = 60.0
+# The official files' MD5 sums, as torchvision's CIFAR10/CIFAR100 classes list them (a test checks
+# they still match), so a staged copy is verified without importing torchvision.
+OFFICIAL_MD5 = {
+    "cifar10": {
+        "data_batch_1": "c99cafc152244af753f735de768cd75f",
+        "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
+        "data_batch_3": "54ebc095f3ab1f0389bbae665268c751",
+        "data_batch_4": "634d18415352ddfa80567beed471001a",
+        "data_batch_5": "482c414d41f54cd18b22e5b47cb7c3cb",
+        "test_batch": "40351d587109b95175f43aff81a1287e",
+        "batches.meta": "5ff9c542aee3614f3951f8cda6e48888",
+    },
+    "cifar100": {
+        "train": "16019d7e3df5f24257cddd939b257f8d",
+        "test": "f0ef6b0ae62326f3e7ffdfab6717acfc",
+        "meta": "7973b15100ade9c7d40fb424638fde48",
+    },
+}
 
 
 class DataError(HpcDdpError):
@@ -37,6 +62,8 @@ class DataError(HpcDdpError):
 
 def dataset_class(name: str, *, is_synthetic: bool) -> type[CIFAR10]:
     """torchvision's class; for synthetic data a subclass that skips the official MD5 sums."""
+    from torchvision.datasets import CIFAR10, CIFAR100  # lazily: see the module docstring
+
     base = CIFAR10 if name == "cifar10" else CIFAR100
     if not is_synthetic:
         return base
@@ -48,13 +75,20 @@ def dataset_class(name: str, *, is_synthetic: bool) -> type[CIFAR10]:
     return type(f"Synthetic{base.__name__}", (base,), attrs)
 
 
-def _present(cls: type[CIFAR10], root: Path) -> bool:
-    files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-    md5s = [m for _, m in cls.train_list + cls.test_list] + [cls.meta["md5"]]
-    return all(
-        check_integrity(str(root / cls.base_folder / f), m)
-        for f, m in zip(files, md5s, strict=True)
-    )
+def _md5(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _present(dataset: str, root: Path) -> bool:
+    """The official files are all there with their MD5 sums (what torchvision checks)."""
+    folder = root / synthetic.FOLDERS[dataset]
+    return all(_md5(folder / name) == md5 for name, md5 in OFFICIAL_MD5[dataset].items())
 
 
 def data_root(cfg: TrainConfig) -> Path:
@@ -77,14 +111,14 @@ def stage(cfg: TrainConfig) -> Path:
             f"directory that contains {synthetic.FOLDERS[cfg.dataset]}/",
         )
     root = data_root(cfg)
-    cls = dataset_class(cfg.dataset, is_synthetic=cfg.synthetic)
     with FileLock(str(data_dir / ".hpc-ddp-staging.lock")):
         if cfg.synthetic:
             size = {"train_size": cfg.synthetic_train_size, "test_size": cfg.synthetic_test_size}
             if not synthetic.is_current(root, cfg.dataset, seed=1234, **size):
                 print(f"writing synthetic {cfg.dataset} ({size}) to {root}", flush=True)
                 synthetic.write_synthetic(root, cfg.dataset, **size)
-        elif not _present(cls, root):
+        elif not _present(cfg.dataset, root):
+            cls = dataset_class(cfg.dataset, is_synthetic=False)  # names for the message
             if not cfg.download:
                 raise DataError(
                     f"{cls.__name__} not found (or corrupt) in {root}/{cls.base_folder}",
@@ -121,8 +155,22 @@ class CifarTensors(Dataset):
     """
 
     def __init__(self, base: CIFAR10, *, augment: bool, seed: int) -> None:
-        self.images = torch.from_numpy(base.data).permute(0, 3, 1, 2).contiguous()  # uint8 NCHW
-        self.targets = torch.tensor(base.targets, dtype=torch.int64)
+        images = torch.from_numpy(base.data).permute(0, 3, 1, 2).contiguous()  # uint8 NCHW
+        self._init(images, torch.tensor(base.targets, dtype=torch.int64), augment, seed)
+
+    @classmethod
+    def from_arrays(
+        cls, images: np.ndarray, labels: np.ndarray, *, augment: bool, seed: int
+    ) -> CifarTensors:
+        """From ``gpu_data.load_cifar_arrays``'s (N, 3, 32, 32) uint8 and (N,) int64 arrays
+        (the same values torchvision's class holds, tests/test_gpu_data.py checks)."""
+        out = cls.__new__(cls)
+        out._init(torch.from_numpy(images), torch.from_numpy(labels), augment, seed)
+        return out
+
+    def _init(self, images: torch.Tensor, targets: torch.Tensor, augment: bool, seed: int) -> None:
+        self.images = images.contiguous()  # uint8 NCHW
+        self.targets = targets.to(torch.int64)
         self.augment = augment
         self.seed = seed
         self.epoch = 0  # set before each epoch's iterator starts (workers copy the dataset then)

@@ -14,6 +14,10 @@ never depends on which path ran:
   operations as ``data.CifarTensors``, done once at load time;
 - augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
   crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
+
+The files are read here (``load_cifar_arrays``: CIFAR's pickled batches), not through torchvision's
+dataset classes, so a run on this path never imports torchvision (~3.5 s of start-up on an H200
+machine, benchmarks/NOTES.md); tests/test_gpu_data.py checks both readers give the same arrays.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from hpc_ddp.train.data import (
     MEAN,
     STD,
     CifarTensors,
+    DataError,
     LoaderTrainData,
     TrainData,
     _sample_seed,
     eval_batches,
+    load_datasets,
 )
 from hpc_ddp.train.sampler import ShardPlan, eval_indices
 
@@ -45,6 +51,8 @@ _FILES = {
     "cifar100": ("cifar-100-python", ["train"], ["test"]),
 }
 _LABEL_KEYS = ("labels", "fine_labels")
+# The class names: (meta file, key), as torchvision's ``_load_meta`` reads them.
+_META = {"cifar10": ("batches.meta", "label_names"), "cifar100": ("meta", "fine_label_names")}
 PAD = 4  # RandomCrop(32, padding=4)
 SIZE = 32
 
@@ -64,6 +72,56 @@ def load_cifar_arrays(
         images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, SIZE, SIZE))
         labels.append(np.asarray(entry[key], dtype=np.int64))
     return np.concatenate(images), np.concatenate(labels)
+
+
+def _as_dataset(split: Split, *, augment: bool, seed: int) -> CifarTensors:
+    images, targets = split.images.numpy(), split.targets.numpy()
+    return CifarTensors.from_arrays(images, targets, augment=augment, seed=seed)
+
+
+def load_class_names(data_root: str | Path, dataset: str) -> list[str]:
+    """The class names from the split's meta file (``len`` is torchvision's ``len(classes)``)."""
+    folder = _FILES[dataset][0]
+    name, key = _META[dataset]
+    with (Path(data_root) / folder / name).open("rb") as fh:
+        return list(pickle.load(fh, encoding="latin1")[key])
+
+
+@dataclass
+class Split:
+    """One split as read from the files, before a data path is chosen: what ``choose`` uses of
+    a ``data.CifarTensors`` (uint8 NCHW ``images``, int64 ``targets``, ``len``), no torchvision."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+def load_splits(
+    cfg: TrainConfig, root: str | Path, device: torch.device
+) -> tuple[CifarTensors | Split, CifarTensors | Split, int]:
+    """The trainer's read: (train, test, num_classes).
+
+    Where the loader path will run for sure (``data_path=torchvision``, or a device that is not a
+    GPU), torchvision's own classes read the files (``data.load_datasets``); otherwise this
+    module's reader does, so the GPU-resident path never imports torchvision. ``choose`` takes
+    either; if it then falls back to the loader, it wraps these arrays (same values).
+    """
+    if cfg.data_path == "torchvision" or not fits_on_device(0, device)[0]:
+        return load_datasets(cfg, Path(root))
+    try:
+        splits = [load_cifar_arrays(root, cfg.dataset, train=t) for t in (True, False)]
+        classes = load_class_names(root, cfg.dataset)
+    except (OSError, pickle.UnpicklingError, KeyError, ValueError) as err:
+        folder = _FILES[cfg.dataset][0]
+        raise DataError(
+            f"cannot read {cfg.dataset} from {root}: {type(err).__name__}: {err}",
+            hint=f"point --data-dir at the directory holding {folder}/",
+        ) from None
+    train, test = (Split(torch.from_numpy(x), torch.from_numpy(y)) for x, y in splits)
+    return train, test, len(classes)
 
 
 def normalize(
@@ -211,8 +269,8 @@ class LoaderEvalData:
 def choose(
     cfg: TrainConfig,
     plan: ShardPlan,
-    train_set: CifarTensors,
-    test_set: CifarTensors,
+    train_set: CifarTensors | Split,
+    test_set: CifarTensors | Split,
     *,
     rank: int,
     world_size: int,
@@ -233,6 +291,10 @@ def choose(
         raise ConfigError(f"--data-path gpu: {why}", hint="use --data-path auto or torchvision")
     if mode == "torchvision" or not ok:
         log(f"data: torchvision loader ({'asked for' if mode == 'torchvision' else why})")
+        if isinstance(train_set, Split):  # read by load_splits: the same arrays, wrapped
+            train_set = _as_dataset(train_set, augment=cfg.augment, seed=cfg.seed)
+        if isinstance(test_set, Split):
+            test_set = _as_dataset(test_set, augment=False, seed=cfg.seed)
         loader = LoaderTrainData(plan, train_set, rank, device, cfg.num_workers)
         return loader, LoaderEvalData(test_set, rank, world_size, device)
     log(f"data: GPU-resident ({why})")

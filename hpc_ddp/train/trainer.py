@@ -73,7 +73,9 @@ class Trainer:
         if self.comm.sum([1.0 if finished else 0.0])[0]:
             return False
         root = data.prepare(self.cfg, local_rank=self.ctx.env.local_rank, check=self.comm.check)
-        self.train_set, self.test_set, num_classes = data.load_datasets(self.cfg, root)
+        # torchvision's classes only where its loader will run: the GPU path reads the files itself
+        splits = gpu_data.load_splits(self.cfg, root, self.ctx.devices[0])
+        self.train_set, self.test_set, num_classes = splits
         self.plan = ShardPlan(
             n=len(self.train_set),
             seed=self.cfg.seed,
