@@ -162,10 +162,13 @@ def shutdown_and_exit(code: int = 0) -> NoReturn:
 def rank_prefix() -> str:
     """``[rank R/W host]`` from the process group if up, else from the launcher's variables."""
     if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = str(dist.get_rank()), str(dist.get_world_size())
     else:
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-        world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "?"))
+        try:  # the same answer every launcher gets, before the process group exists
+            env = detect_env()
+            rank, world = str(env.rank), str(env.world_size)
+        except HpcDdpError:  # the launch itself is what went wrong
+            rank, world = "?", "?"
     return f"[rank {rank}/{world} {socket.gethostname()}]"
 
 

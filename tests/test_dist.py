@@ -99,3 +99,4 @@ def test_a_user_error_exits_2_with_its_hint() -> None:
     [(code, out)] = _finish(_start([0], 1, free_port(), "--mode", "usage"), timeout=60)
     assert code == 2, out
     assert "error: --mode usage was asked for" in out and "HINT: this is what a hint" in out
+    assert "[rank 0/1 " in out, out  # named from the launcher's variables: no group exists yet

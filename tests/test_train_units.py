@@ -258,3 +258,17 @@ def test_requeue_calls_scontrol_with_the_array_task(
     assert preemption.requeue("scontrol", env) == "requeued Slurm job 10_3 (scontrol requeue)"
     assert record.read_text().split() == ["requeue", "10_3"]
     assert preemption.EXIT_REQUEUE == exit_codes.EXIT_REQUEUE == 75  # one definition
+
+
+def test_official_md5_sums_are_torchvisions(tmp_path: Path) -> None:
+    """data.OFFICIAL_MD5 (staging checks without importing torchvision) == torchvision's lists."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    for name, cls in (("cifar10", CIFAR10), ("cifar100", CIFAR100)):
+        theirs = {f: m for f, m in cls.train_list + cls.test_list}
+        theirs[cls.meta["filename"]] = cls.meta["md5"]
+        assert data.OFFICIAL_MD5[name] == theirs
+        assert synthetic.FOLDERS[name] == cls.base_folder
+    # Files with other contents (here: synthetic ones) do not pass for the official set.
+    synthetic.write_synthetic(tmp_path, "cifar100", train_size=5, test_size=3)
+    assert not data._present("cifar100", tmp_path)
