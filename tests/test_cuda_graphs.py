@@ -48,7 +48,9 @@ def _run_both(eager_model, graphed_model, batches):
     for x, y in batches:
         a = eager.step([(x, y)], Times())
         b = graphed.step([(x, y)], Times())
-        losses.append((a, b))
+        for loss, _ in (a, b):  # the loss stays on the device: read only where it is needed
+            assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float64
+        losses.append(((float(a[0]), a[1]), (float(b[0]), b[1])))
     return losses, graphed
 
 

@@ -47,12 +47,12 @@ def test_local_executor_needs_one_node(tmp_path: Path) -> None:
 def test_auto_executor_preempted_requeues_and_resumes_exactly(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """The same trainer as the sbatch reference (2 nodes x 1 task), through AutoExecutor.
+    """The same trainer as the sbatch reference (2 nodes x 2 tasks, world 4), through AutoExecutor.
     USR2 to the tasks -> submitit calls TrainTask.checkpoint() on rank 0, which waits for the
     trainer child's checkpoint; submitit requeues; the rerun resumes and matches the reference."""
     env = slurm_cluster.env
     args = _args(tmp_path, "--debug-hold-at-step", "3")
-    spec = JobSpec(name="ss-pre", nodes=2, time="30", args=args)
+    spec = JobSpec(name="ss-pre", nodes=2, procs_per_node=2, time="30", args=args)
     job = submit_train(spec, kind="submitit", folder=tmp_path / "submitit", cluster_env=env)
     wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
     slurm_cluster.run(["scancel", "--signal=USR2", str(job.job_id)])
@@ -60,7 +60,7 @@ def test_auto_executor_preempted_requeues_and_resumes_exactly(
     info = slurm_cluster.job_info(str(job.job_id))
     assert (state, code) == ("COMPLETED", 0), (result, job.stderr())
     assert info.get("Restarts") == "1", info
-    assert (result["interruptions"], result["world_size"]) == (1, 2)
+    assert (result["interruptions"], result["world_size"]) == (1, 4)  # the reference's world
     assert result["params_sha256"] == read_result(reference_run[0] / "run")["params_sha256"]
     # submitit's own path ran: preempted (not timed out: 30 min asked), checkpoint(), requeue.
     err, out = Path(job.paths.stderr).read_text(), Path(job.paths.stdout).read_text()

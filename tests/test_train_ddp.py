@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from trainer_helpers import (
     read_metrics,
     read_result,
     run,
+    signal_workers,
     single_cmd,
     start,
     torchrun_cmd,
@@ -137,3 +139,43 @@ def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err
     assert "[rank 1/2" in err and "other rank(s) failed while staging the dataset" in err, err
+
+
+def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """No hold: the ranks agree on the flag only every k steps (syncpoints.AgreeSchedule), so a
+    signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
+    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
+
+    longer = {"synthetic_train_size": 4096, "epochs": 3, "log_every": 1000}  # 128 steps/epoch
+    ref = run(torchrun_cmd(2, train_args(tmp_path / "ref", data_dir, **longer)), timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir, **longer)
+    log = tmp_path / "signalled.log"
+    proc = start(torchrun_cmd(2, args), log)
+    try:
+        progress = wait_for_progress(
+            run_dir, lambda p: p.get("status") == "training" and p["step"] >= 40, proc
+        )
+        signal_workers(progress, signal.SIGUSR1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    rc, text = finish(proc, log)
+    assert rc != 0 and "exitcode  : 75" in text, text
+    found = re.search(r"preempted \(SIGUSR1\): checkpointed at step (\d+)", text)
+    assert found, text
+    # progress.json lags the job by < 0.5 s and the test's poll; the rest is the bound.
+    assert progress["step"] <= int(found.group(1)) <= progress["step"] + AGREE_MAX_STEPS + 60
+
+    final = run(torchrun_cmd(2, args), timeout=300)
+    assert final.returncode == 0, final.stderr
+    result, reference = read_result(run_dir), read_result(tmp_path / "ref")
+    assert result["interruptions"] == 1 and result["steps"] == reference["steps"] == 384
+    assert result["params_sha256"] == reference["params_sha256"]
+    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
+        r["train_loss"] for r in read_metrics(tmp_path / "ref")
+    ]

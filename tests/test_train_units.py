@@ -272,3 +272,23 @@ def test_official_md5_sums_are_torchvisions(tmp_path: Path) -> None:
     # Files with other contents (here: synthetic ones) do not pass for the official set.
     synthetic.write_synthetic(tmp_path, "cifar100", train_size=5, test_size=3)
     assert not data._present("cifar100", tmp_path)
+
+
+def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
+    """k = steps between two preemption agreements: ~AGREE_TARGET_S of training, 1..MAX steps."""
+    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS, AGREE_TARGET_S, AgreeSchedule
+
+    agree = AgreeSchedule(world_size=4)
+    assert agree.due(1, requested=False)  # the first step after a (re)start agrees
+    assert agree.interval(-1.0) == 1  # pace unknown (warm-up): every step
+    assert agree.interval(10.0) == 1  # slow steps: every step
+    assert agree.interval(AGREE_TARGET_S / 10.5) == 10
+    assert agree.interval(1e-6) == AGREE_MAX_STEPS  # fast steps: capped
+    for pace in (1e-6, 1e-4, 3e-3, 0.05, 0.2, 1.0):
+        k = agree.interval(pace)
+        assert 1 <= k <= AGREE_MAX_STEPS and (k == 1 or k * pace <= AGREE_TARGET_S)
+    agree.synced(7, pace=AGREE_TARGET_S / 10.5)
+    assert next(s for s in range(8, 30) if agree.due(s, requested=True)) == 17  # flag ignored
+    # One process has no one to agree with: its own flag, at every step boundary.
+    alone = AgreeSchedule(world_size=1)
+    assert not alone.due(5, requested=False) and alone.due(6, requested=True)

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import json
 import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -171,15 +170,6 @@ class JobSpec:
                 hint="valid keys: " + ", ".join(known),
             )
         return cls(**values)
-
-    def to_mapping(self) -> dict[str, Any]:
-        """Only the fields that differ from the defaults: what a spec file needs to say."""
-        default = JobSpec()
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        }
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -380,7 +370,3 @@ def build_spec(
     if overrides:
         data.update(overrides)
     return JobSpec.from_mapping(data, source=source)
-
-
-def command_string(argv: list[str]) -> str:
-    return shlex.join(argv)

@@ -253,14 +253,16 @@ class GraphedStepper:
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
-    ) -> tuple[float, int]:
+    ) -> tuple[torch.Tensor, int]:
+        """Like ``loop.Stepper.step``: the loss sum stays on the device (float64, a copy: the
+        graph overwrites its own at the next replay)."""
         if len(micro) != 1:
             raise ConfigError("--cuda-graphs takes one micro-batch per step (accum_steps=1)")
         t0 = time.perf_counter()
         x, y = micro[0]
         loss = self.graphed.step(x, y.to(self.out_device))
         self.scheduler.step()
-        result = float(loss)  # synchronises, so the step's time is all counted
+        result = loss.double()  # a new tensor, queued after the step: no host sync
         times.compute += time.perf_counter() - t0
         self.comm_timer.bucket_calls += int(self.graphed.world_size > 1)
         return result, len(y)

@@ -126,8 +126,12 @@ class Stepper:
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
-    ) -> tuple[float, int]:
+    ) -> tuple[torch.Tensor, int]:
         """One optimizer step over ``micro``; returns (sum of per-sample losses, samples).
+
+        The loss sum is a float64 scalar on the output device, not read here: reading it would
+        make the host wait for the GPU every step (the trainer reads it at sync points, see
+        syncpoints.py), so ``times.compute`` counts the host's part; the wait lands at the sync.
 
         Each micro-batch's loss is divided by the step's sample count, so the accumulated
         gradient is the mean over the whole step, as one big batch would give; all ranks have
@@ -154,10 +158,9 @@ class Stepper:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        result = float(loss_sum)  # synchronises a GPU, so the step's time is all counted
         times.compute += time.perf_counter() - t0
         times.comm += self.comm_timer.take()
-        return result, total
+        return loss_sum, total
 
 
 @torch.no_grad()

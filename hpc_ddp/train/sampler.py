@@ -94,9 +94,6 @@ class ShardPlan:
         shard = rank_indices(epoch_permutation(self.n, self.seed, epoch), rank, self.world_size)
         return shard[start // self.world_size :]
 
-    def micro_batches(self, epoch: int, rank: int, start: int = 0) -> list[torch.Tensor]:
-        return list(self.indices(epoch, rank, start).split(self.micro_batch))
-
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
     """A Sampler over ``ShardPlan.indices``: call ``set_epoch(epoch, start)`` before iterating."""

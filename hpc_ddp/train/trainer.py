@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,12 +30,16 @@ from hpc_ddp.train.preemption import PreemptionFlag, requeue
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.sampler import ShardPlan
+from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
+
+if TYPE_CHECKING:
+    from hpc_ddp.dist import DistContext
 
 HOLD_TIMEOUT_S = 120.0
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: Any) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.rank, self.world_size = ctx.env.rank, ctx.env.world_size
@@ -209,39 +213,67 @@ class Trainer:
             f"device {self.ctx.device}, backend {self.ctx.backend}"
         )
         self.model.train()
+        agree = AgreeSchedule(self.world_size)
+        pending = PendingSteps()
         while progress.epoch < cfg.epochs:
             times = Times.from_dict(progress.epoch_times)
             done = plan.steps_done(progress.start)
+            agree.start_epoch(progress.global_step)
             batches = self.train_data.batches(progress.epoch, progress.start)
             for micro in grouped(batches, cfg.accum_steps, times):
                 t0 = time.perf_counter()
-                loss_sum, n = self.stepper.step(micro, times)
+                loss_sum, n = self.stepper.step(micro, times)  # the loss stays on the device
                 done += 1
                 progress.global_step += 1
                 progress.start = plan.step_start(done)
                 last = done == steps_per_epoch
-                if progress.global_step == cfg.debug_hold_at_step and not last:
+                hold = progress.global_step == cfg.debug_hold_at_step and not last
+                if hold:
                     self.hold_for_signal(progress, flag)
-                # One collective per step: the loss for the log and the preemption flag. The
-                # epoch's last step skips the flag: its checkpoint comes after evaluation.
-                preempt = 0.0 if last else float(flag.requested)
-                loss_all, n_all, preempt = self.comm.sum([loss_sum, n, preempt])
-                progress.epoch_loss_sum += loss_all
-                progress.epoch_loss_count += n_all
-                progress.samples_total += int(n_all)
+                pending.add(loss_sum, n)
                 progress.train_seconds += time.perf_counter() - t0
                 self.write_progress(progress, "training")
-                if done % cfg.log_every == 0 or last:
-                    self.log_step(progress, steps_per_epoch, done, loss_all / n_all)
-                if preempt:
-                    return self.preempted(progress, times, flag)
+                logging = done % cfg.log_every == 0 or last
                 every = cfg.checkpoint_every_steps
-                if every and not last and progress.global_step % every == 0:
-                    self.save(progress, times)
+                saving = bool(every) and not last and progress.global_step % every == 0
+                # Sync points (syncpoints.py): the same steps on every rank. The epoch's last
+                # step skips the flag: its checkpoint comes after evaluation.
+                due = agree.due(progress.global_step, flag.requested)
+                if last or logging or saving or hold or due:
+                    vote = 0.0 if last else float(flag.requested)
+                    preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
+                    if logging:
+                        self.log_step(progress, steps_per_epoch, done, loss)
+                    if preempt:
+                        return self.preempted(progress, times, flag)
+                    if saving:
+                        self.save(progress, times)
             self.end_epoch(progress, times)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=True)
         return self.finish(progress)
+
+    def sync_steps(
+        self,
+        progress: Progress,
+        pending: PendingSteps,
+        times: Times,
+        agree: AgreeSchedule,
+        vote: float,
+    ) -> tuple[bool, float]:
+        """A sync point: fold the pending steps into ``progress`` (per step, in step order, as a
+        collective per step did), agree on preemption; returns (preempt, this step's loss)."""
+        t0 = time.perf_counter()
+        losses, counts, votes, pace = pending.reduce(self.comm, vote, agree.pace)
+        for loss_all, n_all in zip(losses, counts, strict=True):
+            progress.epoch_loss_sum += loss_all
+            progress.epoch_loss_count += n_all
+            progress.samples_total += int(n_all)
+        agree.synced(progress.global_step, pace)
+        spent = time.perf_counter() - t0  # mostly waiting for the GPU: the steps' compute
+        times.compute += spent
+        progress.train_seconds += spent
+        return votes > 0, losses[-1] / counts[-1]
 
     def log_step(self, progress: Progress, steps: int, done: int, loss: float) -> None:
         lr = float(self.stepper.optimizer.param_groups[0]["lr"])  # a tensor with cuda_graphs
@@ -338,7 +370,7 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
-def train(config: TrainConfig, *, ctx: Any = None) -> results.Result:
+def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
     """Train in this process (one rank of the job); returns the Result on every rank.
 
     Initialises the process group through ``hpc_ddp.dist`` unless one is already up (``ctx`` lets

@@ -24,13 +24,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def dist_agree(ok: bool) -> bool:
-    """True on every rank iff ``ok`` was True on every rank (all-reduce MIN)."""
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
 def dist_same_int(value: int) -> bool:
     """True on every rank iff every rank passed the same value (MIN of v and of -v)."""
     t = torch.tensor([value, -value], dtype=torch.int64, device=_device())

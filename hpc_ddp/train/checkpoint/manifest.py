@@ -119,13 +119,6 @@ class VerifyFailure(Exception):
         return f"{self.path.name}: {self.reason}"
 
 
-def verify_dir(path: Path, only: set[str] | None = None) -> dict[str, Any]:
-    """Return the manifest of a complete checkpoint, or raise VerifyFailure saying why not."""
-    manifest = read_manifest(path)
-    verify_files(path, manifest, only)
-    return manifest
-
-
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest, if it parses, self-verifies and lists every file a checkpoint needs."""
     try:

@@ -1,0 +1,34 @@
+"""The commands that do not train never import torch (1.5-2 s here; docs/architecture.md).
+
+Each command module, with the modules it imports at load time, is imported in a fresh
+interpreter. test_env_command, test_render and test_doctor also run their commands whole.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpc_ddp.cli import COMMANDS
+
+TORCH_FREE = ("env", "render", "submit", "launch", "doctor", "cluster")
+
+
+def test_every_torch_free_command_exists() -> None:
+    assert set(TORCH_FREE) <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", TORCH_FREE)
+def test_command_module_does_not_import_torch(command: str) -> None:
+    code = (
+        "import importlib, sys; importlib.import_module(sys.argv[1]); "
+        "print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    )
+    module = f"hpc_ddp.commands.{command}"
+    out = subprocess.run(
+        [sys.executable, "-c", code, module], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"
