@@ -20,6 +20,7 @@ PARENT = {
     "MASTER_PORT": "29500",
     "CUDA_VISIBLE_DEVICES": "3",
     "HPC_DDP_NODE_RANK": "1",
+    "HPC_DDP_LAUNCH_TAG": "abc/node0",
     "HPC_DDP_LOCAL_SLURM_DIR": "/tmp/s",
     "PATH": "/usr/bin",
     "NCCL_DEBUG": "INFO",

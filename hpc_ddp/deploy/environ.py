@@ -44,6 +44,9 @@ SCRUB_NAMES = frozenset(
         "HPC_DDP_MASTER_PORT",
         "HPC_DDP_RDZV_ENDPOINT",
         "HPC_DDP_GPUS_PER_PROCESS",
+        "HPC_DDP_JOB_ID",
+        "HPC_DDP_LAUNCH_ID",
+        "HPC_DDP_LAUNCH_TAG",  # `hpc-ddp launch stop` kills by it: a child job must not match
         "CUDA_VISIBLE_DEVICES",  # set by Slurm for *this* allocation's GPUs
     }
 )
