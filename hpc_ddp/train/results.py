@@ -63,6 +63,7 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [row["epoch"] for row in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
@@ -71,7 +72,9 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_loss.legend()
     ax_acc.plot(epochs, [100 * row["test_accuracy"] for row in history], marker="o")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="test accuracy", ylim=(0, 100))
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
     out = run_dir / PLOT
     tmp = run_dir / f".{PLOT}.tmp-{os.getpid()}.png"
