@@ -120,3 +120,17 @@ def test_gpus_requested_without_a_driver_fail(slurm_gpu_cluster, tmp_path: Path)
     line = _line(proc.stdout, "gpus")
     assert line.startswith("FAIL") and "asked 2, visible 2" in line
     assert "no NVIDIA driver" in proc.stdout
+
+
+def test_controller_line_knows_the_embedded_cluster(slurm_cluster, tmp_path: Path) -> None:
+    """No SLURM_CONF, no /etc/slurm: a WARN while no embedded cluster runs in the state dir,
+    OK naming it while one does (the session's real cluster, found through its dir)."""
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has a system Slurm config; the embedded case cannot arise")
+    nowhere = str(tmp_path / ("x" * 80))  # too long to ever hold a cluster: must not crash
+    absent = _doctor("--no-torch", env=_env(HPC_DDP_LOCAL_SLURM_DIR=nowhere))
+    assert _line(absent.stdout, "slurm controller").startswith("WARN"), absent.stdout
+    root = str(slurm_cluster.cluster.root)
+    present = _doctor("--no-torch", env=_env(HPC_DDP_LOCAL_SLURM_DIR=root))
+    line = _line(present.stdout, "slurm controller")
+    assert line.startswith("OK") and f"embedded local cluster runs in {root}" in line, line

@@ -15,6 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.localslurm import LocalCluster, default_state_dir
+
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
 
@@ -66,6 +69,18 @@ def check_controller(o: Options) -> Check:
         return Check(WARN, "slurm controller", "scontrol not found: not checked")
     if not o.env.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
         # Without a config scontrol spends seconds on DNS SRV lookups before failing.
+        try:
+            embedded: LocalCluster | None = LocalCluster(default_state_dir(o.env))
+        except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
+            embedded = None
+        if embedded is not None and embedded.is_running():
+            return Check(
+                OK,
+                "slurm controller",
+                f"no Slurm configured; the embedded local cluster runs in {embedded.root} "
+                f"({embedded.config.nodes} nodes), which `hpc-ddp submit` uses "
+                "(`eval $(hpc-ddp cluster env)` points sbatch/srun at it)",
+            )
         return Check(
             WARN,
             "slurm controller",
