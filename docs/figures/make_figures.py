@@ -6,15 +6,23 @@ Every picture uses the same colours (see ``C``) and shows 2 nodes x 2 GPUs: 8 GP
 the same way, with more boxes. The variable values drawn are the ones the local Slurm cluster's
 fake-GPU tests check (tests/test_slurm_jobs.py::test_gpu_layouts_bind_gpus_as_intended) and the
 ones `hpc-ddp launch ... --rcmd exec` prints; keep them in step with the code.
+
+The first half holds the shapes (box, arrow, node, process pair, GPU row, legend); each figure
+function below them only says what goes where. Coordinates are inches on the canvas, y upwards.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.transforms import Bbox
 
@@ -22,6 +30,10 @@ matplotlib.use("Agg")
 
 OUT = Path(__file__).resolve().parent.parent / "img"
 DPI = 100
+MONO = "DejaVu Sans Mono"
+
+Box = tuple[float, float, float, float]  # x, y of the lower left corner, width, height
+Point = tuple[float, float]
 
 # One palette for every figure: (face, edge).
 C = {
@@ -32,15 +44,22 @@ C = {
     "rank0": ("#ffe3cc", "#d9480f"),  # rank 0 / master / store
     "gpu": ("#dcf5dc", "#2f8a2f"),  # a GPU
     "note": ("#ffffff", "#bbbbbb"),  # side notes
-    "bad": ("#fde2e2", "#c92a2a"),  # failure paths
 }
-MONO = "DejaVu Sans Mono"
+RED, PURPLE, GREEN = C["rank0"][1], C["agent"][1], C["gpu"][1]
+LEGEND = [
+    ("shell", "batch shell / launcher"),
+    ("agent", "agent / wrapper"),
+    ("proc", "training process"),
+    ("rank0", "rank 0 (master: TCPStore)"),
+    ("gpu", "GPU"),
+]
 
 
-def canvas(w: float, h: float, title: str):
+# ----------------------------------------------------------------------------------- shapes
+def canvas(w: float, h: float, title: str) -> tuple[Figure, Axes]:
     fig = plt.figure(figsize=(w, h), dpi=DPI)
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, w)
+    ax.set_xlim(0, w)  # one data unit = one inch, so sizes below read as inches
     ax.set_ylim(0, h)
     ax.axis("off")
     ax.text(0.2, h - 0.25, title, fontsize=14, fontweight="bold", va="top")
@@ -48,137 +67,160 @@ def canvas(w: float, h: float, title: str):
 
 
 def box(
-    ax,
-    x,
-    ytop,
-    w,
-    kind,
-    title="",
-    lines=(),
+    ax: Axes,
+    x: float,
+    ytop: float,
+    w: float,
+    kind: str,
+    title: str = "",
+    text: str = "",
     *,
-    h=None,
-    size=9.5,
-    title_size=10.5,
-    mono=True,
-    align="left",
-    lw=1.4,
-):
-    """A rounded box hanging from ``ytop``; bold title, then text lines. Returns (x, y, w, h).
+    h: float = 0.0,
+    size: float = 9.5,
+    title_size: float = 10.5,
+    align: str = "left",
+) -> Box:
+    """A rounded box hanging from ``ytop``: bold title, then the lines of ``text`` in mono.
 
-    ``h`` defaults to what the text needs, so every box fits its text whatever the font size.
+    ``text`` may be an indented triple-quoted block: it is cleaned up like a docstring. The height
+    is at least what the text needs, so every box fits its text whatever the font size.
     """
+    lines = inspect.cleandoc(text).splitlines()
     face, edge = C[kind]
     step = size / 72 * 1.45
-    need = 0.2 + (title_size / 72 * 1.5 if title else 0) + step * len(lines)
-    h = need if h is None else max(h, need)
+    h = max(h, 0.2 + (title_size / 72 * 1.5 if title else 0) + step * len(lines))
     y = ytop - h
-    ax.add_patch(
-        FancyBboxPatch(
-            (x, y),
-            w,
-            h,
-            boxstyle="round,pad=0.02,rounding_size=0.08",
-            fc=face,
-            ec=edge,
-            lw=lw,
-        )
-    )
-    tx = x + 0.1 if align == "left" else x + w / 2
-    ty = ytop - 0.1
+    style = "round,pad=0.02,rounding_size=0.08"
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, fc=face, ec=edge, lw=1.4))
+    tx, ty = (x + 0.1 if align == "left" else x + w / 2), ytop - 0.1
     if title:
-        ax.text(
-            tx,
-            ty,
-            title,
-            fontsize=title_size,
-            fontweight="bold",
-            va="top",
-            ha=align,
-            color=edge if kind != "note" else "#333333",
-        )
+        color = edge if kind != "note" else "#333333"  # a note's grey edge is too pale for text
+        ax.text(tx, ty, title, fontsize=title_size, fontweight="bold", va="top", ha=align, c=color)
         ty -= title_size / 72 * 1.5
     for line in lines:
-        ax.text(
-            tx,
-            ty,
-            line,
-            fontsize=size,
-            va="top",
-            ha=align,
-            family=MONO if mono else None,
-            color="#222222",
-        )
+        ax.text(tx, ty, line, fontsize=size, va="top", ha=align, family=MONO, color="#222222")
         ty -= step
     return (x, y, w, h)
 
 
-def note(ax, x, y, text, size=10):
+def at(b: Box, fx: float, fy: float, dx: float = 0.0, dy: float = 0.0) -> Point:
+    """The point of box ``b`` at fractions (fx, fy) of its size, moved by (dx, dy) inches."""
+    return (b[0] + fx * b[2] + dx, b[1] + fy * b[3] + dy)
+
+
+def top(b: Box) -> Point:
+    return at(b, 0.5, 1)
+
+
+def bottom(b: Box) -> Point:
+    return at(b, 0.5, 0)
+
+
+def note(ax: Axes, x: float, y: float, text: str, size: float = 10) -> None:
     ax.text(x, y, text, fontsize=size, va="top", color="#222222")
 
 
 def arrow(
-    ax,
-    a,
-    b,
-    text="",
-    *,
-    color="#444444",
-    style="-|>",
-    ls="-",
-    lw=1.3,
-    rad=0.0,
-    size=9.5,
-    tx=0.0,
-    ty=0.0,
-    ha="center",
-):
-    ax.add_patch(
-        FancyArrowPatch(
-            a,
-            b,
-            arrowstyle=style,
-            mutation_scale=12,
-            color=color,
-            lw=lw,
-            ls=ls,
-            connectionstyle=f"arc3,rad={rad}",
-            shrinkA=2,
-            shrinkB=2,
-        )
-    )
+    ax: Axes, a: Point, b: Point, text: str = "", tx: float = 0, ty: float = 0, **style: Any
+) -> None:
+    """An arrow from a to b (``style``: FancyArrowPatch settings over the house defaults).
+
+    ``text`` sits at the middle, moved by (tx, ty), on white so that lines under it do not cross it.
+    """
+    kw: dict[str, Any] = dict(arrowstyle="-|>", mutation_scale=12, color="#444444", lw=1.3)
+    kw |= dict(shrinkA=2, shrinkB=2) | style
+    ax.add_patch(FancyArrowPatch(a, b, **kw))
     if text:
         mx, my = (a[0] + b[0]) / 2 + tx, (a[1] + b[1]) / 2 + ty
-        ax.text(
-            mx,
-            my,
-            text,
-            fontsize=size,
-            ha=ha,
-            va="center",
-            color=color,
-            bbox=dict(fc="white", ec="none", pad=1.0, alpha=0.9),
-        )
+        bg = dict(fc="white", ec="none", pad=1.0, alpha=0.9)
+        ax.text(mx, my, text, fontsize=9.5, ha="center", va="center", color=kw["color"], bbox=bg)
 
 
-def legend(ax, x, y, items):
+def legend(ax: Axes, x: float, y: float, items: list[tuple[str, str]]) -> None:
     for kind, label in items:
         face, edge = C[kind]
-        ax.add_patch(
-            FancyBboxPatch((x, y), 0.28, 0.18, boxstyle="round,pad=0.01", fc=face, ec=edge, lw=1.2)
-        )
+        style = "round,pad=0.01"
+        ax.add_patch(FancyBboxPatch((x, y), 0.28, 0.18, boxstyle=style, fc=face, ec=edge, lw=1.2))
         ax.text(x + 0.36, y + 0.09, label, fontsize=9.5, va="center")
-        x += 0.55 + 0.072 * len(label)
+        x += 0.55 + 0.072 * len(label)  # the label's rough width: no renderer needed
 
 
-def top(b):
-    return (b[0] + b[2] / 2, b[1] + b[3])
+def footer(ax: Axes, *notes: str, y: float = 0.72, items: list[tuple[str, str]] = LEGEND) -> None:
+    """Notes stacked upwards from ``y`` (the top of the lowest), the colour legend under them."""
+    if items:
+        legend(ax, 0.15, y - 0.6, items)
+    for text in reversed(notes):  # bottom up, so a note of several lines pushes the others up
+        y += 0.2 * text.count("\n")
+        note(ax, 0.15, y, text)
+        y += 0.26
 
 
-def bottom(b):
-    return (b[0] + b[2] / 2, b[1])
+def node(ax: Axes, x: float, ytop: float, w: float, h: float, title: str) -> Box:
+    """A machine: a grey frame with a larger title; what runs on it is drawn on top of it."""
+    return box(ax, x, ytop, w, "node", title, h=h, title_size=12)
 
 
-def save(fig, name: str) -> None:
+def two_nodes(ax: Axes, ytop: float, h: float) -> list[Box]:
+    """node1 and node2 side by side, filling the 13-inch-wide layout figures."""
+    return [node(ax, 0.1 + n * 6.45, ytop, 6.35, h, f"node{n + 1}") for n in range(2)]
+
+
+def proc(
+    ax: Axes, x: float, ytop: float, w: float, rank: int, title: str, text: str, size: float = 9.5
+) -> Box:
+    """A training process; rank 0 gets the master colour and says so: it hosts the TCPStore."""
+    kind, master = ("rank0", " (master)") if rank == 0 else ("proc", "")
+    return box(ax, x, ytop, w, kind, title + master, text, size=size)
+
+
+def rank_pair(
+    ax: Axes, x: float, ytop: float, w: float, n: int, title: str, text: str, size: float = 9.5
+) -> list[Box]:
+    """Node ``n``'s two processes side by side from ``x`` on, each ``w`` wide.
+
+    ``title`` and ``text`` are str.format templates of {rank}, {lr} (local rank) and {n} (node):
+    the variables the processes of a layout see differ only in those numbers.
+    """
+    boxes = []
+    for lr in range(2):
+        v = dict(rank=2 * n + lr, lr=lr, n=n)
+        xl = x + lr * (w + 0.12)
+        boxes.append(proc(ax, xl, ytop, w, v["rank"], title.format(**v), text.format(**v), size))
+    return boxes
+
+
+def spawn(ax: Axes, parent: Box, children: list[Box], label: str = "") -> None:
+    """Straight down from ``parent``'s bottom into each child; ``label`` on the first arrow only."""
+    for i, b in enumerate(children):
+        arrow(ax, (top(b)[0], parent[1]), top(b), "" if i else label, color=PURPLE)
+
+
+def gpu(ax: Axes, src: Point, x: float, ytop: float, w: float, i: int, text: str = "") -> Box:
+    """GPU ``i`` of a node, with an arrow from ``src`` on the process that drives it."""
+    g = box(ax, x, ytop, w, "gpu", f"GPU {i}", text, h=0.6, align="center")
+    arrow(ax, src, top(g), color=GREEN)
+    return g
+
+
+def gpu_row(ax: Axes, procs: list[Box], nb: Box) -> None:
+    """One GPU straight under each one-GPU process, near the bottom of node box ``nb``."""
+    for i, b in enumerate(procs):
+        gpu(ax, bottom(b), b[0] + b[2] / 2 - 0.8, nb[1] + 0.8, 1.6, i)
+
+
+def store_bus(ax: Axes, procs: list[Box], y: float, label: str) -> None:
+    """Dashed lines from every other rank down to a bus and up into rank 0: 'connects to rank 0'."""
+    x0 = procs[0][0] + 0.35
+    xs = [b[0] + 0.35 for b in procs[1:]]
+    for b, x in zip(procs[1:], xs, strict=True):
+        ax.plot([x, x], [b[1], y], color=RED, ls="--", lw=1.3)
+    ax.plot([x0, max(xs)], [y, y], color=RED, ls="--", lw=1.3)
+    arrow(ax, (x0, y), (x0, procs[0][1]), color=RED, ls="--")
+    # Under the bus, between rank 0's and rank 1's GPU arrows (nothing else crosses there).
+    ax.text(x0 + 1.5, y - 0.06, label, fontsize=9, color=RED, ha="left", va="top")
+
+
+def save(fig: Figure, name: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / name
     # Crop to what was drawn (the axes span the whole canvas, so "tight" alone would not).
@@ -193,660 +235,335 @@ def save(fig, name: str) -> None:
     print(f"{path.relative_to(OUT.parent.parent)}  {size // 1024} KB")
 
 
-LEGEND = [
-    ("shell", "batch shell / launcher"),
-    ("agent", "agent / wrapper"),
-    ("proc", "training process"),
-    ("rank0", "rank 0 (master: TCPStore)"),
-    ("gpu", "GPU"),
-]
+Draw = Callable[[Axes], None]
+FIGURES: list[tuple[str, float, Draw]] = []  # (file name, canvas height, drawing), in order
 
 
-def store_bus(ax, procs, y, label):
-    """Dashed lines from every other rank down to a bus and up into rank 0: 'connects to rank 0'."""
-    red = C["rank0"][1]
-    x0 = procs[0][0] + 0.35
-    xs = [b[0] + 0.35 for b in procs[1:]]
-    for b, x in zip(procs[1:], xs, strict=True):
-        ax.plot([x, x], [b[1], y], color=red, ls="--", lw=1.3)
-    ax.plot([x0, max(xs)], [y, y], color=red, ls="--", lw=1.3)
-    arrow(ax, (x0, y), (x0, procs[0][1]), color=red, ls="--")
-    # Under the bus, between rank 0's and rank 1's GPU arrows (nothing else crosses there).
-    ax.text(x0 + 1.5, y - 0.06, label, fontsize=9, color=red, ha="left", va="top")
+def figure(name: str, h: float) -> Callable[[Draw], Draw]:
+    """Register a drawing as docs/img/``name``: a 13 x ``h`` inch canvas titled by its docstring.
+
+    The docstring doubles as the title so that a figure function is only its description.
+    """
+
+    def register(draw: Draw) -> Draw:
+        FIGURES.append((name, h, draw))
+        return draw
+
+    return register
 
 
 # ---------------------------------------------------------------------------------- layouts
-def layout_srun() -> None:
-    W, H = 13, 8.0
-    fig, ax = canvas(W, H, "Layout (a): one process per GPU: srun starts one task per GPU")
-    sh = box(
+SBATCH_SHELL = "sbatch script = the batch shell (runs on node1)"
+
+
+@figure("layout-srun-per-gpu.png", 8.0)
+def layout_srun(ax: Axes) -> None:
+    """Layout (a): one process per GPU: srun starts one task per GPU"""
+    script = """#SBATCH --nodes=2 --ntasks-per-node=2 --gpus-per-node=2
+        srun --kill-on-bad-exit=1 python -m hpc_ddp.train ... &  wait"""
+    task = """Slurm sets:
+         SLURM_PROCID={rank}
+         SLURM_LOCALID={lr}
+         SLURM_NODEID={n}
+         SLURM_STEP_NUM_TASKS=4
+         SLURM_STEP_NODELIST=node[1-2]
+         CUDA_VISIBLE_DEVICES=0,1
+        hpc_ddp.cluster derives:
+         RANK={rank}  LOCAL_RANK={lr}
+         WORLD_SIZE=4
+         MASTER_ADDR=node1
+         MASTER_PORT=20000+id%9000
+         device cuda:{lr}"""
+    sh = box(ax, 2.6, 7.45, 7.8, "shell", SBATCH_SHELL, script)
+    procs: list[Box] = []
+    for n, nb in enumerate(two_nodes(ax, 6.2, 5.05)):
+        arrow(ax, bottom(sh), top(nb), f"srun: 2 tasks on node{n + 1}", ty=0.08)
+        procs += rank_pair(ax, nb[0] + 0.1, 5.8, 3.0, n, "srun task {rank} = rank {rank}", task)
+        gpu_row(ax, procs[-2:], nb)
+    store_bus(ax, procs, nb[1] + 1.3, "ranks 1-3 -> rank 0's TCPStore\n(node1:MASTER_PORT)")
+    footer(
         ax,
-        2.6,
-        7.45,
-        7.8,
-        "shell",
-        "sbatch script = the batch shell (runs on node1)",
-        [
-            "#SBATCH --nodes=2 --ntasks-per-node=2 --gpus-per-node=2",
-            "srun --kill-on-bad-exit=1 python -m hpc_ddp.train ... &  wait",
-        ],
-    )
-    procs = []
-    for n in range(2):
-        x0 = 0.1 + n * 6.45
-        node = box(ax, x0, 6.2, 6.35, "node", f"node{n + 1}", [], h=5.05, title_size=12)
-        for lr in range(2):
-            rank = 2 * n + lr
-            kind = "rank0" if rank == 0 else "proc"
-            b = box(
-                ax,
-                x0 + 0.1 + lr * 3.12,
-                5.8,
-                3.0,
-                kind,
-                f"srun task {rank} = rank {rank}" + (" (master)" if rank == 0 else ""),
-                [
-                    "Slurm sets:",
-                    f" SLURM_PROCID={rank}",
-                    f" SLURM_LOCALID={lr}",
-                    f" SLURM_NODEID={n}",
-                    " SLURM_STEP_NUM_TASKS=4",
-                    " SLURM_STEP_NODELIST=node[1-2]",
-                    " CUDA_VISIBLE_DEVICES=0,1",
-                    "hpc_ddp.cluster derives:",
-                    f" RANK={rank}  LOCAL_RANK={lr}",
-                    " WORLD_SIZE=4",
-                    " MASTER_ADDR=node1",
-                    " MASTER_PORT=20000+id%9000",
-                    f" device cuda:{lr}",
-                ],
-            )
-            procs.append(b)
-            g = box(
-                ax,
-                x0 + 0.8 + lr * 3.12,
-                node[1] + 0.8,
-                1.6,
-                "gpu",
-                f"GPU {lr}",
-                [],
-                h=0.6,
-                align="center",
-            )
-            arrow(ax, (b[0] + 1.6, b[1]), (b[0] + 1.6, g[1] + g[3]), color=C["gpu"][1])
-        arrow(ax, bottom(sh), (x0 + 3.17, 6.2), f"srun: 2 tasks on node{n + 1}", ty=0.08)
-    store_bus(ax, procs, node[1] + 1.3, "ranks 1-3 -> rank 0's TCPStore\n(node1:MASTER_PORT)")
-    note(
-        ax,
-        0.15,
-        0.98,
         "MASTER_ADDR = first host of SLURM_STEP_NODELIST; MASTER_PORT = 20000 + "
         "job_id % 9000: every rank derives both alone.",
-    )
-    note(
-        ax,
-        0.15,
-        0.72,
         'gpu_binding = "gpus-per-task" instead: each task sees only its own GPU '
         "(CUDA_VISIBLE_DEVICES=0 or 1) and uses cuda:0.",
     )
-    legend(ax, 0.15, 0.12, LEGEND)
-    save(fig, "layout-srun-per-gpu.png")
 
 
-def layout_torchrun() -> None:
-    W, H = 13, 9.0
-    fig, ax = canvas(W, H, "Layout (b): one srun task per node, each starting torchrun")
-    sh = box(
-        ax,
-        1.4,
-        8.45,
-        10.2,
-        "shell",
-        "sbatch script = the batch shell (runs on node1)",
-        [
-            "export HPC_DDP_RDZV_ENDPOINT=node1:<port>   # port: python -m hpc_ddp.deploy.port",
-            'srun --ntasks-per-node=1 bash -c \'trap "" USR1; exec torchrun --nnodes=2',
-            "    --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=... -m hpc_ddp.train ...'",
-        ],
-    )
+@figure("layout-torchrun.png", 9.0)
+def layout_torchrun(ax: Axes) -> None:
+    """Layout (b): one srun task per node, each starting torchrun"""
+    script = """
+        export HPC_DDP_RDZV_ENDPOINT=node1:<port>   # port: python -m hpc_ddp.deploy.port
+        srun --ntasks-per-node=1 bash -c 'trap "" USR1; exec torchrun --nnodes=2
+            --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=... -m hpc_ddp.train ...'"""
+    worker = """torchrun sets:
+         RANK={rank}  LOCAL_RANK={lr}
+         WORLD_SIZE=4
+         LOCAL_WORLD_SIZE=2
+         GROUP_RANK={n}
+         MASTER_ADDR, MASTER_PORT
+         TORCHELASTIC_RUN_ID
+        inherited, not believed:
+         the agent's SLURM_PROCID={n} ...
+        Slurm: CUDA_VISIBLE_DEVICES=0,1
+        uses cuda:{lr}"""
+    sh = box(ax, 1.4, 8.45, 10.2, "shell", SBATCH_SHELL, script)
     agents = []
-    for n in range(2):
-        x0 = 0.1 + n * 6.45
-        node = box(ax, x0, 6.95, 6.35, "node", f"node{n + 1}", [], h=5.85, title_size=12)
-        a = box(
-            ax,
-            x0 + 0.5,
-            6.55,
-            5.35,
-            "agent",
-            f"srun task {n}: torchrun agent",
-            [
-                f"SLURM_PROCID={n} (numbers agents, not workers)",
-                "hosts the c10d rendezvous store" if n == 0 else "joins the rendezvous on node1",
-            ],
-        )
+    for n, nb in enumerate(two_nodes(ax, 6.95, 5.85)):
+        store = "hosts the c10d rendezvous store" if n == 0 else "joins the rendezvous on node1"
+        text = f"SLURM_PROCID={n} (numbers agents, not workers)\n{store}"
+        a = box(ax, nb[0] + 0.5, 6.55, 5.35, "agent", f"srun task {n}: torchrun agent", text)
         agents.append(a)
         arrow(ax, bottom(sh), top(a), f"srun task {n}", ty=0.08)
-        for lr in range(2):
-            rank = 2 * n + lr
-            kind = "rank0" if rank == 0 else "proc"
-            b = box(
-                ax,
-                x0 + 0.1 + lr * 3.12,
-                a[1] - 0.45,
-                3.0,
-                kind,
-                f"worker: rank {rank}" + (" (master)" if rank == 0 else ""),
-                [
-                    "torchrun sets:",
-                    f" RANK={rank}  LOCAL_RANK={lr}",
-                    " WORLD_SIZE=4",
-                    " LOCAL_WORLD_SIZE=2",
-                    f" GROUP_RANK={n}",
-                    " MASTER_ADDR, MASTER_PORT",
-                    " TORCHELASTIC_RUN_ID",
-                    "inherited, not believed:",
-                    f" the agent's SLURM_PROCID={n} ...",
-                    "Slurm: CUDA_VISIBLE_DEVICES=0,1",
-                    f"uses cuda:{lr}",
-                ],
-            )
-            arrow(
-                ax,
-                (b[0] + 1.5, a[1]),
-                (b[0] + 1.5, b[1] + b[3]),
-                "spawns" if lr == 0 else "",
-                color=C["agent"][1],
-            )
-            g = box(
-                ax,
-                x0 + 0.8 + lr * 3.12,
-                node[1] + 0.8,
-                1.6,
-                "gpu",
-                f"GPU {lr}",
-                [],
-                h=0.6,
-                align="center",
-            )
-            arrow(ax, (b[0] + 1.6, b[1]), (b[0] + 1.6, g[1] + g[3]), color=C["gpu"][1])
-    arrow(
+        workers = rank_pair(ax, nb[0] + 0.1, a[1] - 0.45, 3.0, n, "worker: rank {rank}", worker)
+        spawn(ax, a, workers, "spawns")
+        gpu_row(ax, workers, nb)
+    left, right = at(agents[1], 0, 0, dy=0.35), at(agents[0], 1, 0, dy=0.35)
+    arrow(ax, left, right, "rendezvous", color=PURPLE, ls="--")
+    footer(
         ax,
-        (agents[1][0], agents[1][1] + 0.35),
-        (agents[0][0] + agents[0][2], agents[0][1] + 0.35),
-        "rendezvous",
-        color=C["agent"][1],
-        ls="--",
-    )
-    note(
-        ax,
-        0.15,
-        0.98,
         "torchrun numbers the agents in rendezvous order: rank 0 is usually on node1, "
         "not always. hpc_ddp.cluster believes torchrun's variables first.",
-    )
-    note(
-        ax,
-        0.15,
-        0.72,
         'USR1: torchrun ignores it (trap ""), Slurm signals every process of the '
         "step, so the workers get it and checkpoint.",
     )
-    legend(ax, 0.15, 0.12, LEGEND)
-    save(fig, "layout-torchrun.png")
 
 
-def layout_pernode() -> None:
-    W, H = 13, 7.0
-    fig, ax = canvas(W, H, "Layout (c): one process per node drives all its GPUs; DDP across nodes")
-    sh = box(
-        ax,
-        1.4,
-        6.45,
-        10.2,
-        "shell",
-        "sbatch script = the batch shell (runs on node1)",
-        [
-            "#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=2",
-            "export HPC_DDP_GPUS_PER_PROCESS=2",
-            "srun python -m hpc_ddp.train --gpus-per-process 2 ...",
-        ],
-    )
+@figure("layout-per-node.png", 7.0)
+def layout_pernode(ax: Axes) -> None:
+    """Layout (c): one process per node drives all its GPUs; DDP across nodes"""
+    script = """#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=2
+        export HPC_DDP_GPUS_PER_PROCESS=2
+        srun python -m hpc_ddp.train --gpus-per-process 2 ..."""
+    task = """Slurm sets: SLURM_PROCID={n}  SLURM_NODEID={n}
+          SLURM_STEP_NUM_TASKS=2  CUDA_VISIBLE_DEVICES=0,1
+        the script: HPC_DDP_GPUS_PER_PROCESS=2
+        derived: RANK={n} (= node)  WORLD_SIZE=2 (= nodes)
+          LOCAL_RANK=0  MASTER_ADDR=node1  gpus (0, 1)
+        model split over cuda:0 and cuda:1;
+        DDP(model, device_ids=None)"""
+    sh = box(ax, 1.4, 6.45, 10.2, "shell", SBATCH_SHELL, script)
     procs = []
-    for n in range(2):
-        x0 = 0.1 + n * 6.45
-        node = box(ax, x0, 5.2, 6.35, "node", f"node{n + 1}", [], h=4.25, title_size=12)
-        kind = "rank0" if n == 0 else "proc"
-        b = box(
-            ax,
-            x0 + 0.25,
-            4.8,
-            5.55,
-            kind,
-            f"srun task {n} = rank {n}" + (" (master)" if n == 0 else ""),
-            [
-                f"Slurm sets: SLURM_PROCID={n}  SLURM_NODEID={n}",
-                "  SLURM_STEP_NUM_TASKS=2  CUDA_VISIBLE_DEVICES=0,1",
-                "the script: HPC_DDP_GPUS_PER_PROCESS=2",
-                f"derived: RANK={n} (= node)  WORLD_SIZE=2 (= nodes)",
-                "  LOCAL_RANK=0  MASTER_ADDR=node1  gpus (0, 1)",
-                "model split over cuda:0 and cuda:1;",
-                "DDP(model, device_ids=None)",
-            ],
-        )
+    for n, nb in enumerate(two_nodes(ax, 5.2, 4.25)):
+        b = proc(ax, nb[0] + 0.25, 4.8, 5.55, n, f"srun task {n} = rank {n}", task.format(n=n))
         procs.append(b)
-        for g in range(2):
-            gb = box(
-                ax,
-                x0 + 0.8 + g * 3.1,
-                node[1] + 1.0,
-                1.9,
-                "gpu",
-                f"GPU {g}",
-                ["stages 1..k" if g == 0 else "stages k+1..n"],
-                align="center",
-            )
-            arrow(ax, (b[0] + 1.6 + g * 2.5, b[1]), top(gb), color=C["gpu"][1])
         arrow(ax, bottom(sh), top(b), f"srun: 1 task on node{n + 1}", ty=0.1)
-    arrow(
+        for i, stages in enumerate(["stages 1..k", "stages k+1..n"]):
+            src = at(b, 0, 0, dx=1.6 + i * 2.5)  # one process, two arrows: fan them out
+            gpu(ax, src, nb[0] + 0.8 + i * 3.1, nb[1] + 1.0, 1.9, i, stages)
+    left, right = at(procs[0], 1, 0, dy=0.5), at(procs[1], 0, 0, dy=0.5)
+    arrow(ax, left, right, "DDP\nall-reduce", arrowstyle="<|-|>", color=RED, ty=-0.4)
+    footer(
         ax,
-        (procs[0][0] + procs[0][2], procs[0][1] + 0.5),
-        (procs[1][0], procs[1][1] + 0.5),
-        "",
-        style="<|-|>",
-        color=C["rank0"][1],
-    )
-    ax.text(
-        6.375,
-        procs[0][1] + 0.25,
-        "DDP\nall-reduce",
-        fontsize=9.5,
-        ha="center",
-        va="top",
-        color=C["rank0"][1],
-    )
-    note(
-        ax,
-        0.15,
-        0.75,
         "For a model too big for one GPU. --gpus-per-process must agree with "
         "HPC_DDP_GPUS_PER_PROCESS; torchrun is refused for this layout.",
     )
-    legend(ax, 0.15, 0.12, LEGEND)
-    save(fig, "layout-per-node.png")
 
 
-def no_scheduler() -> None:
-    W, H = 13, 9.4
-    fig, ax = canvas(W, H, "No scheduler: hpc-ddp launch pdsh|clush (default --mode torchrun)")
-    me = box(
-        ax,
-        0.1,
-        8.8,
-        3.9,
-        "shell",
-        "your shell (login node)",
-        [
-            "hpc-ddp launch pdsh",
-            "  --hosts 'node[0-1]'",
-            "  --gpus-per-node 2 -- ...",
-            "hosts sorted: node0 node1",
-            "master = node0 (node rank 0)",
-            "port = f(launch id)",
-            "reads every output line;",
-            "first failed host -> stop",
-            "every host, exit non-zero",
-        ],
+@figure("no-scheduler.png", 9.4)
+def no_scheduler(ax: Axes) -> None:
+    """No scheduler: hpc-ddp launch pdsh|clush (default --mode torchrun)"""
+    launcher = """hpc-ddp launch pdsh
+          --hosts 'node[0-1]'
+          --gpus-per-node 2 -- ...
+        hosts sorted: node0 node1
+        master = node0 (node rank 0)
+        port = f(launch id)
+        reads every output line;
+        first failed host -> stop
+        every host, exit non-zero"""
+    host_script = """check %n = host
+        cd, export env,
+        --setup lines
+        setsid PAYLOAD &
+        wait; print
+        host=node{n} exit=N"""
+    rank = """RANK={rank} LOCAL_RANK={lr}
+        WORLD_SIZE=4
+        LOCAL_WORLD_SIZE=2
+        GROUP_RANK={n}
+        MASTER_ADDR=node0
+        MASTER_PORT=P
+        HPC_DDP_LAUNCH_ID,
+         HPC_DDP_LAUNCH_TAG,
+         HPC_DDP_GPUS_PER_PROCESS"""
+    processes_mode = """hpc_ddp.deploy.node_agent
+        starts the 2 processes; each
+        process sees:
+         HPC_DDP_LAUNCHER=pdsh|clush
+         HPC_DDP_NODE_RANK
+         HPC_DDP_NUM_NODES
+         HPC_DDP_LOCAL_RANK
+         HPC_DDP_LOCAL_WORLD_SIZE
+         HPC_DDP_MASTER_ADDR, _PORT
+         HPC_DDP_JOB_ID
+        rank = node_rank x 2 + local"""
+    me = box(ax, 0.1, 8.8, 3.9, "shell", "your shell (login node)", launcher)
+    runs = (
+        "runs:  pdsh -S -R ssh -f 2\n         -w node0,node1 ...\n(clush: -R exec ... ssh %h ...)"
     )
-    note(
-        ax,
-        0.15,
-        me[1] - 0.15,
-        "runs:  pdsh -S -R ssh -f 2\n         -w node0,node1 ...\n(clush: -R exec ... ssh %h ...)",
-        size=9.5,
-    )
-    hosts = []
+    note(ax, 0.15, me[1] - 0.15, runs, size=9.5)
     for n in range(2):
         ytop = 8.8 - n * 4.05
-        host = box(
-            ax,
-            4.3,
-            ytop,
-            8.6,
-            "node",
-            f"host node{n}   (%h = node{n}, %n = {n} = node rank)",
-            [],
-            h=3.85,
-            title_size=12,
+        host = node(
+            ax, 4.3, ytop, 8.6, 3.85, f"host node{n}   (%h = node{n}, %n = {n} = node rank)"
         )
-        hosts.append(host)
         hs = box(
-            ax,
-            4.4,
-            ytop - 0.45,
-            2.55,
-            "shell",
-            "host script",
-            [
-                "check %n = host",
-                "cd, export env,",
-                "--setup lines",
-                "setsid PAYLOAD &",
-                "wait; print",
-                f"host=node{n} exit=N",
-            ],
-            size=9,
+            ax, 4.4, ytop - 0.45, 2.55, "shell", "host script", host_script.format(n=n), size=9
         )
-        ag = box(
-            ax,
-            7.15,
-            ytop - 0.45,
-            5.65,
-            "agent",
-            "torchrun (the PAYLOAD)",
-            [
-                f"--nnodes 2 --node-rank {n} --nproc-per-node 2",
-                "--master-addr node0 --master-port P",
-            ],
-            size=9,
-        )
-        arrow(
-            ax, (hs[0] + hs[2], ag[1] + ag[3] / 2), (ag[0], ag[1] + ag[3] / 2), color=C["agent"][1]
-        )
-        for lr in range(2):
-            rank = 2 * n + lr
-            kind = "rank0" if rank == 0 else "proc"
-            b = box(
-                ax,
-                7.15 + lr * 2.88,
-                ag[1] - 0.3,
-                2.77,
-                kind,
-                f"rank {rank}" + (" (master)" if rank == 0 else ""),
-                [
-                    f"RANK={rank} LOCAL_RANK={lr}",
-                    "WORLD_SIZE=4",
-                    "LOCAL_WORLD_SIZE=2",
-                    f"GROUP_RANK={n}",
-                    "MASTER_ADDR=node0",
-                    "MASTER_PORT=P",
-                    "HPC_DDP_LAUNCH_ID,",
-                    " HPC_DDP_LAUNCH_TAG,",
-                    " HPC_DDP_GPUS_PER_PROCESS",
-                ],
-                size=9,
-            )
-            arrow(ax, (b[0] + 1.4, ag[1]), (b[0] + 1.4, b[1] + b[3]), color=C["agent"][1])
-        arrow(ax, (me[0] + me[2], me[1] + 0.8 - n * 0.4), (host[0], hs[1] + hs[3] / 2), "")
-        ax.text(4.15, hs[1] + hs[3] / 2 + 0.12, "ssh", fontsize=9.5, ha="right")
-    box(
-        ax,
-        0.1,
-        3.95,
-        3.9,
-        "note",
-        "--mode processes instead:",
-        [
-            "hpc_ddp.deploy.node_agent",
-            "starts the 2 processes; each",
-            "process sees:",
-            " HPC_DDP_LAUNCHER=pdsh|clush",
-            " HPC_DDP_NODE_RANK",
-            " HPC_DDP_NUM_NODES",
-            " HPC_DDP_LOCAL_RANK",
-            " HPC_DDP_LOCAL_WORLD_SIZE",
-            " HPC_DDP_MASTER_ADDR, _PORT",
-            " HPC_DDP_JOB_ID",
-            "rank = node_rank x 2 + local",
-        ],
-        size=9,
-    )
-    legend(ax, 0.15, 0.12, LEGEND[:4])
-    save(fig, "no-scheduler.png")
+        args = f"--nnodes 2 --node-rank {n} --nproc-per-node 2\n--master-addr node0 --master-port P"
+        ag = box(ax, 7.15, ytop - 0.45, 5.65, "agent", "torchrun (the PAYLOAD)", args, size=9)
+        y = ag[1] + ag[3] / 2
+        arrow(ax, (hs[0] + hs[2], y), (ag[0], y), color=PURPLE)
+        spawn(ax, ag, rank_pair(ax, 7.15, ag[1] - 0.3, 2.77, n, "rank {rank}", rank, size=9))
+        y = hs[1] + hs[3] / 2  # the ssh arrows fan out from the launcher into each host script
+        arrow(ax, (me[0] + me[2], me[1] + 0.8 - n * 0.4), (host[0], y))
+        ax.text(4.15, y + 0.12, "ssh", fontsize=9.5, ha="right")
+    box(ax, 0.1, 3.95, 3.9, "note", "--mode processes instead:", processes_mode, size=9)
+    footer(ax, items=LEGEND[:4])
 
 
-def submitit_fig() -> None:
-    W, H = 13, 7.2
-    fig, ax = canvas(W, H, "submitit: the same trainer from Python; submitit requeues it")
-    me = box(
-        ax,
-        0.1,
-        6.65,
-        5.0,
-        "shell",
-        "your shell / Python (login node)",
-        [
-            "hpc-ddp submit --executor submitit SPEC.toml",
-            "= AutoExecutor(...).submit(TrainTask(...))",
-        ],
-    )
-    sl = box(
-        ax,
-        6.6,
-        6.65,
-        5.0,
-        "shell",
-        "submitit's sbatch script",
-        [
-            "#SBATCH --signal=USR2@<signal_lead_s>",
-            "srun: one task per process",
-        ],
-    )
-    arrow(ax, (me[0] + me[2], me[1] + me[3] / 2), (sl[0], sl[1] + sl[3] / 2), "sbatch")
-    box(ax, 0.1, 5.2, 12.8, "node", "node1  (node2 alike: ranks 2 and 3)", [], h=3.2, title_size=12)
+@figure("submitit.png", 7.2)
+def submitit_fig(ax: Axes) -> None:
+    """submitit: the same trainer from Python; submitit requeues it"""
+    you = "hpc-ddp submit --executor submitit SPEC.toml\n= AutoExecutor(...).submit(TrainTask(...))"
+    me = box(ax, 0.1, 6.65, 5.0, "shell", "your shell / Python (login node)", you)
+    script = "#SBATCH --signal=USR2@<signal_lead_s>\nsrun: one task per process"
+    sl = box(ax, 6.6, 6.65, 5.0, "shell", "submitit's sbatch script", script)
+    arrow(ax, at(me, 1, 0.5), at(sl, 0, 0.5), "sbatch")
+    node(ax, 0.1, 5.2, 12.8, 3.2, "node1  (node2 alike: ranks 2 and 3)")
+    on_usr2 = [  # only rank 0's wrapper requeues the job
+        "submitit's handler: TrainTask.checkpoint()\nwaits for the child, submitit requeues",
+        "submitit's handler (requeue is rank 0's job)",
+    ]
+    child = """--requeue none --requeue-signal SIGUSR2,SIGTERM
+        source slurm: RANK={lr} (SLURM_PROCID), WORLD_SIZE=4
+        on USR2: agree, checkpoint, exit 75"""
     for lr in range(2):
         x0 = 0.25 + lr * 6.35
-        kind = "rank0" if lr == 0 else "proc"
-        w = box(
-            ax,
-            x0,
-            4.8,
-            6.15,
-            "agent",
-            f"srun task {lr}: submitit + TrainTask (no torch)",
-            [
-                f"SLURM_PROCID={lr}  SLURM_LOCALID={lr}  SUBMITIT_*",
-                "on USR2: forward it to the child, then",
-                "submitit's handler: TrainTask.checkpoint()"
-                if lr == 0
-                else "submitit's handler (requeue is rank 0's job)",
-                "waits for the child, submitit requeues" if lr == 0 else "",
-            ],
-        )
-        arrow(ax, (sl[0] + 1.5 + lr * 2.0, sl[1]), (w[0] + 3.0, w[1] + w[3]), f"task {lr}", ty=0.05)
-        b = box(
-            ax,
-            x0,
-            w[1] - 0.4,
-            6.15,
-            kind,
-            f"child: python -m hpc_ddp.train = rank {lr}" + (" (master)" if lr == 0 else ""),
-            [
-                "--requeue none --requeue-signal SIGUSR2,SIGTERM",
-                f"source slurm: RANK={lr} (SLURM_PROCID), WORLD_SIZE=4",
-                "on USR2: agree, checkpoint, exit 75",
-            ],
-        )
-        arrow(
-            ax, (w[0] + 3.0, w[1]), (b[0] + 3.0, b[1] + b[3]), "starts", color=C["agent"][1], tx=0.4
-        )
-    note(
+        ids = f"SLURM_PROCID={lr}  SLURM_LOCALID={lr}  SUBMITIT_*"
+        text = f"{ids}\non USR2: forward it to the child, then\n{on_usr2[lr]}"
+        title = f"srun task {lr}: submitit + TrainTask (no torch)"
+        w = box(ax, x0, 4.8, 6.15, "agent", title, text, h=1.19)  # h: both wrappers alike
+        arrow(ax, at(sl, 0, 0, dx=1.5 + lr * 2.0), top(w), f"task {lr}", ty=0.05)
+        title = f"child: python -m hpc_ddp.train = rank {lr}"
+        b = proc(ax, x0, w[1] - 0.4, 6.15, lr, title, child.format(lr=lr))
+        arrow(ax, bottom(w), top(b), "starts", color=PURPLE, tx=0.4)
+    footer(
         ax,
-        0.15,
-        1.8,
         "--executor local (submitit's LocalExecutor, one machine): tasks see "
         "SUBMITIT_LOCAL_GLOBALID, _LOCALID, _NODEID, _NTASKS\nand no SLURM_*; master 127.0.0.1, "
         "port derived from the job id.",
+        y=1.65,
+        items=LEGEND[:4],
     )
-    legend(ax, 0.15, 1.05, LEGEND[:4])
-    save(fig, "submitit.png")
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def checkpoint_fig() -> None:
-    W, H = 13, 8.4
-    fig, ax = canvas(W, H, "Checkpoint commit: every rank writes, all agree, rank 0 commits")
-    red = C["rank0"][1]
-    box(ax, 0.1, 7.8, 3.9, "rank0", "rank 0", [], align="center")
-    box(ax, 4.2, 7.8, 3.9, "proc", "ranks 1 .. N-1", [], align="center")
-    phases = [
+@figure("checkpoint-commit.png", 8.4)
+def checkpoint_fig(ax: Axes) -> None:
+    """Checkpoint commit: every rank writes, all agree, rank 0 commits"""
+    commit = """read back and hash the others' files
+        write manifest.json, fsync
+        rename .tmp-step-N -> step-N, fsync
+        latest := "step-N" (os.replace)
+        prune: keep the newest 2"""
+    written = "write + sha256, fsync, rename"
+    phases = [  # (what rank 0 does, what the others do, the agreement that ends the phase)
         (
-            ["remove .tmp-*/.trash-* leftovers", "mkdir .tmp-step-N, fsync"],
-            ["check per_rank is plain data"],
-            "agree #1 (prepare)",
+            "remove .tmp-*/.trash-* leftovers\nmkdir .tmp-step-N, fsync",
+            "check per_rank is plain data",
         ),
-        (
-            ["shared.pt, rank-00000.pt:", "write + sha256, fsync, rename"],
-            ["rank-0000R.pt:", "write + sha256, fsync, rename"],
-            "agree #2 (write): a failed rank -> all raise",
-        ),
-        (
-            [
-                "read back and hash the others' files",
-                "write manifest.json, fsync",
-                "rename .tmp-step-N -> step-N, fsync",
-                'latest := "step-N" (os.replace)',
-                "prune: keep the newest 2",
-            ],
-            ["wait"],
-            "agree #3 (commit): all return step-N",
-        ),
+        (f"shared.pt, rank-00000.pt:\n{written}", f"rank-0000R.pt:\n{written}"),
+        (commit, "wait"),
     ]
+    agreements = [
+        "agree #1 (prepare)",
+        "agree #2 (write): a failed rank -> all raise",
+        "agree #3 (commit): all return step-N",
+    ]
+    box(ax, 0.1, 7.8, 3.9, "rank0", "rank 0", align="center")
+    box(ax, 4.2, 7.8, 3.9, "proc", "ranks 1 .. N-1", align="center")
+    bold = dict(fontsize=10, fontweight="bold", color=RED)
     y = 7.2
-    for left, right, agree in phases:
+    for (left, right), agree in zip(phases, agreements, strict=True):
         lb = box(ax, 0.1, y, 3.9, "rank0", "", left)
         box(ax, 4.2, y, 3.9, "proc", "", right, h=lb[3])
         y = lb[1] - 0.3
-        ax.plot([0.1, 8.1], [y, y], color=red, lw=3)
-        ax.text(
-            4.1, y - 0.08, agree, fontsize=10, ha="center", va="top", fontweight="bold", color=red
-        )
+        ax.plot([0.1, 8.1], [y, y], color=RED, lw=3)  # an agreement: a bar across all ranks
+        ax.text(4.1, y - 0.08, agree, ha="center", va="top", **bold)
         y -= 0.55
-    # the commit point, on rank 0's last box
-    ax.annotate(
-        "THE COMMIT POINT",
-        xy=(3.25, lb[1] + 0.55),
-        xytext=(4.6, lb[1] + 0.5),
-        fontsize=10,
-        fontweight="bold",
-        color=red,
-        va="center",
-        arrowprops=dict(arrowstyle="-|>", color=red, lw=1.5),
-    )
-    note(
+    arrowprops = dict(arrowstyle="-|>", color=RED, lw=1.5)  # at the rename in rank 0's last box
+    xy, xytext = (3.25, lb[1] + 0.55), (4.6, lb[1] + 0.5)
+    ax.annotate("THE COMMIT POINT", xy, xytext, va="center", arrowprops=arrowprops, **bold)
+    footer(
         ax,
-        0.15,
-        y + 0.1,
         "An agreement is an all-reduce that every rank reaches whether its own "
         "part worked\nor not: a full disk on one rank makes every rank raise within "
         "milliseconds,\nnaming that rank, and nothing is committed.",
-    )
-    note(
-        ax,
-        0.15,
-        y - 0.75,
         "Reading back: the step that latest names, else older ones whose "
         'manifest\nverifies (log: "checkpoint: fell back to step-... after 1 unusable one(s)").',
+        y=y - 0.75,
+        items=[],
     )
-    ax.text(8.5, 7.75, "run/checkpoints/  (keep=2)", fontsize=11, fontweight="bold", va="top")
-    states = [
-        ("before the save", ['latest  ("step-00000080")', "step-00000040/", "step-00000080/"]),
+    after = """latest  ("step-00000120")
+        step-00000080/
+        step-00000120/
+          shared.pt
+          rank-00000.pt ...
+          manifest.json (sizes, sha256)"""
+    before = 'latest  ("step-00000080")\nstep-00000040/\nstep-00000080/'
+    states = [  # the directory before, after a crash mid-save (unchanged but for a tmp dir), after
+        ("before the save", before),
         (
             "crash during the save",
-            [
-                'latest  ("step-00000080")',
-                "step-00000040/",
-                "step-00000080/",
-                ".tmp-step-00000120/  never read,",
-                "  removed by the next save/load",
-            ],
+            f"{before}\n.tmp-step-00000120/  never read,\n  removed by the next save/load",
         ),
-        (
-            "after the commit point",
-            [
-                'latest  ("step-00000120")',
-                "step-00000080/",
-                "step-00000120/",
-                "  shared.pt",
-                "  rank-00000.pt ...",
-                "  manifest.json (sizes, sha256)",
-            ],
-        ),
+        ("after the commit point", after),
     ]
+    ax.text(8.5, 7.75, "run/checkpoints/  (keep=2)", fontsize=11, fontweight="bold", va="top")
     y = 7.3
-    for i, (title, lines) in enumerate(states):
-        b = box(ax, 8.5, y, 4.4, "rank0" if i == 2 else "node", title, lines, size=9)
+    for i, (title, text) in enumerate(states):
+        b = box(ax, 8.5, y, 4.4, "rank0" if i == 2 else "node", title, text, size=9)
         y = b[1] - 0.3
         if i < 2:
             arrow(ax, (10.7, b[1]), (10.7, y), color="#888888")
-    save(fig, "checkpoint-commit.png")
 
 
-def preemption_fig() -> None:
-    W, H = 13, 6.6
-    fig, ax = canvas(W, H, "Preemption: signal, flag, agree, checkpoint, requeue, exit 75, resume")
-    w, gap = 2.3, 0.32
-    row1 = [
-        (
-            "shell",
-            "1. signal",
-            ["USR1 before the", "limit (--signal=", "USR1@N); TERM at", "preemption"],
-        ),
-        ("proc", "2. handler", ["sets a flag,", "nothing else", "(every rank)"]),
-        ("proc", "3. step boundary", ["all_reduce of", "(loss, n, flag):", "any rank flagged?"]),
-        (
-            "proc",
-            "4. checkpoint",
-            ["together: tmp dir,", "fsync, agree,", "manifest, rename,", "latest moves"],
-        ),
-        ("rank0", "5. rank 0", ["scontrol requeue", "$SLURM_JOB_ID", "(array: JOB_TASK)"]),
+def step_row(ax: Axes, ytop: float, slots: list[int], kinds: str, steps: list[str]) -> list[Box]:
+    """Equal boxes in the given slots of a row of five; a step's first line is its title."""
+    return [
+        box(ax, 0.15 + slot * 2.62, ytop, 2.3, kind, *step.split("\n", 1), h=1.55)
+        for slot, kind, step in zip(slots, kinds.split(), steps, strict=True)
     ]
-    row2 = [  # drawn right to left, under row 1
-        ("proc", "6. exit 75", ["every rank", "progress.json:", '"preempted"']),
-        (
-            "shell",
-            "7. Slurm",
-            ["job PENDING;", "starts again after", "cred_expire +", "a scheduler pass"],
-        ),
-        (
-            "shell",
-            "8. job restarts",
-            ["SLURM_RESTART_COUNT", "=1; the same log", "file continues", "(--open-mode=append)"],
-        ),
-        (
-            "proc",
-            "9. resume",
-            ["newest verified", "checkpoint; same", "sample, same RNG:", "same weights"],
-        ),
+
+
+@figure("preemption.png", 6.6)
+def preemption_fig(ax: Axes) -> None:
+    """Preemption: signal, flag, agree, checkpoint, requeue, exit 75, resume"""
+    steps = [  # 1-5 left to right, then 6-9 right to left under them: a loop on the page
+        "1. signal\nUSR1 before the\nlimit (--signal=\nUSR1@N); TERM at\npreemption",
+        "2. handler\nsets a flag,\nnothing else\n(every rank)",
+        "3. step boundary\nall_reduce of\n(loss, n, flag):\nany rank flagged?",
+        "4. checkpoint\ntogether: tmp dir,\nfsync, agree,\nmanifest, rename,\nlatest moves",
+        "5. rank 0\nscontrol requeue\n$SLURM_JOB_ID\n(array: JOB_TASK)",
+        '6. exit 75\nevery rank\nprogress.json:\n"preempted"',
+        "7. Slurm\njob PENDING;\nstarts again after\ncred_expire +\na scheduler pass",
+        "8. job restarts\nSLURM_RESTART_COUNT\n=1; the same log\n"
+        "file continues\n(--open-mode=append)",
+        "9. resume\nnewest verified\ncheckpoint; same\nsample, same RNG:\nsame weights",
     ]
-    b1 = [
-        box(ax, 0.15 + i * (w + gap), 5.3, w, k, t, ls, h=1.55) for i, (k, t, ls) in enumerate(row1)
-    ]
+    # Colours: Slurm's side (shell), what every rank does (proc), what rank 0 alone does (rank0).
+    b1 = step_row(ax, 5.3, [0, 1, 2, 3, 4], "shell proc proc proc rank0", steps[:5])
+    b2 = step_row(ax, 2.95, [4, 3, 2, 1], "proc shell shell proc", steps[5:])
     for i, (a, b) in enumerate(pairwise(b1)):
-        arrow(
-            ax,
-            (a[0] + w, a[1] + a[3] / 2),
-            (b[0], b[1] + b[3] / 2),
-            "yes" if i == 2 else "",
-            ty=0.2,
-        )
-    b2 = [
-        box(ax, 0.15 + (4 - i) * (w + gap), 2.95, w, k, t, ls, h=1.55)
-        for i, (k, t, ls) in enumerate(row2)
-    ]
+        arrow(ax, at(a, 1, 0.5), at(b, 0, 0.5), "yes" if i == 2 else "", ty=0.2)
     arrow(ax, bottom(b1[4]), top(b2[0]))
     for a, b in pairwise(b2):
-        arrow(ax, (a[0], a[1] + a[3] / 2), (b[0] + w, b[1] + b[3] / 2))
-    arrow(
-        ax,
-        (b1[2][0] + 0.4, b1[2][1] + b1[2][3]),
-        (b1[1][0] + w - 0.4, b1[1][1] + b1[1][3]),
-        "no: next step",
-        rad=0.6,
-        ty=0.35,
-        color="#666666",
-    )
+        arrow(ax, at(a, 0, 0.5), at(b, 1, 0.5))
+    back = (at(b1[2], 0, 1, dx=0.4), at(b1[1], 1, 1, dx=-0.4))  # the loop back over the top
+    arrow(ax, *back, "no: next step", connectionstyle="arc3,rad=0.6", ty=0.35, color="#666666")
     note(
         ax,
         0.15,
@@ -856,17 +573,13 @@ def preemption_fig() -> None:
         "torchrun itself exits 1.\npdsh/clush or no scheduler: steps 1-4 and 6; nothing requeues: "
         "run the same command again and it resumes.",
     )
-    save(fig, "preemption.png")
 
 
 def main() -> None:
-    layout_srun()
-    layout_torchrun()
-    layout_pernode()
-    no_scheduler()
-    submitit_fig()
-    checkpoint_fig()
-    preemption_fig()
+    for name, h, draw in FIGURES:
+        fig, ax = canvas(13, h, draw.__doc__ or "")
+        draw(ax)
+        save(fig, name)
 
 
 if __name__ == "__main__":
