@@ -102,6 +102,10 @@ class TrainConfig:
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
     )
     keep_checkpoints: int = field(default=2, metadata=_opt("checkpoints to keep (>= 2)"))
+    async_checkpoint: bool = field(
+        default=False,
+        metadata=_opt("copy the state to CPU memory at a save, write it in a background thread"),
+    )
     log_every: int = field(default=20, metadata=_opt("progress line every N steps (rank 0)"))
     requeue: str = field(
         default="auto",

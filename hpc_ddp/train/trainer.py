@@ -133,6 +133,7 @@ class Trainer:
             world_size=self.world_size,
             keep=cfg.keep_checkpoints,
             log=self.log,
+            async_save=cfg.async_checkpoint,  # its Gloo group: created now, on every rank
         )
 
     # ------------------------------------------------------------ checkpoints
@@ -174,10 +175,16 @@ class Trainer:
             "progress": asdict(progress),
         }
         meta = {"epoch": progress.epoch, "start": progress.start, "model": self.cfg.model}
-        self.ckpt.save(
-            progress.global_step, shared=shared, per_rank={"rng": rng.capture()}, meta=meta
-        )
+        # Async: waits for the previous save (raising its error), copies, writes in the background.
+        save = self.ckpt.save_async if self.cfg.async_checkpoint else self.ckpt.save
+        save(progress.global_step, shared=shared, per_rank={"rng": rng.capture()}, meta=meta)
         times.checkpoint += time.perf_counter() - t0
+
+    def abandon_checkpoint(self) -> None:
+        """The run is failing: let an async save in flight end (bounded), logging its error."""
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            ckpt.close(timeout=HOLD_TIMEOUT_S)
 
     # ----------------------------------------------------------------- loop
     def write_progress(self, progress: Progress, status: str) -> None:
@@ -251,6 +258,7 @@ class Trainer:
             self.end_epoch(progress, times)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=True)
+        self.ckpt.wait()  # an async save still in flight: committed (or raised) before result.json
         return self.finish(progress)
 
     def sync_steps(
@@ -327,6 +335,7 @@ class Trainer:
     ) -> results.Result:
         if not saved:
             self.save(progress, times)
+        self.ckpt.wait()  # async: committed on every rank before requeueing and exiting 75
         what = ", ".join(sorted(set(flag.received))) or "another rank's signal"
         message = requeue(self.cfg.requeue) if self.rank == 0 else ""
         self.log(f"preempted ({what}): checkpointed at step {progress.global_step}; {message}")
@@ -397,6 +406,9 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             trainer.log(f"run dir {config.run_dir} already finished (result.json); nothing to do")
             return _finished_result(config)
         result = trainer.run(flag)
+    except BaseException:
+        trainer.abandon_checkpoint()
+        raise
     finally:
         flag.uninstall()
         trainer.lock.release()

@@ -14,14 +14,17 @@ anywhere makes every rank raise instead of one raising and the rest hanging in a
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import layout
-from .comm import Agree, Agreement, choose_agree
+from .asyncsave import BackgroundSave, snapshot
+from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
 from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
 from .fsutil import write_durably as _write_durably
@@ -52,7 +55,11 @@ class Checkpointer:
     "prepared", "writing" and "written" (every rank; the first and last when its local part
     is done, before the agreement),
     then "manifest", "renamed", "committed" (rank 0): tests use it to crash a rank at a chosen
-    point.
+    point. With :meth:`save_async` these phases run in the background thread.
+
+    ``async_save=True`` creates, on every rank and at once, the Gloo group that background saves
+    agree over (:meth:`save_async` would otherwise create it at its first call, which every rank
+    must then make in the same order as its other collectives).
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class Checkpointer:
         log: Log = print,
         agree: Agree | None = None,
         on_phase: Phase | None = None,
+        async_save: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise CheckpointError(
@@ -84,9 +92,14 @@ class Checkpointer:
         self.log = log
         self._barrier = barrier
         self._agree: Agreement = choose_agree(world_size, agree, barrier)
+        self._custom_agree = agree
         self._on_phase = on_phase or (lambda _phase: None)
+        self._bg_agree: Agreement | None = None  # background saves' agreement (own Gloo group)
+        self._inflight: BackgroundSave | None = None
         with raising_io("create the run directory", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
+        if async_save:
+            self._background_agreement()
 
     # ------------------------------------------------------------------ save
     def save(
@@ -99,6 +112,16 @@ class Checkpointer:
         copied into the manifest. Raises on every rank if any rank failed; then nothing new is
         visible and ``latest`` still names the previous checkpoint.
         """
+        return self._save(step, shared, per_rank, meta, self._agree)
+
+    def _save(
+        self,
+        step: int,
+        shared: dict[str, Any],
+        per_rank: dict[str, Any],
+        meta: dict[str, Any],
+        agree: Agreement,
+    ) -> Path:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         tmp = self.root / tmp_dir_name(step)
@@ -116,7 +139,7 @@ class Checkpointer:
                     fsync_dir(self.root)
             self._on_phase("prepared")
 
-        self._phase("prepare", step, prepare)
+        self._phase("prepare", step, prepare, agree)
 
         def write() -> None:
             self._on_phase("writing")
@@ -128,7 +151,7 @@ class Checkpointer:
             self._on_phase("written")
 
         try:
-            self._phase("write", step, write)
+            self._phase("write", step, write, agree)
         except Exception:
             # This save can no longer commit: rank 0 drops the tmp dir now rather than leaving
             # it to the next save (a straggler still writing into it fails and raises too).
@@ -140,8 +163,79 @@ class Checkpointer:
             if self.rank == 0:
                 self._commit(step, tmp, final, meta, state)
 
-        self._phase("commit", step, commit)
+        self._phase("commit", step, commit, agree)
         return final
+
+    # ------------------------------------------------------------ async save
+    def save_async(
+        self, step: int, *, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """Start checkpoint ``step`` and return once its state is copied; the write runs in the
+        background.
+
+        First waits for the previous background save and re-raises its error (see
+        :meth:`wait`). Then copies what this rank writes (``shared`` on rank 0 only, its
+        ``per_rank``, ``meta``) to CPU memory, so training may change the live state at once, and
+        starts one thread that runs :meth:`save`'s protocol on the copy, agreeing over a
+        dedicated Gloo group. Call it on every rank, in the same order as :meth:`save` would be.
+        Its result (or error) comes from the next :meth:`wait`, :meth:`save_async`,
+        :meth:`load_latest` or :meth:`close`.
+        """
+        self.wait()
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        agree = self._background_agreement()
+        shared_copy = snapshot(dict(shared)) if self.rank == 0 else {}
+        per_rank_copy, meta_copy = snapshot(per_rank), snapshot(meta)
+        self._inflight = BackgroundSave(
+            step, lambda: self._save(step, shared_copy, per_rank_copy, meta_copy, agree)
+        )
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a background save's thread is still running."""
+        return self._inflight is not None and self._inflight.running
+
+    def wait(self) -> Path | None:
+        """Wait for the background save, if any; return its final directory, or raise its error.
+
+        The protocol makes every rank's thread fail when any rank fails, so every rank raises
+        here. A failed save left nothing visible: ``latest`` names the previous checkpoint.
+        """
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return None
+        job.join()
+        if job.error is not None:
+            self.log(f"checkpoint: the background save of step {job.step} failed (reported now)")
+            raise job.error
+        return job.result
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Wait for the background save (at most ``timeout`` s) without raising its error: for
+        a run that is already failing. The error is logged instead."""
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        t0 = time.monotonic()
+        if not job.join(timeout):
+            self.log(
+                f"checkpoint: background save of step {job.step} still running after "
+                f"{time.monotonic() - t0:.0f} s; abandoning it (the previous checkpoint is intact)"
+            )
+        elif job.error is not None:
+            self.log(f"checkpoint: background save of step {job.step} failed: {job.error}")
+
+    def _background_agreement(self) -> Agreement:
+        """The agreement background saves use, created once (collectively, on every rank)."""
+        if self._bg_agree is None:
+            group = None
+            if self._custom_agree is None and self.world_size > 1 and dist_ready(self.world_size):
+                # Its own Gloo group: the thread's all-reduces never interleave with training's
+                # collectives on the default group (NCCL or Gloo), and need no GPU stream.
+                group = dist.new_group(backend="gloo")
+            self._bg_agree = choose_agree(self.world_size, self._custom_agree, self._barrier, group)
+        return self._bg_agree
 
     def _torch_save(self, path: Path, obj: Any) -> tuple[int, str]:
         # The directory is fsynced once after all files instead of once per file.
@@ -190,7 +284,7 @@ class Checkpointer:
         except OSError as exc:  # the checkpoint is committed; pruning can wait for next time
             self.log(f"checkpoint: pruning failed ({exc}); will retry at the next save")
 
-    def _phase(self, name: str, step: int, body: Callable[[], None]) -> None:
+    def _phase(self, name: str, step: int, body: Callable[[], None], agree: Agreement) -> None:
         """Run one phase locally, then agree; raise on every rank if any rank failed."""
         error: BaseException | None = None
         try:
@@ -198,7 +292,7 @@ class Checkpointer:
         except Exception as exc:  # reported after the agreement, so peers are not left waiting
             error = exc
         try:
-            all_ok, who = self._agree(error is None)
+            all_ok, who = agree(error is None)
         except Exception as exc:
             raise CheckpointWriteError(
                 f"rank {self.rank} lost contact with the other ranks while saving step {step} "
@@ -220,8 +314,10 @@ class Checkpointer:
     ) -> Loaded | None:
         """The newest checkpoint that verifies, loaded for this rank; None if there is none.
 
-        See :func:`hpc_ddp.train.checkpoint.loader.load_latest` for the fallback rules.
+        See :func:`hpc_ddp.train.checkpoint.loader.load_latest` for the fallback rules. Waits
+        for a background save first (and raises its error).
         """
+        self.wait()
         return load_latest(
             self.root,
             rank=self.rank,

@@ -31,12 +31,18 @@ def dist_same_int(value: int) -> bool:
     return int(t[0]) == -int(t[1])
 
 
-def dist_failed_ranks(ok: bool) -> list[int]:
+def dist_failed_ranks(ok: bool, group: dist.ProcessGroup | None = None) -> list[int]:
     """Every rank learns which ranks reported failure (an all-reduce SUM of a one-hot vector:
-    one int per rank, 40 KB even at 10,000 ranks)."""
-    t = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
-    t[dist.get_rank()] = 0 if ok else 1
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    one int per rank, 40 KB even at 10,000 ranks). ``group``: a Gloo group (CPU tensor), or
+    None for the default group."""
+    if group is None:
+        t = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device())
+        t[dist.get_rank()] = 0 if ok else 1
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    else:
+        t = torch.zeros(dist.get_world_size(group), dtype=torch.int32)
+        t[dist.get_rank(group)] = 0 if ok else 1
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return [r for r, failed in enumerate(t.tolist()) if failed]
 
 
@@ -48,8 +54,14 @@ def dist_ready(world_size: int) -> bool:
 Agreement = Callable[[bool], tuple[bool, str]]
 
 
-def choose_agree(world_size: int, agree: Agree | None, barrier: Callable[[], None]) -> Agreement:
-    """The agreement to use: the caller's, else the process group's, else the barrier's.
+def choose_agree(
+    world_size: int,
+    agree: Agree | None,
+    barrier: Callable[[], None],
+    group: dist.ProcessGroup | None = None,
+) -> Agreement:
+    """The agreement to use: the caller's, else the process group's (``group``, or the default
+    one), else the barrier's.
 
     The barrier-only fallback cannot tell the others that one rank failed; even then no partial
     checkpoint appears, because rank 0 refuses to commit unless every rank's file is present.
@@ -62,7 +74,7 @@ def choose_agree(world_size: int, agree: Agree | None, barrier: Callable[[], Non
     if dist_ready(world_size):
 
         def with_names(ok: bool) -> tuple[bool, str]:
-            failed = dist_failed_ranks(ok)
+            failed = dist_failed_ranks(ok, group)
             return not failed, f"rank(s) {', '.join(map(str, failed[:16]))}"
 
         return with_names

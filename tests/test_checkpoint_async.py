@@ -1,0 +1,256 @@
+"""Asynchronous checkpoints (``--async-checkpoint``): snapshot, background commit, errors.
+
+In-process tests drive ``Checkpointer.save_async`` with phase hooks (no timing); the trainer
+tests run two real Gloo ranks under torchrun and compare against the synchronous path.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import subprocess
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from trainer_helpers import (
+    interrupt_at,
+    job_env,
+    read_metrics,
+    read_result,
+    run,
+    torchrun_cmd,
+    train_args,
+)
+
+from hpc_ddp.train.checkpoint import Checkpointer, UnsafeCheckpointContentError
+from hpc_ddp.train.checkpoint.asyncsave import snapshot
+
+DEADLINE_S = 60
+
+
+def model(value: float) -> dict:
+    return {"model": OrderedDict(w=torch.full((8,), value), b=torch.zeros(2))}
+
+
+def entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+# ------------------------------------------------------------------ in-process (world size 1)
+def test_save_returns_while_the_background_write_is_still_running(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    writing, release = threading.Event(), threading.Event()
+
+    def on_phase(phase: str) -> None:
+        if phase == "writing" and threading.current_thread() is not threading.main_thread():
+            writing.set()
+            if not release.wait(DEADLINE_S):
+                raise TimeoutError("the test never released the background write")
+
+    ck = Checkpointer(root, rank=0, world_size=1, log=lambda _: None, on_phase=on_phase)
+    state = model(1.0)
+    rng = {"torch": torch.get_rng_state()}
+    ck.save_async(7, shared=state, per_rank=rng, meta={"epoch": 0})
+    # save_async has returned; the background thread is inside the write phase, blocked.
+    assert writing.wait(DEADLINE_S), "the background save never reached the write phase"
+    assert ck.in_flight
+    assert not (root / "step-00000007").exists() and not (root / "latest").exists()
+    state["model"]["w"].add_(100.0)  # training goes on mutating the live state
+    release.set()
+    final = ck.wait()
+    assert final == root / "step-00000007" and not ck.in_flight
+    assert (root / "latest").read_text() == "step-00000007\n"
+    loaded = ck.load_latest()
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((8,), 1.0))  # the snapshot
+    assert torch.equal(loaded.per_rank["torch"], rng["torch"])
+    assert ck.wait() is None  # nothing in flight any more
+
+
+def test_a_failed_background_save_raises_at_the_next_wait_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    fail = {"on": False}
+
+    def on_phase(phase: str) -> None:
+        if fail["on"] and phase == "written":
+            raise OSError(errno.EIO, "injected I/O error")
+
+    ck = Checkpointer(root, rank=0, world_size=1, log=lambda _: None, on_phase=on_phase)
+    ck.save(10, shared=model(10.0), per_rank={}, meta={})
+    fail["on"] = True
+    ck.save_async(20, shared=model(20.0), per_rank={}, meta={})  # returns: the error is later
+    with pytest.raises(OSError, match="injected I/O error"):
+        ck.save_async(30, shared=model(30.0), per_rank={}, meta={})  # waits first: raises
+    assert (root / "latest").read_text() == "step-00000010\n"
+    assert entries(root) == ["latest", "step-00000010"]  # no .tmp-step-00000020, no step-20
+    fail["on"] = False
+    ck.save_async(30, shared=model(30.0), per_rank={}, meta={})  # the error was reported once
+    assert ck.wait() == root / "step-00000030"
+    assert ck.load_latest().step == 30
+
+
+def test_unsafe_state_is_refused_by_the_background_save(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    ck = Checkpointer(root, rank=0, world_size=1, log=lambda _: None)
+    ck.save_async(1, shared=model(1.0), per_rank={"np": np.zeros(3)}, meta={})
+    with pytest.raises(UnsafeCheckpointContentError, match="numpy"):
+        ck.wait()
+    assert not (root / "latest").exists() and entries(root) == []
+
+
+def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:
+    live = {"m": OrderedDict(w=torch.ones(3)), "l": [torch.zeros(2), 1.5], "t": (1, "a")}
+    snap = snapshot(live)
+    assert type(snap["m"]) is OrderedDict and type(snap["t"]) is tuple and snap["t"] == (1, "a")
+    live["m"]["w"].add_(1)
+    live["l"][0].add_(1)
+    assert torch.equal(snap["m"]["w"], torch.ones(3)) and torch.equal(snap["l"][0], torch.zeros(2))
+    assert snap["m"]["w"].data_ptr() != live["m"]["w"].data_ptr()
+
+
+# ------------------------------------------------------------------ trainer: 2 Gloo ranks
+EVERY = {"checkpoint_every_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """Uninterrupted, synchronous saves: 8 steps/epoch, 2 epochs, a checkpoint every 2 steps."""
+    ref_dir = tmp_path_factory.mktemp("sync") / "run"
+    done = run(torchrun_cmd(2, train_args(ref_dir, data_dir, **EVERY)))
+    assert done.returncode == 0, done.stderr
+    return ref_dir
+
+
+def _latest(run_dir: Path) -> Path:
+    root = run_dir / "checkpoints"
+    return root / (root / "latest").read_text().strip()
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same(a: object, b: object, where: str = "") -> None:
+    """Exactly equal, recursively: tensors bit for bit (dtype and shape included)."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# Progress fields that measure time differ between any two runs; everything else must not.
+TIMING = {"epoch_times", "train_seconds", "wall_seconds"}
+ROW_TIMING = {"seconds", "time", "samples_per_second"}
+
+
+def test_async_and_sync_runs_write_identical_weights_and_checkpoints(
+    tmp_path: Path, data_dir: Path, sync_reference: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    done = run(torchrun_cmd(2, train_args(run_dir, data_dir, async_checkpoint=True, **EVERY)))
+    assert done.returncode == 0, done.stderr
+    ours, ref = read_result(run_dir), read_result(sync_reference)
+    assert ours["steps"] == ref["steps"] == 16
+    assert ours["params_sha256"] == ref["params_sha256"]
+    assert entries(run_dir / "checkpoints") == entries(sync_reference / "checkpoints")
+
+    a, s = _latest(run_dir), _latest(sync_reference)
+    assert a.name == s.name == "step-00000016"
+    sa, ss = _load(a / "shared.pt"), _load(s / "shared.pt")
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        assert_same(sa[key], ss[key], key)
+    pa, ps = sa["progress"], ss["progress"]
+    assert {k: v for k, v in pa.items() if k not in TIMING | {"history"}} == {
+        k: v for k, v in ps.items() if k not in TIMING | {"history"}
+    }
+    strip = [{k: v for k, v in row.items() if k not in ROW_TIMING} for row in pa["history"]]
+    assert strip == [{k: v for k, v in row.items() if k not in ROW_TIMING} for row in ps["history"]]
+    for rank in (0, 1):
+        name = f"rank-{rank:05d}.pt"
+        assert_same(_load(a / name), _load(s / name), name)
+
+
+def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
+    tmp_path: Path, data_dir: Path, sync_reference: Path
+) -> None:
+    """A checkpoint every step: the signal may find the previous step's save still in flight."""
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir, async_checkpoint=True, checkpoint_every_steps=1)
+    rc, log = interrupt_at(
+        torchrun_cmd(2, [*args, "--debug-hold-at-step", "5"]), run_dir, tmp_path / "1.log"
+    )
+    assert rc != 0 and "exitcode  : 75" in log, log
+    assert "preempted (SIGUSR1): checkpointed at step 5" in log
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000005\n"
+
+    final = run(torchrun_cmd(2, args))
+    assert final.returncode == 0, final.stderr
+    assert "step 5)" in final.stdout  # resumed from the preemption checkpoint
+    result, reference = read_result(run_dir), read_result(sync_reference)
+    assert result["interruptions"] == 1 and result["steps"] == 16
+    assert result["params_sha256"] == reference["params_sha256"]
+    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
+        r["train_loss"] for r in read_metrics(sync_reference)
+    ]
+
+
+def test_a_failing_background_write_fails_the_run_and_keeps_latest(
+    tmp_path: Path, data_dir: Path, sync_reference: Path
+) -> None:
+    """RLIMIT_FSIZE (128 KiB) on the whole job: the per-rank files fit, rank 0's shared.pt
+    (0.5 MiB) fails with EFBIG in the background; the run must die at the next save."""
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, data_dir, async_checkpoint=True, **EVERY)
+    rc, log = interrupt_at(
+        torchrun_cmd(2, [*args, "--debug-hold-at-step", "3"]), run_dir, tmp_path / "1.log"
+    )
+    assert rc != 0 and "checkpointed at step 3" in log, log
+    root = run_dir / "checkpoints"
+    assert (root / "latest").read_text() == "step-00000003\n"
+
+    def limit_file_size() -> None:  # Python ignores SIGXFSZ: the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 << 10, 128 << 10))
+
+    failed = subprocess.run(
+        torchrun_cmd(2, args),
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=limit_file_size,
+    )
+    err = failed.stderr
+    assert failed.returncode != 0, err
+    assert "[rank 0/2" in err and "EFBIG" in err and "shared.pt" in err, err
+    assert "[rank 1/2" in err and "rank(s) 0 failed in the write phase" in err, err
+    assert "saved" not in failed.stdout.split("resumed from")[-1], failed.stdout
+    assert (root / "latest").read_text() == "step-00000003\n"
+    assert entries(root) == ["latest", "step-00000002", "step-00000003"]  # no tmp, no step-4
+    assert not (run_dir / "result.json").exists()
+
+
+def test_the_flag_defaults_to_off_and_parses() -> None:
+    import argparse
+
+    from hpc_ddp.train import config
+
+    assert config.TrainConfig().async_checkpoint is False
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    assert config.from_args(parser.parse_args(["--async-checkpoint"])).async_checkpoint is True
+    assert config.from_args(parser.parse_args([])).async_checkpoint is False
