@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 
 import pytest
 from ClusterShell.NodeSet import NodeSet
@@ -65,6 +66,11 @@ def test_trainer_arguments_become_the_trainer_command() -> None:
     spec = _spec(command=["--epochs", "1"], python="/opt/py")
     assert spec.command == ("/opt/py", "-m", "hpc_ddp.train", "--epochs", "1")
     assert _spec(command=["python3", "w.py"]).command == ("python3", "w.py")
+    # No --python: the interpreter running hpc-ddp (its venv), found on every host through the
+    # shared file system, for the trainer and for torchrun alike.
+    default = _spec(command=["--epochs", "1"])
+    assert default.command[:3] == (sys.executable, "-m", "hpc_ddp.train")
+    assert default.python == sys.executable
     split = _spec(command=["--epochs", "1"], gpus_per_node=8, gpus_per_process=4)
     assert split.nproc_per_node == 2 and split.world_size == 4
     assert "export HPC_DDP_GPUS_PER_PROCESS=4\n" in host_script(split)  # detect_env reads it
@@ -93,7 +99,7 @@ def test_invalid_specs_fail_with_hint(kw: dict, needle: str) -> None:
 def test_torchrun_payload_is_static_rendezvous_with_bounded_waits() -> None:
     spec = _spec(mode="torchrun", gpus_per_node=8, gpus_per_process=2, rcmd="exec")
     argv = payload_argv(spec)
-    assert argv[:3] == ["python3", "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]  # the default python
     for flag in ("--nnodes=2", "--nproc-per-node=4", "--master-addr=127.0.0.1", "--max-restarts=0"):
         assert flag in argv
     assert any(a.startswith("--rdzv-conf=timeout=") for a in argv)

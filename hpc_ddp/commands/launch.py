@@ -85,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shell line run on every host first, e.g. 'source venv/bin/activate'",
     )
     parser.add_argument("--workdir", help="directory on every host (default: this one)")
-    parser.add_argument("--python", default="python3", help="python on the hosts")
+    parser.add_argument(
+        "--python", help="python on the hosts (default: this one, path shared with the hosts)"
+    )
     parser.add_argument(
         "--state-dir", help="host-local dir for pid files (default /tmp/hpc-ddp-launch-$USER)"
     )

@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -78,7 +79,9 @@ class LaunchSpec:
     env: tuple[tuple[str, str], ...] = ()
     setup: tuple[str, ...] = ()
     workdir: str = "."
-    python: str = "python3"
+    # The interpreter running hpc-ddp: on the shared file system that --workdir already assumes,
+    # the same path (venv included) exists on every host, so no --setup is needed to find torch.
+    python: str = field(default_factory=lambda: sys.executable)
     state_dir: str = "/tmp/hpc-ddp-launch"
     timeout_s: int | None = None  # pdsh/clush -u: last-resort bound on the whole run per host
     rendezvous_timeout_s: int = 120
@@ -158,7 +161,7 @@ def make_spec(
     master_port: int | None = None,
     launch_id: str | None = None,
     env: dict[str, str] | None = None,
-    python: str = "python3",
+    python: str | None = None,
     workdir: str | None = None,
     state_dir: str | None = None,
     **kwargs: object,
@@ -174,6 +177,7 @@ def make_spec(
     """
     host_list = canonical_hosts(hosts)
     launch_id = launch_id or new_launch_id()
+    python = python or sys.executable
     if master_addr is None:
         master_addr = "127.0.0.1" if rcmd == "exec" else host_list[0]
     port = master_port if master_port is not None else derive_port(launch_id)
