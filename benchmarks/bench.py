@@ -210,6 +210,7 @@ class Bench:
         flags = self.trainer_flags(
             "resnet18", epochs, self.args.resnet_batch, self.work / "runs" / name
         )
+        flags += ["--optimizer", "sgd", "--lr", "0.05"]  # what the 2026-11-26 figures ran
         flags += ["--no-augment", "--eval-batch-size", "1024"]
         return flags + ([] if self.args.smoke else ["--amp", "bf16"])
 

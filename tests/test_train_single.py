@@ -46,7 +46,7 @@ def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
     # Different settings -> refused, naming what changed.
     other = run(single_cmd(train_args(run_dir, data_dir, lr=0.1)))
     assert other.returncode == 2
-    assert "different settings" in other.stderr and "lr: 0.05 -> 0.1" in other.stderr
+    assert "different settings" in other.stderr and "lr: 0.001 -> 0.1" in other.stderr
 
 
 def test_sigterm_exits_75_and_resume_matches_uninterrupted(tmp_path: Path, data_dir: Path) -> None:
