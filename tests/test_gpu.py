@@ -46,26 +46,23 @@ def flags(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def lenet(*extra: str) -> list[str]:
-    return [
-        "--model",
-        "lenet",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "1e-3",
-        "--weight-decay",
-        "0",
-        "--lr-schedule",
-        "constant",
-        "--no-augment",
-        "--amp",
-        "off",
-        *extra,
-    ]
+    # The reference workload's recipe (benchmarks/README.md): AdamW 1e-3, no decay, no schedule.
+    base = ["--model", "lenet", "--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0"]
+    return [*base, "--lr-schedule", "constant", "--no-augment", "--amp", "off", *extra]
 
 
 def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+
+
+def train_cmd(procs: int, data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """``python -m hpc_ddp.train`` as one process, or under torchrun with ``procs`` workers."""
+    launcher = [sys.executable] if procs == 1 else torchrun(procs)
+    return [*launcher, "-m", "hpc_ddp.train", *flags(data_dir, run_dir, *extra)]
+
+
+# ResNet-18 at bf16: the GPU paths (cuDNN, autocast, SyncBN, model split) worth checking.
+RESNET_BF16 = ("--model", "resnet18", "--amp", "bf16", "--batch-size", "128")
 
 
 def run(
@@ -118,25 +115,7 @@ def test_two_gpu_ddp_through_cli(data_dir, tmp_path) -> None:
 @need(1)
 def test_amp_bf16_resnet18(data_dir, tmp_path) -> None:
     rd = tmp_path / "run"
-    run(
-        [
-            sys.executable,
-            "-m",
-            "hpc_ddp.train",
-            *flags(
-                data_dir,
-                rd,
-                "--model",
-                "resnet18",
-                "--amp",
-                "bf16",
-                "--epochs",
-                "2",
-                "--batch-size",
-                "128",
-            ),
-        ]
-    )
+    run(train_cmd(1, data_dir, rd, *RESNET_BF16, "--epochs", "2"))
     res = result(rd)
     assert res["status"] == "finished" and res["test_accuracy"] > 0.1, res
 
@@ -144,26 +123,7 @@ def test_amp_bf16_resnet18(data_dir, tmp_path) -> None:
 @need(2)
 def test_syncbn_two_gpus(data_dir, tmp_path) -> None:
     rd = tmp_path / "run"
-    run(
-        [
-            *torchrun(2),
-            "-m",
-            "hpc_ddp.train",
-            *flags(
-                data_dir,
-                rd,
-                "--model",
-                "resnet18",
-                "--sync-bn",
-                "--amp",
-                "bf16",
-                "--epochs",
-                "1",
-                "--batch-size",
-                "128",
-            ),
-        ]
-    )
+    run(train_cmd(2, data_dir, rd, *RESNET_BF16, "--sync-bn", "--epochs", "1"))
     res = result(rd)
     assert res["status"] == "finished" and res["world_size"] == 2, res
     assert res["test_accuracy"] > 0.02, res
@@ -220,15 +180,8 @@ def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs: bool) -
 def test_cuda_graphs_match_eager_ddp(data_dir, tmp_path) -> None:
     """Same run with and without --cuda-graphs on 2 GPUs: same learning, different speed."""
     eager, graphs = tmp_path / "eager", tmp_path / "graphs"
-    run([*torchrun(2), "-m", "hpc_ddp.train", *flags(data_dir, eager, *lenet("--epochs", "2"))])
-    run(
-        [
-            *torchrun(2),
-            "-m",
-            "hpc_ddp.train",
-            *flags(data_dir, graphs, *lenet("--epochs", "2", "--cuda-graphs")),
-        ]
-    )
+    run(train_cmd(2, data_dir, eager, *lenet("--epochs", "2")))
+    run(train_cmd(2, data_dir, graphs, *lenet("--epochs", "2", "--cuda-graphs")))
     a, b = result(eager), result(graphs)
     assert b["steps"] == a["steps"]
     assert abs(a["test_accuracy"] - b["test_accuracy"]) < 0.02, (a, b)
@@ -240,28 +193,8 @@ def test_one_process_drives_two_gpus(data_dir, tmp_path) -> None:
     """gpus_per_process=2: the model is split over both GPUs of one process."""
     rd = tmp_path / "run"
     env = {"CUDA_VISIBLE_DEVICES": "0,1", "HPC_DDP_GPUS_PER_PROCESS": "2"}
-    run(
-        [
-            sys.executable,
-            "-m",
-            "hpc_ddp.train",
-            *flags(
-                data_dir,
-                rd,
-                "--model",
-                "resnet18",
-                "--gpus-per-process",
-                "2",
-                "--epochs",
-                "1",
-                "--amp",
-                "bf16",
-                "--batch-size",
-                "128",
-            ),
-        ],
-        env=env,
-    )
+    split = (*RESNET_BF16, "--gpus-per-process", "2", "--epochs", "1")
+    run(train_cmd(1, data_dir, rd, *split), env=env)
     res = result(rd)
     assert res["status"] == "finished" and res["test_accuracy"] > 0.02, res
 
@@ -270,28 +203,8 @@ def test_one_process_drives_two_gpus(data_dir, tmp_path) -> None:
 def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
     """DDP across processes (device_ids=None) with each model split over two GPUs."""
     rd = tmp_path / "run"
-    run(
-        [
-            *torchrun(2),
-            "-m",
-            "hpc_ddp.train",
-            *flags(
-                data_dir,
-                rd,
-                "--model",
-                "resnet18",
-                "--gpus-per-process",
-                "2",
-                "--epochs",
-                "1",
-                "--amp",
-                "bf16",
-                "--batch-size",
-                "128",
-            ),
-        ],
-        env={"HPC_DDP_GPUS_PER_PROCESS": "2"},
-    )
+    split = (*RESNET_BF16, "--gpus-per-process", "2", "--epochs", "1")
+    run(train_cmd(2, data_dir, rd, *split), env={"HPC_DDP_GPUS_PER_PROCESS": "2"})
     res = result(rd)
     assert res["status"] == "finished" and res["world_size"] == 2, res
 
