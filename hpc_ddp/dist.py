@@ -172,7 +172,7 @@ def rank_prefix() -> str:
     return f"[rank {rank}/{world} {socket.gethostname()}]"
 
 
-def print_rank_traceback() -> None:
+def _print_rank_traceback() -> None:
     """The exception being handled, every line prefixed with ``rank_prefix()`` (ranks' logs are
     often merged into one file, where an unprefixed traceback belongs to nobody)."""
     prefix = rank_prefix()
@@ -181,24 +181,30 @@ def print_rank_traceback() -> None:
     sys.stderr.flush()
 
 
+def exit_code_of(main: Callable[[], int | None]) -> int:
+    """Run ``main`` and turn whatever it raises into an exit code, printed with the rank.
+
+    A failure on rank 5 of node 2 still reaches the user even though only rank 0 logs progress.
+    """
+    try:
+        return int(main() or 0)
+    except HpcDdpError as err:
+        print(f"{rank_prefix()} error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"{rank_prefix()} interrupted", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        _print_rank_traceback()
+        return 1
+
+
 def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Run a worker entry point and exit through ``shutdown_and_exit`` whatever happens.
 
-    Errors are printed with the rank that raised them, so a failure on rank 5 of node 2 still
-    reaches the user even though only rank 0 logs progress. On error the process group is not
-    destroyed (that can block on peers); the process exits and the peers' collectives fail.
+    On error the process group is not destroyed (that can block on peers); the process exits
+    and the peers' collectives fail.
     """
-    try:
-        code = int(main() or 0)
-    except HpcDdpError as err:
-        print(f"{rank_prefix()} error: {err}", file=sys.stderr)
-        code = err.exit_code
-    except KeyboardInterrupt:
-        print(f"{rank_prefix()} interrupted", file=sys.stderr)
-        code = 130
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        print_rank_traceback()
-        code = 1
-    shutdown_and_exit(code)
+    shutdown_and_exit(exit_code_of(main))

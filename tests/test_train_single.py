@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from trainer_helpers import (
     finish,
     holding,
     interrupt_at,
+    job_env,
     read_json,
     read_metrics,
     read_result,
@@ -105,3 +108,29 @@ def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
     assert done.returncode == 2 and "amp=bf16 needs a GPU" in done.stderr
     done = run(single_cmd(train_args(tmp_path / "r", data_dir, sync_bn=True)))
     assert done.returncode == 2 and "sync_bn needs GPUs" in done.stderr
+
+
+def test_run_process_returns_exit_codes_with_the_rank_named(tmp_path: Path, data_dir: Path) -> None:
+    """The Python API: 0 for a finished run, 2 (error printed with its rank) for bad input."""
+    code = (
+        "import os, sys\n"
+        "from hpc_ddp.train import TrainConfig, run_process\n"
+        "kw = dict(synthetic_train_size=64, synthetic_test_size=16, epochs=1, batch_size=16,\n"
+        "          model='lenet', log_every=100)\n"
+        "ok = run_process(TrainConfig(synthetic=True, data_dir=sys.argv[1],\n"
+        "                             run_dir=sys.argv[2], **kw))\n"
+        "print('OK', ok, flush=True)\n"
+        "os._exit(0)\n"  # a process group is left up on purpose: skip Gloo's exit-time teardown
+    )
+    good = subprocess.run(
+        [sys.executable, "-c", code, str(data_dir), str(tmp_path / "run")],
+        env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "OK 0" in good.stdout, good.stdout + good.stderr
+    bad_code = code.replace("synthetic=True", "synthetic=False")
+    bad = subprocess.run(
+        [sys.executable, "-c", bad_code, str(tmp_path / "missing"), str(tmp_path / "run2")],
+        env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "OK 2" in bad.stdout, bad.stdout + bad.stderr
+    assert "[rank 0/1 " in bad.stderr and "does not exist" in bad.stderr, bad.stderr

@@ -8,7 +8,6 @@ that fails alone is reported by name instead of leaving the others in a collecti
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -421,13 +420,6 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
 
 def run_process(config: TrainConfig) -> int:
     """Train and return the exit code (0, 2 bad input, 1 crash, 75 requeue), errors printed."""
-    from hpc_ddp.dist import print_rank_traceback, rank_prefix
+    from hpc_ddp.dist import exit_code_of
 
-    try:
-        return train(config).exit_code
-    except HpcDdpError as err:
-        print(f"{rank_prefix()} error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
-    except Exception:
-        print_rank_traceback()
-        return 1
+    return exit_code_of(lambda: train(config).exit_code)
