@@ -34,7 +34,7 @@ from torch import nn
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.loop import CommTimer, Times
+from hpc_ddp.train.loop import Stepper, Times
 
 
 def check_supported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> None:
@@ -231,17 +231,10 @@ class GraphedStep:
 
 
 @dataclass
-class GraphedStepper:
-    """``loop.Stepper``'s interface (``step(micro, times) -> (loss sum, samples)``) over a
-    ``GraphedStep``, so the trainer switches with one line. ``model`` is the bare module."""
+class GraphedStepper(Stepper):
+    """A ``loop.Stepper`` whose ``step`` replays a ``GraphedStep``, so the trainer switches with
+    one line. ``model`` is the bare module; ``comm_timer`` only counts the all-reduces."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
-    out_device: torch.device
-    comm_timer: CommTimer = field(default_factory=CommTimer)  # counts all-reduces only
     graphed: GraphedStep = field(init=False)
 
     def __post_init__(self) -> None:
