@@ -23,8 +23,9 @@ __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]
 # it; the innermost launcher set its variables for this very process, so it is believed first:
 # 1. torchrun/elastic: under `srun torchrun` or pdsh+torchrun its per-worker RANK is the truth;
 #    SLURM_PROCID there numbers the torchrun agents.
-# 2. hpc-ddp's pdsh/clush launcher: only ever started inside an allocation or from a login node,
-#    so any SLURM_* beside it are leftovers of the enclosing shell.
+# 2. hpc-ddp's own launchers (pdsh/clush, and the fork spawner of --nproc-per-node): started
+#    inside an allocation or from a login node, so any SLURM_* beside them are the enclosing
+#    shell's leftovers.
 # 3. submitit's LocalExecutor: it sets SUBMITIT_LOCAL_* per task; SLURM_* beside them can only
 #    be inherited from a batch shell around the local controller (which would read as "srun
 #    forgotten"). On a real cluster submitit uses srun and sets no SUBMITIT_LOCAL_*.

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-SOURCES = ("torchrun", "slurm", "mpi", "pdsh", "clush", "submitit", "single")
+SOURCES = ("torchrun", "slurm", "mpi", "pdsh", "clush", "spawn", "submitit", "single")
 
 
 @dataclass(frozen=True)

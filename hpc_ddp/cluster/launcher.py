@@ -1,4 +1,7 @@
-"""The project's own pdsh/clush launcher (``hpc-ddp launch``): HPC_DDP_* variables per process.
+"""The project's own launchers: HPC_DDP_* variables per process.
+
+``hpc-ddp launch pdsh|clush`` across hosts, and ``hpc-ddp train --nproc-per-node N`` forking one
+node's workers (hpc_ddp.spawn).
 
 Rank = node_rank * local_world_size + local_rank: every node runs the same number of processes.
 """
@@ -12,7 +15,7 @@ from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.port import parse_port
 from hpc_ddp.errors import LaunchEnvError
 
-LAUNCHERS = ("pdsh", "clush")
+LAUNCHERS = ("pdsh", "clush", "spawn")
 
 
 def detect(environ: Mapping[str, str]) -> bool:

@@ -1,6 +1,8 @@
 """``hpc-ddp train``: run one process of the resumable DDP trainer.
 
-Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clush) or alone.
+Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clush) or alone;
+``--nproc-per-node N`` starts a single machine's N processes itself (hpc_ddp.spawn: forked after
+the imports, so workers start in a fraction of torchrun's time).
 Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpointed after a
 preemption/time-limit signal and requeued (EX_TEMPFAIL). The process always leaves through
 ``hpc_ddp.dist.run_main``, never through interpreter teardown (see shared/facts.md: Gloo exit
@@ -19,16 +21,31 @@ from hpc_ddp.train import config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser)
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start N processes on this machine (one per GPU), forked after the imports; "
+        "not under another launcher (default: 1, this process alone)",
+    )
 
 
 def run(args: argparse.Namespace) -> NoReturn:
     cfg = config.from_args(args)  # bad settings fail here (exit 2), before torch is imported
 
     from hpc_ddp.dist import run_main
-    from hpc_ddp.train.trainer import train
+    from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose
 
-    # run_main prints any error with this process's rank and exits with its code, via os._exit.
-    run_main(lambda: train(cfg).exit_code)
+    def worker() -> NoReturn:
+        # run_main prints any error with this process's rank and exits with its code (os._exit).
+        run_main(lambda: train(cfg).exit_code)
+
+    if args.nproc_per_node == 1:
+        worker()
+    from hpc_ddp.spawn import launch
+
+    sys.exit(launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process or 1))
 
 
 def main(argv: list[str]) -> NoReturn:

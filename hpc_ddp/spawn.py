@@ -1,0 +1,219 @@
+"""Start one node's processes by fork, after the imports: ``hpc-ddp train --nproc-per-node N``.
+
+torchrun starts a fresh interpreter per worker, and each then imports torch and the trainer: on
+the GPU machines that was 2.4 s of torchrun and ~4 s of interpreter and imports before any work
+(benchmarks/NOTES.md). Forking once the parent has imported them, and before anything touched
+CUDA, hands every worker those modules for free. The parent then only supervises:
+
+* it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker;
+* when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
+  rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
+* workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
+
+Workers see the HPC_DDP_* variables of the "spawn" launcher (hpc_ddp.cluster.launcher) plus the
+standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, like torchrun's workers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from hpc_ddp.cluster import detect_env
+from hpc_ddp.cluster.devices import count_visible_gpus
+from hpc_ddp.cluster.port import free_port, parse_port
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.exit_codes import EXIT_REQUEUE
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+GRACE_S = 10.0  # after a worker failed: how long the others get to leave before SIGKILL
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_environ(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The variables one worker gets (hpc_ddp.cluster.launcher reads the HPC_DDP_* ones)."""
+    return {
+        "HPC_DDP_LAUNCHER": "spawn",
+        "HPC_DDP_NODE_RANK": "0",
+        "HPC_DDP_NUM_NODES": "1",
+        "HPC_DDP_LOCAL_RANK": str(rank),
+        "HPC_DDP_LOCAL_WORLD_SIZE": str(nproc),
+        "HPC_DDP_MASTER_ADDR": "127.0.0.1",
+        "HPC_DDP_MASTER_PORT": str(port),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
+
+
+def check_can_spawn(nproc: int, gpus_per_process: int, environ: Mapping[str, str]) -> None:
+    """Refuse, before anything starts, what would only fail later inside the workers."""
+    if nproc < 1:
+        raise ConfigError(
+            f"--nproc-per-node {nproc}: must be at least 1",
+            hint="give the number of processes to start on this machine (one per GPU)",
+        )
+    outer = detect_env(environ, gpus_per_process=gpus_per_process)
+    if outer.world_size > 1:
+        raise ConfigError(
+            f"--nproc-per-node {nproc}, but this process is already rank {outer.rank} of "
+            f"{outer.world_size} started by {outer.source}",
+            hint="let one launcher start the processes: drop --nproc-per-node under "
+            "srun/torchrun/mpirun/hpc-ddp launch, or start a single hpc-ddp train",
+        )
+    gpus = count_visible_gpus(environ)
+    if gpus and nproc * gpus_per_process > gpus:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} x {gpus_per_process} GPU(s) per process needs "
+            f"{nproc * gpus_per_process} GPUs, but {gpus} are visible",
+            hint=f"use --nproc-per-node {max(gpus // gpus_per_process, 1)} or fewer "
+            "(CUDA_VISIBLE_DEVICES decides which GPUs are visible)",
+        )
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # A forked child cannot use a CUDA context its parent created.
+        raise ConfigError(
+            "CUDA was initialised before the workers were forked",
+            hint="call hpc_ddp.spawn.launch before any torch.cuda call in this process",
+        )
+
+
+@dataclass
+class _Supervisor:
+    pids: dict[int, int]  # pid -> rank
+    codes: dict[int, int] = field(default_factory=dict)  # rank -> exit code
+    failed: int | None = None  # the first rank that failed
+    kill_at: float = float("inf")
+
+    def forward(self, signum: int, _frame: object) -> None:
+        for pid, rank in self.pids.items():
+            if rank not in self.codes:
+                _signal(pid, signum)
+
+    def stop_others(self) -> None:
+        for pid, rank in self.pids.items():
+            if rank not in self.codes:
+                _signal(pid, signal.SIGTERM)
+        self.kill_at = time.monotonic() + GRACE_S
+
+    def reap(self, pid: int) -> None:
+        _, status = os.waitpid(pid, 0)
+        rank = self.pids[pid]
+        code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+        self.codes[rank] = code
+        if code not in (0, EXIT_REQUEUE) and self.failed is None:
+            self.failed = rank
+            others = len(self.pids) - len(self.codes)
+            print(
+                f"hpc-ddp spawn: rank {rank} (pid {pid}) {_describe(code)}; "
+                f"stopping the other {others} worker(s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.stop_others()
+
+    def exit_code(self) -> int:
+        if self.failed is not None:
+            code = self.codes[self.failed]
+            return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell
+        if any(code == EXIT_REQUEUE for code in self.codes.values()):
+            return EXIT_REQUEUE
+        return 0
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # already gone; reaped later
+        pass
+
+
+def _become_worker(rank: int, nproc: int, port: int, parent: int) -> None:
+    """In the child, right after fork: die with the parent, default signals, own variables."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    for signum in FORWARDED:
+        signal.signal(signum, signal.SIG_DFL)
+    os.environ.update(worker_environ(rank, nproc, port))
+    _share_cpu_threads(nproc)
+
+
+def _share_cpu_threads(nproc: int) -> None:
+    """One CPU thread per worker unless OMP_NUM_THREADS says otherwise, as torchrun does: N
+    workers each running a thread per core would oversubscribe the machine N times (GPU runs
+    barely use them). torch read OMP_NUM_THREADS when the parent imported it, so tell it too."""
+    if "OMP_NUM_THREADS" in os.environ or nproc == 1:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"  # for anything the worker starts
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def launch(
+    worker: Callable[[], object],
+    nproc: int,
+    *,
+    gpus_per_process: int = 1,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Fork ``nproc`` workers running ``worker()`` (which must leave through ``os._exit``, as
+    ``hpc_ddp.dist.run_main`` does); supervise them; return the job's exit code."""
+    environ = os.environ if environ is None else environ
+    check_can_spawn(nproc, gpus_per_process, environ)
+    port = parse_port(environ["MASTER_PORT"]) if environ.get("MASTER_PORT") else free_port()
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()  # or the children print the parent's buffered text again
+    pids: dict[int, int] = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                # The children get their own process group: a terminal's Ctrl-C reaches the
+                # parent only, which forwards it once.
+                os.setpgid(0, 0)
+                _become_worker(rank, nproc, port, parent)
+                worker()
+            finally:
+                os._exit(1)  # the worker returned or raised instead of exiting: a bug
+        pids[pid] = rank
+    sup = _Supervisor(pids)
+    previous = {signum: signal.signal(signum, sup.forward) for signum in FORWARDED}
+    pidfds = {os.pidfd_open(pid): pid for pid in pids}
+    try:
+        while len(sup.codes) < nproc:
+            timeout = (
+                None if sup.kill_at == float("inf") else max(sup.kill_at - time.monotonic(), 0)
+            )
+            ready, _, _ = select.select(list(pidfds), [], [], timeout)
+            for fd in ready:
+                sup.reap(pidfds.pop(fd))
+                os.close(fd)
+            if not ready and time.monotonic() >= sup.kill_at:
+                for pid in pidfds.values():
+                    _signal(pid, signal.SIGKILL)
+                sup.kill_at = float("inf")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for fd in pidfds:
+            os.close(fd)
+    return sup.exit_code()

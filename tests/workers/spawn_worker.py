@@ -1,0 +1,62 @@
+"""hpc_ddp.spawn.launch with small torch-free workers, for tests/test_spawn.py.
+
+    python spawn_worker.py MODE NPROC OUT_DIR
+
+Each worker writes OUT_DIR/rank<R>.json (its pid and the launcher variables it saw) and then:
+  codes:<c0>,<c1>,...  exits with its code from the list
+  signal               waits (bounded) for SIGUSR1, records it, exits 75
+  hang-unless-term     rank 1 exits 3 once the others wrote their files; the others wait
+                       (bounded) to be stopped by the supervisor's SIGTERM
+The script exits with launch()'s return value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hpc_ddp.spawn import launch
+
+WAIT_S = 60.0  # every wait below ends by itself: a broken supervisor fails the test, not hangs
+
+
+def main() -> None:
+    mode, nproc, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+
+    def worker() -> None:
+        rank = int(os.environ["RANK"])
+        seen = {k: v for k, v in os.environ.items() if k.startswith("HPC_DDP_") or k in VARS}
+        got = threading.Event()
+        signal.signal(signal.SIGUSR1, lambda *_: got.set())
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+        tmp = out / f".rank{rank}.json"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "env": seen}))
+        tmp.rename(out / f"rank{rank}.json")  # whole or absent: rank 1 polls for it
+        if mode.startswith("codes:"):
+            os._exit(int(mode.split(":")[1].split(",")[rank]))
+        if mode == "signal":
+            (out / f"ready{rank}").touch()
+            os._exit(75 if got.wait(WAIT_S) else 1)
+        if mode == "hang-unless-term":
+            if rank == 1:  # once the others are up and recorded: their pids are what is checked
+                others = [out / f"rank{r}.json" for r in range(nproc) if r != 1]
+                deadline = time.monotonic() + WAIT_S
+                while not all(p.exists() for p in others) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os._exit(3)
+            got.wait(WAIT_S)  # SIGTERM from the supervisor exits 143 first
+            os._exit(0)
+        os._exit(99)
+
+    sys.exit(launch(worker, nproc, environ={}))
+
+
+VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+if __name__ == "__main__":
+    main()
