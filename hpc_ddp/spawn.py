@@ -16,6 +16,7 @@ standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, like torchrun's wor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -137,10 +138,8 @@ def _describe(code: int) -> str:
 
 
 def _signal(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone; reaped later
         os.kill(pid, signum)
-    except ProcessLookupError:  # already gone; reaped later
-        pass
 
 
 def _become_worker(rank: int, nproc: int, port: int, parent: int) -> None:
