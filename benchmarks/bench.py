@@ -165,14 +165,21 @@ class Bench:
         probe: list[str] | None = None,
         timeout: float = 75,
         env: dict | None = None,
+        launcher: str = "spawn",
     ) -> dict:
+        """``hpc-ddp train`` under the probe: its workers forked as ``--nproc-per-node n`` does
+        (launcher "spawn"), or one interpreter per worker under torchrun."""
         out = self.work / f"{name}.json"
         out.unlink(missing_ok=True)
-        cmd = [*self.torchrun(n), str(BENCH / "probe.py"), "--probe-json", str(out)]
+        probe_cmd = [str(BENCH / "probe.py"), "--probe-json", str(out)]
+        if launcher == "torchrun":
+            cmd = [*self.torchrun(n), *probe_cmd]
+        else:
+            cmd = [PY, *probe_cmd, "--probe-nproc", str(n)]
         res = self.run(name, cmd + (probe or []) + ["--", *flags], timeout=timeout, env=env)
         if out.exists():
             res.update(json.loads(out.read_text()))
-        return self.record(name, {"kind": "ours", "gpus": n, **res})
+        return self.record(name, {"kind": "ours", "gpus": n, "launcher": launcher, **res})
 
     def lenet_flags(self, name: str, graphs: bool) -> list[str]:
         flags = self.trainer_flags("lenet", self.args.epochs, 64, self.work / "runs" / name)
@@ -189,13 +196,11 @@ class Bench:
                 self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
             self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
         top = max(self.gpus)
+        flags = self.lenet_flags(f"lenet{top}a", True) + ["--async-checkpoint"]
+        self.ours(f"ours_lenet_{top}gpu_async", top, flags)
         self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
-        if top > 1:  # the all-reduce outside the graph (two graphs per step), for comparison
-            env = {"HPC_DDP_GRAPH_ALLREDUCE": "0"}
-            flags = self.lenet_flags(f"lenet{top}s", True)
-            self.ours(f"ours_lenet_{top}gpu_split", top, flags, env=env)
-        flags = self.lenet_flags(f"lenet{top}p", True)
-        self.ours(f"ours_lenet_{top}gpu_noprogress", top, flags, probe=["--probe-no-progress-file"])
+        flags = self.lenet_flags(f"lenet{top}t", True)
+        self.ours(f"ours_lenet_{top}gpu_torchrun", top, flags, launcher="torchrun")
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
@@ -218,6 +223,9 @@ class Bench:
         epochs = self.args.resnet_epochs
         for n in self.gpus:
             self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
+        top = max(self.gpus)
+        flags = self.resnet_flags(f"resnet{top}a", epochs) + ["--async-checkpoint"]
+        self.ours(f"resnet_{top}gpu_async", top, flags, timeout=180)
         self.ours(
             "resnet_1gpu_noddp",
             1,

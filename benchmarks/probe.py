@@ -1,7 +1,11 @@
 """Run ``hpc-ddp train`` with a stopwatch attached: time to first step, checkpoint stalls, resume.
 
-    torchrun --standalone --nproc-per-node=4 benchmarks/probe.py --probe-json t.json -- \\
+    python benchmarks/probe.py --probe-nproc 4 --probe-json t.json -- \\
         --model resnet18 --synthetic ...   # any trainer flags after --
+    torchrun --standalone --nproc-per-node=4 benchmarks/probe.py --probe-json t.json -- ...
+
+``--probe-nproc N`` starts the workers as ``hpc-ddp train --nproc-per-node N`` does (forked by
+hpc_ddp.spawn after the imports); under torchrun each worker is its own interpreter.
 
 The trainer runs unmodified; the probe wraps a few of its functions (process-group init, data
 staging and loading, the data path choice, model build, restore, each checkpoint phase, the
@@ -42,6 +46,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -49,11 +54,13 @@ import torch  # noqa: E402
 T_TORCH = time.time()
 
 import hpc_ddp.dist as hdist  # noqa: E402
+from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.train import config, cuda_graphs, data, gpu_data, loop  # noqa: E402
 from hpc_ddp.train import trainer as tr  # noqa: E402
 from hpc_ddp.train.checkpoint import checkpointer  # noqa: E402
 
 T_IMPORTS = time.time()
+T_WORKER: list[float] = []  # when a forked worker began (--probe-nproc)
 EVENTS: list[tuple[str, float, float]] = []  # (name, start, end), wall clock
 SAVES: list[dict[str, float]] = []
 STATE: dict[str, Any] = {"steps": 0}
@@ -111,17 +118,21 @@ def instrument(no_ddp: bool) -> None:
         out = save(self, *args, **kwargs)
         SAVES[-1]["total"] = time.time() - t0
         SAVES[-1]["state_dict_and_rest"] = SAVES[-1]["total"] - sum(
-            v for k, v in SAVES[-1].items() if k != "total"
+            v for k, v in SAVES[-1].items() if k in ("prepare", "write", "commit")
         )
         return out
 
-    def timed_phase(self: Any, name: str, step: int, body: Any) -> Any:
+    def timed_phase(self: Any, name: str, step: int, body: Any, agree: Any) -> Any:
         t0 = time.time()
         try:
-            return phase(self, name, step, body)
+            return phase(self, name, step, body, agree)
         finally:
+            # An --async-checkpoint save runs its phases on a thread, off the training path:
+            # they are not part of the stall, and land under "background".
+            main = threading.current_thread() is threading.main_thread()
             if SAVES:
-                SAVES[-1][name] = time.time() - t0
+                into = SAVES[-1] if main else SAVES[-1].setdefault("background", {})
+                into[name] = time.time() - t0
 
     tr.Trainer.save = timed_save  # type: ignore[method-assign]
     checkpointer.Checkpointer._phase = timed_phase  # type: ignore[method-assign]
@@ -148,6 +159,8 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
             "import_torch": T_TORCH - T_MAIN,
             "import_hpc_ddp": T_IMPORTS - T_TORCH,
         }
+        if T_WORKER:
+            phases["fork_workers"] = T_WORKER[0] - T_IMPORTS
         for name in (
             "process_group",
             "data_stage",
@@ -188,6 +201,7 @@ def main() -> None:
     split = argv.index("--") if "--" in argv else len(argv)
     ours = argparse.ArgumentParser()
     ours.add_argument("--probe-json", required=True)
+    ours.add_argument("--probe-nproc", type=int, default=1, help="fork N workers (spawn)")
     ours.add_argument("--probe-no-ddp", action="store_true")
     ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
@@ -227,7 +241,14 @@ def main() -> None:
             report(pargs.probe_json, cfg, code)
         return code
 
-    hdist.run_main(run)
+    if pargs.probe_nproc == 1:
+        hdist.run_main(run)
+
+    def worker() -> None:
+        T_WORKER.append(time.time())
+        hdist.run_main(run)
+
+    sys.exit(spawn.launch(worker, pargs.probe_nproc, gpus_per_process=cfg.gpus_per_process or 1))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
     out += [
         "Training s: first step to the end of the last epoch (evaluation each epoch included); "
         "for hpc-ddp, in brackets, without its per-epoch checkpoint saves (the conventional "
-        "script saves none). Speed-ups against the conventional DDP script on as many GPUs.",
+        "script saves none). Speed-ups against the conventional DDP script on as many GPUs. "
+        "hpc-ddp's workers are forked by `--nproc-per-node` unless the row says torchrun.",
         "",
         "| run | GPUs | training s | command-to-exit s | test acc | train speed-up | "
         "exit speed-up |",
@@ -90,7 +91,9 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
             _ours_row("hpc-ddp train --cuda-graphs", runs.get(f"ours_lenet_{n}gpu", {}), base)
         )
     for name, label in (
+        ("async", "hpc-ddp train --cuda-graphs --async-checkpoint"),
         ("eager", "hpc-ddp train (eager DDP, no graphs)"),
+        ("torchrun", "hpc-ddp train --cuda-graphs, one interpreter per worker (torchrun)"),
         ("again", "hpc-ddp train --cuda-graphs (again)"),
         ("split", "hpc-ddp train --cuda-graphs, all-reduce outside the graph"),
         ("noprogress", "hpc-ddp train --cuda-graphs, no per-step progress.json (probe)"),
