@@ -145,12 +145,24 @@ def _preempt_when_holding(run_dir: Path, proc: subprocess.Popen, deadline_s: flo
     raise AssertionError("the trainer never reached its hold step")
 
 
+def deterministic_probe(launcher: str, n: int) -> list[str]:
+    """benchmarks/probe.py asking for deterministic kernels, its workers forked or torchrun's."""
+    probe = str(REPO / "benchmarks" / "probe.py")
+    if launcher == "spawn":
+        return [sys.executable, probe, "--probe-nproc", str(n), "--probe-deterministic"]
+    return [*torchrun(n), probe, "--probe-deterministic"]
+
+
 @need(2)
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    ("graphs", "launcher"),
+    [(False, "torchrun"), (True, "torchrun"), (True, "spawn")],
+    ids=["eager", "cuda_graphs", "cuda_graphs_forked"],
+)
+def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs: bool, launcher) -> None:
     """Preempted mid-epoch and resumed == uninterrupted, bit for bit (deterministic kernels)."""
     extra = lenet("--epochs", "2", *(["--cuda-graphs"] if graphs else []))
-    probe = [*torchrun(2), str(REPO / "benchmarks" / "probe.py"), "--probe-deterministic"]
+    probe = deterministic_probe(launcher, 2)
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run(
         [*probe, "--probe-json", str(tmp_path / "a.json"), "--", *flags(data_dir, straight, *extra)]
@@ -174,6 +186,39 @@ def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs: bool) -
     a, c = result(straight), result(broken)
     assert c["interruptions"] == 1 and c["steps"] == a["steps"]
     assert c["params_sha256"] == a["params_sha256"]
+
+
+@need(2)
+def test_forked_workers_equal_torchrun_workers(data_dir, tmp_path) -> None:
+    """Workers forked after ``import torch`` (CUDA first touched in the children) run NCCL and
+    CUDA graphs, and end with torchrun's weights bit for bit (deterministic kernels)."""
+    extra = lenet("--epochs", "2", "--cuda-graphs")
+    for launcher in ("spawn", "torchrun"):
+        rd = tmp_path / launcher
+        run(
+            [
+                *deterministic_probe(launcher, 2),
+                "--probe-json",
+                str(tmp_path / f"{launcher}.json"),
+                "--",
+                *flags(data_dir, rd, *extra),
+            ]
+        )
+    forked, spawned_by_torchrun = result(tmp_path / "spawn"), result(tmp_path / "torchrun")
+    assert forked["world_size"] == 2 and forked["status"] == "finished", forked
+    assert forked["params_sha256"] == spawned_by_torchrun["params_sha256"]
+
+
+@need(2)
+def test_cli_nproc_per_node_on_two_gpus(data_dir, tmp_path) -> None:
+    """What users type: ``python -m hpc_ddp.train --nproc-per-node 2`` on a 2-GPU machine."""
+    rd = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpc_ddp.train", "--nproc-per-node", "2"]
+    out = run([*cmd, *flags(data_dir, rd, *lenet("--epochs", "2", "--cuda-graphs"))]).stdout
+    res = result(rd)
+    assert res["status"] == "finished" and res["world_size"] == 2 and res["test_samples"] == TEST
+    assert res["test_accuracy"] > 0.3, res
+    assert "2 process(es)" in out and "backend nccl" in out, out
 
 
 @need(2)
