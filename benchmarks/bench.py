@@ -47,9 +47,13 @@ class Bench:
         self.deadline = time.monotonic() + args.budget_s
         self.results: dict[str, Any] = {"meta": self.meta(), "runs": {}}
         self.port = 29600
+        from hpc_ddp.train import synthetic
+
         size = (args.train_size, args.test_size)
-        self.data_dir = self.work / "data"
-        self.root = self.data_dir / f"synthetic-cifar100-{size[0]}-{size[1]}"
+        self.data_dir = self.work / "data"  # ours gets this; the reference script self.root:
+        self.root = synthetic.synthetic_root(
+            self.data_dir, "cifar100", *size, args.synthetic_variant
+        )
 
     # ------------------------------------------------------------- plumbing
     def meta(self) -> dict[str, Any]:
@@ -127,11 +131,15 @@ class Bench:
 
         args = self.args
         t0 = time.time()
-        if not synthetic.is_current(self.root, "cifar100", args.train_size, args.test_size, 1234):
-            synthetic.write_synthetic(
-                self.root, "cifar100", train_size=args.train_size, test_size=args.test_size
-            )
-        self.results["meta"]["data"] = {"root": str(self.root), "write_s": time.time() - t0}
+        size = {"train_size": args.train_size, "test_size": args.test_size}
+        kind = {**size, "variant": args.synthetic_variant}
+        if not synthetic.is_current(self.root, "cifar100", seed=1234, **kind):
+            synthetic.write_synthetic(self.root, "cifar100", **kind)
+        self.results["meta"]["data"] = {
+            "root": str(self.root),
+            "variant": args.synthetic_variant,
+            "write_s": time.time() - t0,
+        }
         print(f"[bench] data staged in {time.time() - t0:.1f} s: {self.root}", flush=True)
 
     # ------------------------------------------------------------------ ref
@@ -151,6 +159,7 @@ class Bench:
         flags = ["--synthetic", "--dataset", "cifar100", "--data-dir", str(self.data_dir)]
         flags += ["--synthetic-train-size", str(self.args.train_size)]
         flags += ["--synthetic-test-size", str(self.args.test_size)]
+        flags += ["--synthetic-variant", self.args.synthetic_variant]
         flags += ["--model", model, "--epochs", str(epochs), "--batch-size", str(batch)]
         flags += ["--run-dir", str(run_dir), "--log-every", "100000"]
         if not self.args.smoke:
@@ -196,7 +205,7 @@ class Bench:
                 self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
             self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
         top = max(self.gpus)
-        flags = self.lenet_flags(f"lenet{top}a", True) + ["--async-checkpoint"]
+        flags = [*self.lenet_flags(f"lenet{top}a", True), "--async-checkpoint"]
         self.ours(f"ours_lenet_{top}gpu_async", top, flags)
         self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
         flags = self.lenet_flags(f"lenet{top}t", True)
@@ -224,8 +233,11 @@ class Bench:
         for n in self.gpus:
             self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
         top = max(self.gpus)
-        flags = self.resnet_flags(f"resnet{top}a", epochs) + ["--async-checkpoint"]
+        flags = [*self.resnet_flags(f"resnet{top}a", epochs), "--async-checkpoint"]
         self.ours(f"resnet_{top}gpu_async", top, flags, timeout=180)
+        if self.args.resnet_torchrun:  # the same run, one interpreter per worker
+            flags = self.resnet_flags(f"resnet{top}t", epochs)
+            self.ours(f"resnet_{top}gpu_torchrun", top, flags, timeout=180, launcher="torchrun")
         self.ours(
             "resnet_1gpu_noddp",
             1,
@@ -348,8 +360,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10, help="reference workload epochs")
     parser.add_argument("--train-size", type=int, default=50_000)
     parser.add_argument("--test-size", type=int, default=10_000)
+    parser.add_argument(
+        "--synthetic-variant",
+        choices=("easy", "hard"),
+        default="hard",
+        help="synthetic data for every run: hard (LeNet does not saturate, so accuracies can be "
+        "compared) or easy (learnt in an epoch)",
+    )
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
-    parser.add_argument("--resnet-epochs", type=int, default=3)
+    parser.add_argument("--resnet-epochs", type=int, default=5)
+    parser.add_argument("--resnet-torchrun", action="store_true", help="scaling: + torchrun row")
     parser.add_argument(
         "--resume-hold-step",
         type=int,

@@ -64,6 +64,7 @@ T_WORKER: list[float] = []  # when a forked worker began (--probe-nproc)
 EVENTS: list[tuple[str, float, float]] = []  # (name, start, end), wall clock
 SAVES: list[dict[str, float]] = []
 STATE: dict[str, Any] = {"steps": 0}
+HOST_STEP_S: list[float] = []
 
 
 def _sync() -> None:
@@ -104,6 +105,8 @@ def instrument(no_ddp: bool) -> None:
             if STATE["steps"] == 0:
                 _sync()  # the first step's GPU work, as when the step read its loss
                 EVENTS.append(("first_step", t0, time.time()))
+            else:  # host time to issue a step: near the wall time per step = CPU-bound
+                HOST_STEP_S.append(time.time() - t0)
             STATE["steps"] += 1
             return out
 
@@ -182,6 +185,13 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
         }
         if "finish" in ev:
             out["train_s"] = ev["finish"][0] - first["first_step"][0]
+    if HOST_STEP_S:
+        ordered = sorted(HOST_STEP_S)
+        out["host_step_ms"] = {
+            "median": 1e3 * ordered[len(ordered) // 2],
+            "p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
+            "mean": 1e3 * sum(ordered) / len(ordered),
+        }
     out["saves"] = SAVES
     out["steps_this_attempt"] = STATE["steps"]
     result = tr.Path(cfg.run_dir) / "result.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 RESNET18_CIFAR100_PARAMS = 11_220_132  # fp32 gradients all-reduced per step
@@ -19,10 +19,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def steady_rate(run: dict) -> float | None:
-    """Samples/s of the epochs after the first (which pays for cuDNN autotuning and capture)."""
+    """Median samples/s of the epochs after the first (which pays for cuDNN autotuning and
+    capture): one slow epoch (a clock dip, a neighbour) must not set the figure."""
     hist = run.get("history") or []
     rows = hist[1:] or hist
-    return mean(r["samples_per_second"] for r in rows) if rows else None
+    return median(r["samples_per_second"] for r in rows) if rows else None
 
 
 def _saves_s(run: dict) -> float | None:

@@ -156,12 +156,14 @@ def deterministic_probe(launcher: str, n: int) -> list[str]:
 @need(2)
 @pytest.mark.parametrize(
     ("graphs", "launcher"),
-    [(False, "torchrun"), (True, "torchrun"), (True, "spawn")],
-    ids=["eager", "cuda_graphs", "cuda_graphs_forked"],
+    [(False, "torchrun"), (True, "torchrun"), (True, "spawn"), ("async", "spawn")],
+    ids=["eager", "cuda_graphs", "cuda_graphs_forked", "cuda_graphs_forked_async_checkpoint"],
 )
-def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs: bool, launcher) -> None:
+def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs, launcher) -> None:
     """Preempted mid-epoch and resumed == uninterrupted, bit for bit (deterministic kernels)."""
     extra = lenet("--epochs", "2", *(["--cuda-graphs"] if graphs else []))
+    if graphs == "async":
+        extra.append("--async-checkpoint")
     probe = deterministic_probe(launcher, 2)
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run(
@@ -310,3 +312,19 @@ def test_graphed_step_replays_and_matches_eager() -> None:
     # A graph replaying stale inputs would be off by ~lr (1e-3) per step; rounding is far less.
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-4)
+
+
+@need(1)
+def test_async_snapshot_is_queued_in_stream_order() -> None:
+    """start_snapshot returns before the GPU copied anything, and an in-place update queued
+    right after it cannot leak into the copy (stream order)."""
+    from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
+
+    w = torch.zeros(1 << 24, device="cuda")  # 64 MiB
+    torch.cuda._sleep(200_000_000)  # keep the stream busy: the copy must still be queued below
+    snap = start_snapshot({"w": w, "step": 3})
+    assert not snap.events[0].query(), "start_snapshot waited for the GPU"
+    w.fill_(1.0)
+    copy = snap.ready()
+    assert copy["step"] == 3 and copy["w"].device.type == "cpu" and not copy["w"].any()
+    assert bool((w == 1).all())

@@ -23,6 +23,7 @@ SCHEDULES = ("cosine", "constant")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
+SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.train.synthetic.VARIANTS (no numpy import here)
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
 # of them changed would silently mix two experiments, so the trainer refuses instead.
@@ -31,6 +32,7 @@ IDENTITY_KEYS = (
     "synthetic",
     "synthetic_train_size",
     "synthetic_test_size",
+    "synthetic_variant",
     "model",
     "epochs",
     "batch_size",
@@ -69,6 +71,12 @@ class TrainConfig:
     )
     synthetic_train_size: int = field(default=5000, metadata=_opt("synthetic training samples"))
     synthetic_test_size: int = field(default=1000, metadata=_opt("synthetic test samples"))
+    synthetic_variant: str = field(
+        default="easy",
+        metadata=_opt(
+            "synthetic data: easy (learnt in an epoch) or hard (LeNet/CIFAR-100 ~45 % in 10 epochs)"
+        ),
+    )
     download: bool = field(default=True, metadata=_opt("download the dataset if it is missing"))
     model: str = field(default="lenet", metadata=_opt(f"one of {', '.join(MODELS)}"))
     epochs: int = field(default=10, metadata=_opt("training epochs"))
@@ -143,6 +151,7 @@ class TrainConfig:
             "amp": AMP_MODES,
             "requeue": REQUEUE_MODES,
             "data_path": DATA_PATHS,
+            "synthetic_variant": SYNTHETIC_VARIANTS,
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

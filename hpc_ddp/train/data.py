@@ -95,7 +95,7 @@ def data_root(cfg: TrainConfig) -> Path:
     data_dir = Path(cfg.data_dir)
     if cfg.synthetic:
         size = (cfg.synthetic_train_size, cfg.synthetic_test_size)
-        return synthetic.synthetic_root(data_dir, cfg.dataset, *size)
+        return synthetic.synthetic_root(data_dir, cfg.dataset, *size, cfg.synthetic_variant)
     return data_dir
 
 
@@ -114,9 +114,10 @@ def stage(cfg: TrainConfig) -> Path:
     with FileLock(str(data_dir / ".hpc-ddp-staging.lock")):
         if cfg.synthetic:
             size = {"train_size": cfg.synthetic_train_size, "test_size": cfg.synthetic_test_size}
-            if not synthetic.is_current(root, cfg.dataset, seed=1234, **size):
-                print(f"writing synthetic {cfg.dataset} ({size}) to {root}", flush=True)
-                synthetic.write_synthetic(root, cfg.dataset, **size)
+            kind = {**size, "variant": cfg.synthetic_variant}
+            if not synthetic.is_current(root, cfg.dataset, seed=1234, **kind):
+                print(f"writing synthetic {cfg.dataset} ({kind}) to {root}", flush=True)
+                synthetic.write_synthetic(root, cfg.dataset, **kind)
         elif not _present(cfg.dataset, root):
             cls = dataset_class(cfg.dataset, is_synthetic=False)  # names for the message
             if not cfg.download:

@@ -15,9 +15,10 @@ never depends on which path ran:
 - augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
   crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
 
-The files are read here (``load_cifar_arrays``: CIFAR's pickled batches), not through torchvision's
-dataset classes, so a run on this path never imports torchvision (~3.5 s of start-up on an H200
-machine, benchmarks/NOTES.md); tests/test_gpu_data.py checks both readers give the same arrays.
+The files are read here (``load_cifar_arrays``: CIFAR's pickled batches, decoded once into a
+.npy cache by ``array_cache``), not through torchvision's dataset classes, so a run on this path
+never imports torchvision (~3.5 s of start-up on an H200 machine, benchmarks/NOTES.md);
+tests/test_gpu_data.py checks both readers give the same arrays.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import array_cache
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 from hpc_ddp.train.data import (
     MEAN,
@@ -66,11 +68,9 @@ def load_cifar_arrays(
     folder, train_files, test_files = _FILES[dataset]
     images, labels = [], []
     for name in train_files if train else test_files:
-        with (Path(data_root) / folder / name).open("rb") as fh:
-            entry = pickle.load(fh, encoding="latin1")
-        key = next(k for k in _LABEL_KEYS if k in entry)
-        images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, SIZE, SIZE))
-        labels.append(np.asarray(entry[key], dtype=np.int64))
+        pixels, targets = array_cache.read_batch(Path(data_root) / folder / name, _LABEL_KEYS)
+        images.append(pixels.reshape(-1, 3, SIZE, SIZE))
+        labels.append(targets)
     return np.concatenate(images), np.concatenate(labels)
 
 

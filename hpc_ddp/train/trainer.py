@@ -7,7 +7,10 @@ that fails alone is reported by name instead of leaving the others in a collecti
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -378,6 +381,17 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
+def prefetch_imports() -> None:
+    """Import torch._dynamo on a thread: every torch.optim optimizer imports it on first use
+    (1 s on a laptop-class CPU, 4.4 s on the H200 machines, benchmarks/NOTES.md), and the
+    thread does it while the process group and the data come up, which wait on the network,
+    the GPU and the disk rather than on Python."""
+    if "torch._dynamo" not in sys.modules:
+        threading.Thread(
+            target=importlib.import_module, args=("torch._dynamo",), name="prefetch", daemon=True
+        ).start()
+
+
 def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
     """Train in this process (one rank of the job); returns the Result on every rank.
 
@@ -389,6 +403,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     from hpc_ddp.dist import init_distributed
 
     own_group = ctx is None and not dist.is_initialized()
+    prefetch_imports()
     if ctx is None:
         from hpc_ddp.cluster import detect_env
 

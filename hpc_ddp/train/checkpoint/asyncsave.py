@@ -1,9 +1,10 @@
-"""Asynchronous saves: a synchronous snapshot to CPU memory, then the commit protocol in a thread.
+"""Asynchronous saves: a snapshot queued to CPU memory, then the commit protocol in a thread.
 
-The training thread pays only for :func:`snapshot` (a device-to-host copy of what this rank
-writes); one background thread per rank then runs the unchanged write -> agree -> manifest ->
-rename -> ``latest`` protocol on the snapshot, agreeing over a dedicated Gloo group so its
-collectives never interleave with training's on the default group. See docs/checkpoints.md.
+The training thread pays only for queueing :func:`start_snapshot` (device-to-host copies of
+what this rank writes, in stream order, no wait for the GPU); one background thread per rank
+waits for the copies, then runs the unchanged write -> agree -> manifest -> rename -> ``latest``
+protocol on them, agreeing over a dedicated Gloo group so its collectives never interleave with
+training's on the default group. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -12,24 +13,52 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of ``obj`` that training can no longer change: every tensor copied to CPU memory
-    (pinned when it came from a GPU), containers rebuilt, anything else deep-copied.
+@dataclass
+class Snapshot:
+    """A snapshot whose device-to-host copies may still be in flight: :meth:`ready` waits."""
+
+    value: Any
+    events: list[torch.cuda.Event] = field(default_factory=list)
+
+    def ready(self) -> Any:
+        for event in self.events:
+            event.synchronize()
+        return self.value
+
+
+def start_snapshot(obj: Any) -> Snapshot:
+    """Queue a copy of ``obj`` that training can no longer change, and return at once: every
+    tensor copied to CPU memory (pinned when it came from a GPU), containers rebuilt, anything
+    else deep-copied.
+
+    GPU tensors are copied non-blocking on their device's current stream, so the training
+    thread never waits for the GPU here: the steps that follow run after the copies in stream
+    order and cannot change what is copied. Whoever reads the copy calls :meth:`Snapshot.ready`
+    first (the background save does, on its own thread).
 
     Values a checkpoint refuses (numpy arrays, functions) are deep-copied as they are: the
     background save's usual checks reject them, on every rank, at the next wait point.
     """
     devices: set[torch.device] = set()
     out = _copy(obj, devices)
-    for device in devices:  # the copies were queued non-blocking: finish them before returning
-        torch.cuda.synchronize(device)
-    return out
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return Snapshot(out, events)
+
+
+def snapshot(obj: Any) -> Any:
+    """:func:`start_snapshot`, waiting for the copies."""
+    return start_snapshot(obj).ready()
 
 
 def _copy(obj: Any, devices: set[torch.device]) -> Any:

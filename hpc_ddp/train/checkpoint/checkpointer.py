@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import layout
-from .asyncsave import BackgroundSave, snapshot
+from .asyncsave import BackgroundSave, start_snapshot
 from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
 from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
@@ -170,26 +170,30 @@ class Checkpointer:
     def save_async(
         self, step: int, *, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]
     ) -> None:
-        """Start checkpoint ``step`` and return once its state is copied; the write runs in the
+        """Start checkpoint ``step`` and return once its copy is queued; the rest runs in the
         background.
 
         First waits for the previous background save and re-raises its error (see
-        :meth:`wait`). Then copies what this rank writes (``shared`` on rank 0 only, its
-        ``per_rank``, ``meta``) to CPU memory, so training may change the live state at once, and
-        starts one thread that runs :meth:`save`'s protocol on the copy, agreeing over a
-        dedicated Gloo group. Call it on every rank, in the same order as :meth:`save` would be.
-        Its result (or error) comes from the next :meth:`wait`, :meth:`save_async`,
-        :meth:`load_latest` or :meth:`close`.
+        :meth:`wait`). Then queues a copy of what this rank writes (``shared`` on rank 0 only,
+        its ``per_rank``, ``meta``) to CPU memory, GPU tensors in stream order, so training may
+        change the live state at once, and starts one thread that waits for the copies and runs
+        :meth:`save`'s protocol on them, agreeing over a dedicated Gloo group. Call it on every
+        rank, in the same order as :meth:`save` would be. Its result (or error) comes from the
+        next :meth:`wait`, :meth:`save_async`, :meth:`load_latest` or :meth:`close`.
         """
         self.wait()
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         agree = self._background_agreement()
-        shared_copy = snapshot(dict(shared)) if self.rank == 0 else {}
-        per_rank_copy, meta_copy = snapshot(per_rank), snapshot(meta)
-        self._inflight = BackgroundSave(
-            step, lambda: self._save(step, shared_copy, per_rank_copy, meta_copy, agree)
-        )
+        shared_copy = start_snapshot(dict(shared) if self.rank == 0 else {})
+        per_rank_copy, meta_copy = start_snapshot(per_rank), start_snapshot(meta)
+
+        def body() -> Path:
+            # The copies finish on the GPU's own schedule; the thread waits for them, not training.
+            copies = (shared_copy.ready(), per_rank_copy.ready(), meta_copy.ready())
+            return self._save(step, *copies, agree)
+
+        self._inflight = BackgroundSave(step, body)
 
     @property
     def in_flight(self) -> bool:
