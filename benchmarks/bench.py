@@ -207,6 +207,8 @@ class Bench:
         top = max(self.gpus)
         flags = [*self.lenet_flags(f"lenet{top}a", True), "--async-checkpoint"]
         self.ours(f"ours_lenet_{top}gpu_async", top, flags)
+        if self.args.lean:  # the variants below only explain; the headline rows are above
+            return
         self.ours(f"ours_lenet_{top}gpu_eager", top, self.lenet_flags(f"lenet{top}e", False))
         flags = self.lenet_flags(f"lenet{top}t", True)
         self.ours(f"ours_lenet_{top}gpu_torchrun", top, flags, launcher="torchrun")
@@ -217,7 +219,8 @@ class Bench:
         self.reference(f"ref_dp_{top}gpu", "dp", top, 64 * top)
         if self.args.single:
             self.reference("ref_single_1gpu", "single", 1, 64 * top)
-        self.ours(f"ours_lenet_{top}gpu_again", top, self.lenet_flags(f"lenet{top}b", True))
+        if not self.args.lean:
+            self.ours(f"ours_lenet_{top}gpu_again", top, self.lenet_flags(f"lenet{top}b", True))
 
     # -------------------------------------------------------------- scaling
     def resnet_flags(self, name: str, epochs: int) -> list[str]:
@@ -229,9 +232,12 @@ class Bench:
         return flags + ([] if self.args.smoke else ["--amp", "bf16"])
 
     def suite_scaling(self) -> None:
+        """Eager DDP and the captured step (--cuda-graphs) on every GPU count, then the extras."""
         epochs = self.args.resnet_epochs
         for n in self.gpus:
             self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
+            flags = [*self.resnet_flags(f"resnet{n}g", epochs), "--cuda-graphs"]
+            self.ours(f"resnet_{n}gpu_graphs", n, flags, timeout=180)
         top = max(self.gpus)
         flags = [*self.resnet_flags(f"resnet{top}a", epochs), "--async-checkpoint"]
         self.ours(f"resnet_{top}gpu_async", top, flags, timeout=180)
@@ -355,6 +361,7 @@ def main() -> None:
     parser.add_argument("--tests-k", default="", help="pytest -k expression for the tests suite")
     parser.add_argument("--tests-timeout", type=float, default=200)
     parser.add_argument("--single", action="store_true", help="refx: also the 1-GPU no-DDP run")
+    parser.add_argument("--lean", action="store_true", help="ref/refx: headline rows only")
     parser.add_argument("--out", required=True, help="bench.json, tables.md and logs go here")
     parser.add_argument("--work", default="/tmp/hpc-ddp-bench", help="data and run dirs")
     parser.add_argument("--epochs", type=int, default=10, help="reference workload epochs")

@@ -96,6 +96,7 @@ def instrument(no_ddp: bool) -> None:
     timed(tr.Trainer, "build", "build")  # model + optimizer + data path
     timed(tr.Trainer, "restore", "restore")
     timed(tr.Trainer, "finish", "finish")
+    timed(cuda_graphs.GraphedStepper, "close", "release_graphs")
     for cls in (loop.Stepper, cuda_graphs.GraphedStepper):
         original = cls.step
 
@@ -192,6 +193,11 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
             "p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
             "mean": 1e3 * sum(ordered) / len(ordered),
         }
+    out["after_training_s"] = {
+        name: ev[name][1] - ev[name][0]
+        for name in ("finish", "release_graphs", "destroy_process_group")
+        if name in ev
+    }
     out["saves"] = SAVES
     out["steps_this_attempt"] = STATE["steps"]
     result = tr.Path(cfg.run_dir) / "result.json"
@@ -240,7 +246,13 @@ def main() -> None:
         if int(os.environ.get("RANK", 0)) == 0 and not done:
             report(pargs.probe_json, cfg, 0)
             done.append(1)
-        return destroy(*args, **kwargs)
+        t0 = time.time()
+        try:
+            return destroy(*args, **kwargs)
+        finally:
+            EVENTS.append(("destroy_process_group", t0, time.time()))
+            if int(os.environ.get("RANK", 0)) == 0:
+                report(pargs.probe_json, cfg, 0)  # again, with the teardown's time
 
     torch.distributed.destroy_process_group = report_then_destroy
 

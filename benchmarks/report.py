@@ -117,15 +117,19 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
 
 def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
     out = ["", "### b. ResNet-18 weak scaling (bf16, batch 256/GPU, GPU-resident data)", ""]
-    out += ["| GPUs | samples/s | per GPU | efficiency |", "|---|---|---|---|"]
+    out += ["| step | GPUs | samples/s | per GPU | efficiency |", "|---|---|---|---|---|"]
+    for suffix, label in (("", "eager DDP"), ("_graphs", "--cuda-graphs")):
+        base = steady_rate(runs.get(f"resnet_1gpu{suffix}", {}))
+        for n in gpus:
+            rate = steady_rate(runs.get(f"resnet_{n}gpu{suffix}", {}))
+            if rate is None and not base:
+                continue
+            eff = rate / (n * base) if rate and base else None
+            out.append(
+                f"| {label} | {n} | {_f(rate, '.0f')} | {_f(rate and rate / n, '.0f')} | "
+                f"{_f(eff and 100 * eff, '.1f')}% |"
+            )
     base = steady_rate(runs.get("resnet_1gpu", {}))
-    for n in gpus:
-        rate = steady_rate(runs.get(f"resnet_{n}gpu", {}))
-        eff = rate / (n * base) if rate and base else None
-        out.append(
-            f"| {n} | {_f(rate, '.0f')} | {_f(rate and rate / n, '.0f')} | "
-            f"{_f(eff and 100 * eff, '.1f')}% |"
-        )
     bare = steady_rate(runs.get("resnet_1gpu_noddp", {}))
     if bare and base:
         out += [
@@ -164,8 +168,8 @@ def table_ckpt(runs: dict) -> list[str]:
     out = ["", "### d. Checkpoint stall (ResNet-18, one checkpoint per epoch) and resume", ""]
     out += [
         "| run | saves | mean stall s | state_dict s | write s | commit s | epoch s | "
-        "stall % of epoch |",
-        "|---|---|---|---|---|---|---|---|",
+        "stall % of epoch | first save s | later saves s | later % of epoch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in runs.items():
         if not key.startswith("resnet_") or not r.get("saves"):
@@ -173,12 +177,14 @@ def table_ckpt(runs: dict) -> list[str]:
         saves, hist = r["saves"], r.get("history") or []
         epoch = mean(h["seconds"] for h in hist) if hist else None
         stall = mean(s["total"] for s in saves)
+        later = mean(s["total"] for s in saves[1:]) if len(saves) > 1 else None
         out.append(
             f"| {key} | {len(saves)} | {stall:.3f} | "
             f"{mean(s.get('state_dict_and_rest', 0) for s in saves):.3f} | "
             f"{mean(s.get('write', 0) for s in saves):.3f} | "
             f"{mean(s.get('commit', 0) for s in saves):.3f} | {_f(epoch, '.3f')} | "
-            f"{_f(epoch and 100 * stall / epoch, '.1f')}% |"
+            f"{_f(epoch and 100 * stall / epoch, '.1f')}% | {saves[0]['total']:.3f} | "
+            f"{_f(later, '.3f')} | {_f(later and epoch and 100 * later / epoch, '.1f')}% |"
         )
     for key, r in runs.items():
         if key.startswith("resume_") and r.get("kind") == "resume":

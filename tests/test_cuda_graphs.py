@@ -105,7 +105,6 @@ def test_two_ranks_match_ddp(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("kw", "amp", "devices", "word"),
     [
-        ({"optimizer": "sgd"}, None, 1, "optimizer=sgd"),
         ({}, torch.float16, 1, "fp16"),
         ({"accum_steps": 2}, None, 1, "accum_steps=2"),
         ({"sync_bn": True}, None, 1, "sync_bn"),
@@ -115,7 +114,8 @@ def test_two_ranks_match_ddp(tmp_path) -> None:
 def test_unsupported_settings_are_refused(kw, amp, devices, word) -> None:
     with pytest.raises(ConfigError, match=word):
         cuda_graphs.check_supported(TrainConfig(**{"optimizer": "adam", **kw}), amp, devices)
-    cuda_graphs.check_supported(TrainConfig(optimizer="adam"), torch.bfloat16, 1)
+    for optimizer in ("adam", "sgd"):
+        cuda_graphs.check_supported(TrainConfig(optimizer=optimizer), torch.bfloat16, 1)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
@@ -127,3 +127,30 @@ def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     assert isinstance(lr, torch.Tensor) and opt.param_groups[0]["capturable"]
     sched.step()
     assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(5e-3)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+def test_make_capturable_puts_sgd_on_its_fused_kernel_with_the_same_steps() -> None:
+    """SGD under --cuda-graphs: fused kernel, tensor LR that schedulers fill, the same update as
+    the multi-tensor SGD (momentum, weight decay) the eager step runs."""
+    torch.manual_seed(0)
+    model = build_model("lenet", 10)
+    twin = build_model("lenet", 10)
+    twin.load_state_dict(model.state_dict())
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        for m in (model, twin)
+    ]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in opts]
+    cuda_graphs.make_capturable(opts[0], CPU)
+    group = opts[0].param_groups[0]
+    assert group["fused"] and not group["foreach"] and isinstance(group["lr"], torch.Tensor)
+    for x, y in _batches(3, n=3):
+        for m, o, s in zip((model, twin), opts, scheds, strict=True):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+    assert float(group["lr"]) == pytest.approx(0.05 / 4)  # filled in place by the scheduler
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -224,6 +224,21 @@ def test_cli_nproc_per_node_on_two_gpus(data_dir, tmp_path) -> None:
 
 
 @need(2)
+def test_resnet_sgd_cuda_graphs_learn_like_eager_ddp(data_dir, tmp_path) -> None:
+    """The weak-scaling recipe (ResNet-18, bf16, SGD momentum) captured: SGD's fused kernel with
+    a device LR, BatchNorm inside the graph; it learns as the eager DDP step does."""
+    recipe = (*RESNET_BF16, "--optimizer", "sgd", "--lr", "0.05", "--no-augment", "--epochs", "2")
+    eager, graphs = tmp_path / "eager", tmp_path / "graphs"
+    run(train_cmd(2, data_dir, eager, *recipe))
+    out = run(train_cmd(2, data_dir, graphs, *recipe, "--cuda-graphs")).stdout
+    a, b = result(eager), result(graphs)
+    assert b["status"] == "finished" and b["steps"] == a["steps"], b
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) < 0.05, (a, b)
+    assert abs(a["train_loss"] - b["train_loss"]) < 0.1 * abs(a["train_loss"]) + 1e-2, (a, b)
+    assert "backend nccl" in out
+
+
+@need(2)
 def test_cuda_graphs_match_eager_ddp(data_dir, tmp_path) -> None:
     """Same run with and without --cuda-graphs on 2 GPUs: same learning, different speed."""
     eager, graphs = tmp_path / "eager", tmp_path / "graphs"

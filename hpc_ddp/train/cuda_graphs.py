@@ -13,11 +13,12 @@ Same semantics as the eager DDP step, which is what makes it safe as an option:
 - every micro-batch is trained on exactly once: the first ``warmup`` steps run eagerly (on a side
   stream, to settle cuBLAS/cuDNN workspaces, NCCL communicators and the optimizer's state), the
   graph is captured on the next one and replayed from then on, and capture itself runs nothing;
-- the learning rate becomes a 1-element device tensor (Adam's ``capturable`` mode reads it on the
-  GPU), so LR schedulers keep working: they ``fill_`` it in place;
+- the learning rate becomes a 1-element device tensor (Adam's ``capturable`` mode and SGD's
+  fused kernel read it on the GPU), so LR schedulers keep working: they ``fill_`` it in place;
 - autocast (bf16) runs inside the graph with its cast cache off, as PyTorch requires for graphs.
-Limits, refused up front: Adam/AdamW only (SGD's foreach step reads a tensor LR on the host),
-no fp16 loss scaling (its inf check syncs with the host), no gradient accumulation, no SyncBN.
+Limits, refused up front: Adam/AdamW or SGD (SGD through its fused kernel: the multi-tensor one
+reads a tensor LR on the host), no fp16 loss scaling (its inf check syncs with the host), no
+gradient accumulation, no SyncBN.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ from hpc_ddp.train.loop import Stepper, Times
 def check_supported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> None:
     """Refuse settings the captured step cannot keep exact (see the module docstring)."""
     problems = []
-    if cfg.optimizer != "adam":
-        problems.append(f"optimizer={cfg.optimizer} (use adam)")
     if amp_dtype == torch.float16:
         problems.append("amp=fp16 (use bf16 or off)")
     if cfg.accum_steps != 1:
@@ -70,19 +69,24 @@ def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Adam's capturable mode, a device-tensor LR, and any loaded state moved to the device.
+    """Adam's capturable mode or SGD's fused kernel, a device-tensor LR, and any loaded state
+    moved to the device.
 
-    On CUDA also Adam's fused kernel (one launch instead of a dozen multi-tensor ones): the same
-    algorithm, and 16 % less GPU time per captured LeNet step (0.385 -> 0.323 ms, H200,
-    benchmarks/NOTES.md). HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels.
+    On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones):
+    the same algorithm, and 16 % less GPU time per captured LeNet step (0.385 -> 0.323 ms, H200,
+    benchmarks/NOTES.md). HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no
+    such choice: only its fused kernel reads a tensor LR on the GPU.
     """
     fused = device.type == "cuda" and os.environ.get("HPC_DDP_GRAPH_FUSED_ADAM", "1") != "0"
     for group in optimizer.param_groups:
-        if "capturable" not in group:
-            raise ConfigError(f"{type(optimizer).__name__} has no capturable mode; use Adam")
-        group["capturable"] = True
-        if fused and "fused" in group:
+        if isinstance(optimizer, torch.optim.SGD):
             group["fused"], group["foreach"] = True, False
+        elif "capturable" in group:
+            group["capturable"] = True
+            if fused and "fused" in group:
+                group["fused"], group["foreach"] = True, False
+        else:
+            raise ConfigError(f"{type(optimizer).__name__} cannot be captured; use Adam or SGD")
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor) or lr.device != device:  # a restore loads it on CPU
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)

@@ -18,7 +18,6 @@ from hpc_ddp.train.checkpoint import RunDirLock
 from hpc_ddp.train.config import IDENTITY_KEYS, TrainConfig
 from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
 
-
 _DEFAULTS = TrainConfig().to_dict()
 
 

@@ -50,6 +50,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.lock = RunDirLock(self.run_dir)
         self.base_wall = 0.0  # wall seconds of earlier attempts (from the checkpoint)
+        self.plotting: threading.Thread | None = None
         self._progress_at = float("-inf")  # when progress.json was last written
 
     def elapsed(self) -> float:
@@ -349,7 +350,12 @@ class Trainer:
         if self.rank == 0:
             results.write_json(self.run_dir / results.RESULT, result.to_dict())
             if progress.history:
-                results.plot(self.run_dir, progress.history)
+                # matplotlib takes 0.5-1 s to import and draw: on a thread, while the graphs and
+                # the process group are torn down; train() joins it before returning.
+                self.plotting = threading.Thread(
+                    target=results.plot, args=(self.run_dir, progress.history), name="plot"
+                )
+                self.plotting.start()
             self.write_progress(progress, "finished")
             self.log(f"finished: {self.run_dir / results.RESULT}")
         return result
@@ -430,6 +436,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
         getattr(trainer.stepper, "close", lambda: None)()
         dist.destroy_process_group()  # only on success: on errors peers may be gone
+    if trainer.plotting is not None:
+        trainer.plotting.join()
     return result
 
 
