@@ -11,6 +11,7 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
+  ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP)
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
   nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
   profile  per-step time of eager DDP vs the captured step (benchmarks/step_profile.py)
@@ -252,6 +253,13 @@ class Bench:
             timeout=180,
         )
 
+    def suite_ddpcost(self) -> None:
+        """The DDP wrapper's cost at 1 GPU alone: bare model, then DDP, back to back."""
+        epochs = self.args.resnet_epochs
+        flags = self.resnet_flags("resnet1n", epochs)
+        self.ours("resnet_1gpu_noddp", 1, flags, probe=["--probe-no-ddp"], timeout=180)
+        self.ours("resnet_1gpu", 1, self.resnet_flags("resnet1", epochs), timeout=180)
+
     def suite_resume(self) -> None:
         """Preempt at a step mid-epoch 2 with SIGUSR1, then run the same command again."""
         n = max(self.gpus)
@@ -336,6 +344,7 @@ class Bench:
         suites = {
             "ref": self.suite_ref,
             "scaling": self.suite_scaling,
+            "ddpcost": self.suite_ddpcost,
             "resume": self.suite_resume,
             "nccl": self.suite_nccl,
             "refx": self.suite_refx,
