@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,9 @@ class Bench:
         self.record(name, {"kind": "reference", **res})
 
     def trainer_flags(self, model: str, epochs: int, batch: int, run_dir: Path) -> list[str]:
+        # A fresh run dir: one left by an earlier call on a warm machine would be "finished"
+        # (the trainer then does nothing) or be resumed.
+        shutil.rmtree(run_dir, ignore_errors=True)
         flags = ["--synthetic", "--dataset", "cifar100", "--data-dir", str(self.data_dir)]
         flags += ["--synthetic-train-size", str(self.args.train_size)]
         flags += ["--synthetic-test-size", str(self.args.test_size)]
