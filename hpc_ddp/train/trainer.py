@@ -101,13 +101,8 @@ class Trainer:
         self.net = models.place_model(net, devices)
         self.in_device, self.out_device = models.input_device(net), models.output_device(net)
         if self.comm.active and not cfg.cuda_graphs:  # the graphed step all-reduces itself
-            cuda = ctx.device.type == "cuda"
-            ids = [ctx.device] if cuda and len(devices) == 1 else None
-            # On GPUs the .grad tensors are views into DDP's buckets: no copy kernel per
-            # parameter per step (ResNet-18's eager step is launch-bound on the H200 hosts).
-            self.model: torch.nn.Module = DDP(
-                self.net, device_ids=ids, gradient_as_bucket_view=cuda
-            )
+            ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
+            self.model: torch.nn.Module = DDP(self.net, device_ids=ids)
         else:
             self.model = self.net
         opt = build_optimizer(cfg, net.parameters())
