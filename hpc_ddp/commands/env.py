@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from typing import Any
 
 from hpc_ddp.cluster import detect_env
@@ -100,5 +101,9 @@ def format_table(data: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     data = collect(args)
-    print(json.dumps(data, sort_keys=True) if args.json else format_table(data))
+    text = json.dumps(data, sort_keys=True) if args.json else format_table(data)
+    # One write with its newline: every rank of a job prints into the same pipe, and print()'s
+    # separate newline write (unbuffered output) let two ranks' lines run into one.
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
     return 0

@@ -106,7 +106,10 @@ class TrainConfig:
     )
     cuda_graphs: bool = field(
         default=False,
-        metadata=_opt("capture each step (with its all-reduce) as a CUDA graph: adam, accum 1"),
+        metadata=_opt(
+            "capture each step (with its all-reduce) as a CUDA graph: adam or sgd, accum 1, "
+            "no fp16 or SyncBN"
+        ),
     )
     checkpoint_every_steps: int = field(
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
