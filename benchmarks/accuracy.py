@@ -1,0 +1,92 @@
+"""Final test accuracy of the conventional script and of hpc-ddp over several seeds, same data.
+
+    PYTHONPATH=$PWD python3 benchmarks/accuracy.py --seeds 0,1,2 --out OUT [--cpu]
+
+One process each (batch 64, Adam 1e-3, 10 epochs, CIFAR-100 LeNet on the hard synthetic files):
+the question is whether the two scripts learn alike, which one run per script cannot answer when
+one run's accuracy swings by points from epoch to epoch. ``--cpu`` runs both on the CPU (Gloo),
+where the algorithm is the same and no GPU time is needed. Writes OUT/accuracy.json and prints
+mean and spread per script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN, TEST = 50_000, 10_000
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with log.open("w") as fh:
+        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed (rc {done.returncode}); see {log}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", default="/tmp/hpc-ddp-accuracy")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from hpc_ddp.train import synthetic
+
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = work / "data"
+    root = synthetic.synthetic_root(data_dir, "cifar100", TRAIN, TEST, variant="hard")
+    if not synthetic.is_current(root, "cifar100", TRAIN, TEST, 1234, variant="hard"):
+        synthetic.write_synthetic(
+            root, "cifar100", train_size=TRAIN, test_size=TEST, variant="hard"
+        )
+    results: dict[str, list[float]] = {"conventional": [], "hpc-ddp": []}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        ref_json = work / f"ref{seed}.json"
+        cmd = [sys.executable, str(REPO / "benchmarks" / "reference_ddp.py"), "--data", str(root)]
+        cmd += ["--mode", "ddp", "--gpus", "1", "--epochs", str(args.epochs), "--seed", str(seed)]
+        cmd += ["--json", str(ref_json)] + (["--cpu"] if args.cpu else [])
+        run(cmd, out / f"ref{seed}.log")
+        results["conventional"].append(json.loads(ref_json.read_text())["test_accuracy"])
+
+        run_dir = work / f"ours{seed}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        cmd = [sys.executable, "-m", "hpc_ddp.train", "--synthetic", "--synthetic-variant", "hard"]
+        cmd += ["--dataset", "cifar100", "--data-dir", str(data_dir)]
+        cmd += ["--synthetic-train-size", str(TRAIN), "--synthetic-test-size", str(TEST)]
+        cmd += ["--model", "lenet", "--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0"]
+        cmd += ["--lr-schedule", "constant", "--no-augment", "--amp", "off", "--batch-size", "64"]
+        cmd += ["--epochs", str(args.epochs), "--seed", str(seed), "--run-dir", str(run_dir)]
+        cmd += ["--log-every", "100000"] + ([] if args.cpu else ["--cuda-graphs"])
+        run(cmd, out / f"ours{seed}.log")
+        result = json.loads((run_dir / "result.json").read_text())
+        results["hpc-ddp"].append(result["test_accuracy"])
+        print(
+            f"seed {seed}: conventional {results['conventional'][-1]:.4f}, "
+            f"hpc-ddp {results['hpc-ddp'][-1]:.4f}",
+            flush=True,
+        )
+    summary = {
+        name: {
+            "accuracies": accs,
+            "mean": statistics.mean(accs),
+            "stdev": statistics.stdev(accs) if len(accs) > 1 else None,
+        }
+        for name, accs in results.items()
+    }
+    (out / "accuracy.json").write_text(json.dumps({"cpu": args.cpu, **summary}, indent=1))
+    for name, s in summary.items():
+        spread = f" +- {s['stdev']:.4f}" if s["stdev"] is not None else ""
+        print(f"{name}: {s['mean']:.4f}{spread} over {len(s['accuracies'])} seeds")
+
+
+if __name__ == "__main__":
+    main()
