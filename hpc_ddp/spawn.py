@@ -142,7 +142,9 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
-def _become_worker(rank: int, nproc: int, port: int, parent: int) -> None:
+def _become_worker(
+    rank: int, nproc: int, port: int, parent: int, mask: set[signal.Signals]
+) -> None:
     """In the child, right after fork: die with the parent, default signals, own variables."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -150,6 +152,7 @@ def _become_worker(rank: int, nproc: int, port: int, parent: int) -> None:
         os._exit(1)
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what launch() blocked around the fork
     os.environ.update(worker_environ(rank, nproc, port))
     _share_cpu_threads(nproc)
 
@@ -181,22 +184,27 @@ def launch(
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()  # or the children print the parent's buffered text again
-    pids: dict[int, int] = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                # The children get their own process group: a terminal's Ctrl-C reaches the
-                # parent only, which forwards it once.
-                os.setpgid(0, 0)
-                _become_worker(rank, nproc, port, parent)
-                worker()
-            finally:
-                os._exit(1)  # the worker returned or raised instead of exiting: a bug
-        pids[pid] = rank
-    sup = _Supervisor(pids)
-    previous = {signum: signal.signal(signum, sup.forward) for signum in FORWARDED}
-    pidfds = {os.pidfd_open(pid): pid for pid in pids}
+    sup = _Supervisor({})
+    # Signals wait (blocked) while the workers are forked: none can kill the parent before its
+    # handlers are in, or reach a child that still has them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    # The children get their own process group: a terminal's Ctrl-C reaches the
+                    # parent only, which forwards it once.
+                    os.setpgid(0, 0)
+                    _become_worker(rank, nproc, port, parent, mask)
+                    worker()
+                finally:
+                    os._exit(1)  # the worker returned or raised instead of exiting: a bug
+            sup.pids[pid] = rank
+        previous = {signum: signal.signal(signum, sup.forward) for signum in FORWARDED}
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # pending signals are forwarded now
+    pidfds = {os.pidfd_open(pid): pid for pid in sup.pids}
     try:
         while len(sup.codes) < nproc:
             timeout = (
