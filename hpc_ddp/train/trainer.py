@@ -389,9 +389,9 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
 
 def prefetch_imports() -> None:
     """Import torch._dynamo on a thread: every torch.optim optimizer imports it on first use
-    (1 s on a laptop-class CPU, 4.4 s on the H200 machines, benchmarks/NOTES.md), and the
-    thread does it while the process group and the data come up, which wait on the network,
-    the GPU and the disk rather than on Python."""
+    (1 s on a laptop-class CPU, 4.6 s on the H200 machines), and the thread does it while the
+    process group and the data come up. The overlap is partial, since both need the GIL:
+    0.9-1.6 s saved on the H200 machines (benchmarks/NOTES.md)."""
     if "torch._dynamo" not in sys.modules:
         threading.Thread(
             target=importlib.import_module, args=("torch._dynamo",), name="prefetch", daemon=True
