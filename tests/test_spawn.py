@@ -23,14 +23,15 @@ from trainer_helpers import (
     job_env,
     read_json,
     read_result,
+    reference_run,
     run,
     start,
-    torchrun_cmd,
     train_args,
     wait_for_progress,
 )
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.localslurm import wait_for
 from hpc_ddp.spawn import check_can_spawn
 
 WORKER = Path(__file__).parent / "workers" / "spawn_worker.py"
@@ -47,14 +48,6 @@ def gone(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def run_worker(mode: str, nproc: int, out: Path) -> subprocess.Popen[str]:
@@ -90,7 +83,7 @@ def test_the_job_exits_with_the_failed_workers_code(
 
 def test_signals_to_the_parent_reach_every_worker(tmp_path: Path) -> None:
     proc = run_worker("signal", 2, tmp_path)
-    wait_until(lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), 60, "workers up")
+    wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), 60, "workers up")
     proc.send_signal(signal.SIGUSR1)  # only the parent: as Slurm's B:USR1 or `kill <pid>`
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err  # both workers got it (one missing would exit 1)
@@ -141,10 +134,7 @@ def test_the_cli_refuses_with_exit_2_and_a_hint(tmp_path: Path) -> None:
 # ------------------------------------------------------------------- the trainer, forked
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
-    ref_dir = tmp_path_factory.mktemp("spawn_ref") / "run"
-    done = run(torchrun_cmd(2, train_args(ref_dir, data_dir)))
-    assert done.returncode == 0, done.stderr
-    return ref_dir
+    return reference_run(tmp_path_factory.mktemp("spawn_ref") / "run", data_dir)
 
 
 def test_forked_ranks_preempt_resume_and_match_torchrun_bit_for_bit(
@@ -183,7 +173,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
     finally:
         proc.kill()
     assert rc == 137 and "rank 1 (pid" in text and "was killed by SIGKILL" in text, text
-    wait_until(lambda: gone(progress["pids"][0]), 30, "rank 0 stopped")
+    wait_for(lambda: gone(progress["pids"][0]), 30, "rank 0 stopped")
     assert not (run_dir / "result.json").exists()
 
     # 2. SIGKILL the parent (no handler can run): the workers die with it (PR_SET_PDEATHSIG).
@@ -194,7 +184,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
         pids = wait_for_progress(run_dir, holding, proc)["pids"]
         proc.kill()
         proc.wait(timeout=30)
-        wait_until(lambda: all(gone(p) for p in pids), 30, "orphaned workers gone")
+        wait_for(lambda: all(gone(p) for p in pids), 30, "orphaned workers gone")
     finally:
         proc.kill()
         for pid in pids:  # only if the assertion above failed: leave nothing behind

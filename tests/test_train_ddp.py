@@ -17,6 +17,7 @@ from trainer_helpers import (
     read_json,
     read_metrics,
     read_result,
+    reference_run,
     run,
     signal_workers,
     single_cmd,
@@ -30,10 +31,7 @@ from trainer_helpers import (
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """An uninterrupted 2-rank run: 256 samples, 2 ranks x 16 -> 8 steps per epoch, 2 epochs."""
-    ref_dir = tmp_path_factory.mktemp("ref") / "run"
-    done = run(torchrun_cmd(2, train_args(ref_dir, data_dir)))
-    assert done.returncode == 0, done.stderr
-    return ref_dir
+    return reference_run(tmp_path_factory.mktemp("ref") / "run", data_dir)
 
 
 def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -72,6 +72,13 @@ def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
+def reference_run(run_dir: Path, data_dir: Path) -> Path:
+    """An uninterrupted 2-rank torchrun run of SMALL: what interrupted runs must end equal to."""
+    done = run(torchrun_cmd(2, train_args(run_dir, data_dir)))
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen[str]:
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
