@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def main() -> None:
         results["conventional"].append(json.loads(ref_json.read_text())["test_accuracy"])
 
         run_dir = work / f"ours{seed}"
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, "-m", "hpc_ddp.train", "--synthetic", "--synthetic-variant", "hard"]
         cmd += ["--dataset", "cifar100", "--data-dir", str(data_dir)]
         cmd += ["--synthetic-train-size", str(TRAIN), "--synthetic-test-size", str(TEST)]

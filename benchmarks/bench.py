@@ -307,16 +307,19 @@ class Bench:
         )
 
     # ----------------------------------------------------------------- nccl
+    def torchrun_script(self, kind: str, script: str, n: int, timeout: float) -> None:
+        """``script --json OUT`` under torchrun on ``n`` GPUs, its JSON merged into the record."""
+        out = self.work / f"{kind}_{n}.json"
+        cmd = [*self.torchrun(n), str(BENCH / script), "--json", str(out)]
+        res = self.run(f"{kind}_{n}gpu", cmd, timeout=timeout)
+        if out.exists():
+            res.update(json.loads(out.read_text()))
+        self.record(f"{kind}_{n}gpu", {"kind": kind, "gpus": n, **res})
+
     def suite_nccl(self) -> None:
         for n in sorted({max(self.gpus), 2} & set(range(2, 9))):
-            if n > max(self.gpus):
-                continue
-            out = self.work / f"nccl_{n}.json"
-            cmd = [*self.torchrun(n), str(BENCH / "nccl_bench.py"), "--json", str(out)]
-            res = self.run(f"nccl_{n}gpu", cmd, timeout=120)
-            if out.exists():
-                res.update(json.loads(out.read_text()))
-            self.record(f"nccl_{n}gpu", {"kind": "nccl", **res})
+            if n <= max(self.gpus):
+                self.torchrun_script("nccl", "nccl_bench.py", n, timeout=120)
 
     # ---------------------------------------------------------------- tests
     def suite_tests(self) -> None:
@@ -334,12 +337,7 @@ class Bench:
     # -------------------------------------------------------------- profile
     def suite_profile(self) -> None:
         for n in sorted({min(self.gpus), max(self.gpus)}):
-            out = self.work / f"profile_{n}.json"
-            cmd = [*self.torchrun(n), str(BENCH / "step_profile.py"), "--json", str(out)]
-            res = self.run(f"profile_{n}gpu", cmd, timeout=150)
-            if out.exists():
-                res.update(json.loads(out.read_text()))
-            self.record(f"profile_{n}gpu", {"kind": "profile", **res})
+            self.torchrun_script("profile", "step_profile.py", n, timeout=150)
 
     # ---------------------------------------------------------------- main
     def main(self) -> None:

@@ -27,7 +27,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.train.checkpoint import Checkpointer, UnsafeCheckpointContentError
-from hpc_ddp.train.checkpoint.asyncsave import snapshot
+from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
 
 DEADLINE_S = 60
 
@@ -105,7 +105,7 @@ def test_unsafe_state_is_refused_by_the_background_save(tmp_path: Path) -> None:
 
 def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:
     live = {"m": OrderedDict(w=torch.ones(3)), "l": [torch.zeros(2), 1.5], "t": (1, "a")}
-    snap = snapshot(live)
+    snap = start_snapshot(live).ready()
     assert type(snap["m"]) is OrderedDict and type(snap["t"]) is tuple and snap["t"] == (1, "a")
     live["m"]["w"].add_(1)
     live["l"][0].add_(1)

@@ -56,11 +56,6 @@ def start_snapshot(obj: Any) -> Snapshot:
     return Snapshot(out, events)
 
 
-def snapshot(obj: Any) -> Any:
-    """:func:`start_snapshot`, waiting for the copies."""
-    return start_snapshot(obj).ready()
-
-
 def _copy(obj: Any, devices: set[torch.device]) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
