@@ -32,3 +32,19 @@ def test_command_module_does_not_import_torch(command: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"
+
+
+HELP_PAGES = [[name, "--help"] for name in COMMANDS] + [
+    ["cluster", action, "--help"] for action in ("up", "down", "status", "env")
+]
+
+
+@pytest.mark.parametrize("argv", HELP_PAGES, ids=" ".join)
+def test_every_help_page_renders(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse formats help strings with %: a bare '%' in one breaks only that --help."""
+    from hpc_ddp.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: hpc-ddp {argv[0]}")

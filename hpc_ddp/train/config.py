@@ -74,7 +74,8 @@ class TrainConfig:
     synthetic_variant: str = field(
         default="easy",
         metadata=_opt(
-            "synthetic data: easy (learnt in an epoch) or hard (LeNet/CIFAR-100 ~45 % in 10 epochs)"
+            "synthetic data: easy (learnt in an epoch) or hard "
+            "(LeNet on CIFAR-100: about 45 percent in 10 epochs)"
         ),
     )
     download: bool = field(default=True, metadata=_opt("download the dataset if it is missing"))
