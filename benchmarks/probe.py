@@ -47,7 +47,27 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import traceback  # noqa: E402
 from typing import Any  # noqa: E402
+
+DYNAMO: dict[str, Any] = {}  # who imported torch._dynamo first, and whether before the first step
+
+
+class DynamoImportWitness:
+    """A meta-path finder that only looks: records the stack of torch._dynamo's first import."""
+
+    def find_spec(self, name: str, *_: Any) -> None:
+        if name == "torch._dynamo" and "stack" not in DYNAMO:
+            frames = traceback.extract_stack()[:-1]
+            DYNAMO["stack"] = [
+                f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno} {f.name}"
+                for f in frames
+                if "importlib" not in f.filename
+            ][-8:]
+            DYNAMO["thread"] = threading.current_thread().name
+
+
+sys.meta_path.insert(0, DynamoImportWitness())
 
 import torch  # noqa: E402
 
@@ -106,6 +126,7 @@ def instrument(no_ddp: bool) -> None:
             if STATE["steps"] == 0:
                 _sync()  # the first step's GPU work, as when the step read its loss
                 EVENTS.append(("first_step", t0, time.time()))
+                DYNAMO["imported_by_first_step"] = "torch._dynamo" in sys.modules
             else:  # host time to issue a step: near the wall time per step = CPU-bound
                 HOST_STEP_S.append(time.time() - t0)
             STATE["steps"] += 1
@@ -199,6 +220,7 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
         if name in ev
     }
     out["saves"] = SAVES
+    out["torch_dynamo"] = DYNAMO
     out["steps_this_attempt"] = STATE["steps"]
     result = tr.Path(cfg.run_dir) / "result.json"
     if result.exists():

@@ -330,16 +330,18 @@ def test_graphed_step_replays_and_matches_eager() -> None:
 
 
 @need(1)
-def test_async_snapshot_is_queued_in_stream_order() -> None:
+@pytest.mark.parametrize("device_staging", [True, False], ids=["gpu-staged", "pinned-direct"])
+def test_async_snapshot_is_queued_in_stream_order(device_staging: bool) -> None:
     """start_snapshot returns before the GPU copied anything, and an in-place update queued
-    right after it cannot leak into the copy (stream order)."""
+    right after it cannot leak into the copy (stream order), staged on the GPU or not."""
     from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
 
     w = torch.zeros(1 << 24, device="cuda")  # 64 MiB
     torch.cuda._sleep(200_000_000)  # keep the stream busy: the copy must still be queued below
-    snap = start_snapshot({"w": w, "step": 3})
+    snap = start_snapshot({"w": w, "step": 3, "v": [w[:4]]}, device_staging=device_staging)
     assert not snap.events[0].query(), "start_snapshot waited for the GPU"
     w.fill_(1.0)
     copy = snap.ready()
     assert copy["step"] == 3 and copy["w"].device.type == "cpu" and not copy["w"].any()
+    assert copy["w"].is_pinned() and copy["v"][0].tolist() == [0.0] * 4
     assert bool((w == 1).all())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -23,10 +26,41 @@ def build_optimizer(
     cfg: TrainConfig, params: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
+        return without_dynamo(torch.optim.SGD)(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return without_dynamo(torch.optim.AdamW)(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+# The Optimizer methods torch wraps so that torch.compile leaves them alone.
+_WRAPPED_METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict", "step")
+
+
+@functools.cache
+def without_dynamo(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``base`` with torch's own methods, minus the wrappers that import ``torch._dynamo``.
+
+    torch.optim wraps step, zero_grad, add_param_group (run by the constructor), state_dict and
+    load_state_dict so that torch.compile does not trace into them; each wrapper imports
+    torch._dynamo on first use, which takes 4.5 s on the H200 machines' CPUs (1 s on a laptop)
+    and was the largest part of the time to first step (benchmarks/README.md, table c). The
+    trainer never compiles, so nothing traces and the unwrapped methods do exactly what the
+    wrapped ones do (tests/test_train_units.py compares results and state dicts bit for bit).
+    Falls back to ``base`` if a torch release moves the import into the methods themselves.
+    """
+    methods = {name: inspect.unwrap(getattr(base, name)) for name in _WRAPPED_METHODS}
+    if any("_dynamo" in method.__code__.co_names for method in methods.values()):
+        return base
+    raw_step = methods.pop("step")
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        with torch.set_grad_enabled(self.defaults["differentiable"]):  # as step's wrapper does
+            return raw_step(self, closure)
+
+    namespace = {**methods, "step": step, "__doc__": base.__doc__, "__module__": __name__}
+    cls = type(base.__name__, (base,), namespace)
+    cls.__qualname__ = f"without_dynamo({base.__name__})"
+    return cls
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:

@@ -387,12 +387,14 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
-def prefetch_imports() -> None:
-    """Import torch._dynamo on a thread: every torch.optim optimizer imports it on first use
-    (1 s on a laptop-class CPU, 4.6 s on the H200 machines), and the thread does it while the
-    process group and the data come up. The overlap is partial, since both need the GIL:
-    0.9-1.6 s saved on the H200 machines (benchmarks/NOTES.md)."""
-    if "torch._dynamo" not in sys.modules:
+def prefetch_imports(config: TrainConfig) -> None:
+    """Import torch._dynamo on a thread when the run will need it: DDP's constructor and
+    torchvision's ops import it (1 s on a laptop-class CPU, 4.5 s on the H200 machines). The
+    thread does it while the process group and the data come up; the overlap is partial, since
+    both need the GIL: 0.9-1.6 s saved on the H200 machines (benchmarks/NOTES.md). A captured
+    step (--cuda-graphs) has no DDP wrapper and its optimizer skips the import (optim.py), so
+    on the GPU-resident data path such a run never pays for it."""
+    if not config.cuda_graphs and "torch._dynamo" not in sys.modules:
         threading.Thread(
             target=importlib.import_module, args=("torch._dynamo",), name="prefetch", daemon=True
         ).start()
@@ -409,7 +411,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     from hpc_ddp.dist import init_distributed
 
     own_group = ctx is None and not dist.is_initialized()
-    prefetch_imports()
+    prefetch_imports(config)
     if ctx is None:
         from hpc_ddp.cluster import detect_env
 
