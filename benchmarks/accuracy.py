@@ -4,30 +4,40 @@
 
 One process each (batch 64, Adam 1e-3, 10 epochs, CIFAR-100 LeNet on the hard synthetic files):
 the question is whether the two scripts learn alike, which one run per script cannot answer when
-one run's accuracy swings by points from epoch to epoch. ``--cpu`` runs both on the CPU (Gloo),
-where the algorithm is the same and no GPU time is needed. Writes OUT/accuracy.json and prints
-mean and spread per script.
+one run's accuracy swings by points from epoch to epoch. On a GPU machine the seeds run side by
+side, one per GPU (``--parallel``, default: as many as GPUs). ``--cpu`` runs both on the CPU
+(Gloo), one at a time, where the algorithm is the same and no GPU time is needed. Writes
+OUT/accuracy.json and prints mean and spread per script.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN, TEST = 50_000, 10_000
 
 
-def run(cmd: list[str], log: Path) -> None:
-    with log.open("w") as fh:
-        done = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (rc {done.returncode}); see {log}")
+def run_side_by_side(jobs: list[tuple[list[str], Path]], slots: int, cpu: bool) -> None:
+    """Run the commands, ``slots`` at a time, each on its own GPU (slot i -> GPU i)."""
+    for first in range(0, len(jobs), slots):
+        running: list[tuple[subprocess.Popen[Any], list[str], Path]] = []
+        for slot, (cmd, log) in enumerate(jobs[first : first + slots]):
+            env = dict(os.environ) if cpu else {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot)}
+            with log.open("w") as fh:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+            running.append((proc, cmd, log))
+        for proc, cmd, log in running:
+            if proc.wait() != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed (rc {proc.returncode}); see {log}")
 
 
 def main() -> None:
@@ -37,6 +47,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/hpc-ddp-accuracy")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--parallel", type=int, default=0, help="seeds at once (0: one per GPU)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from hpc_ddp.train import synthetic
@@ -49,14 +60,13 @@ def main() -> None:
         synthetic.write_synthetic(
             root, "cifar100", train_size=TRAIN, test_size=TEST, variant="hard"
         )
-    results: dict[str, list[float]] = {"conventional": [], "hpc-ddp": []}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        ref_json = work / f"ref{seed}.json"
+    seeds = [int(s) for s in args.seeds.split(",")]
+    refs, ours = [], []
+    for seed in seeds:
         cmd = [sys.executable, str(REPO / "benchmarks" / "reference_ddp.py"), "--data", str(root)]
         cmd += ["--mode", "ddp", "--gpus", "1", "--epochs", str(args.epochs), "--seed", str(seed)]
-        cmd += ["--json", str(ref_json)] + (["--cpu"] if args.cpu else [])
-        run(cmd, out / f"ref{seed}.log")
-        results["conventional"].append(json.loads(ref_json.read_text())["test_accuracy"])
+        cmd += ["--port", str(29700 + seed), "--json", str(work / f"ref{seed}.json")]
+        refs.append((cmd + (["--cpu"] if args.cpu else []), out / f"ref{seed}.log"))
 
         run_dir = work / f"ours{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -67,14 +77,20 @@ def main() -> None:
         cmd += ["--lr-schedule", "constant", "--no-augment", "--amp", "off", "--batch-size", "64"]
         cmd += ["--epochs", str(args.epochs), "--seed", str(seed), "--run-dir", str(run_dir)]
         cmd += ["--log-every", "100000"] + ([] if args.cpu else ["--cuda-graphs"])
-        run(cmd, out / f"ours{seed}.log")
-        result = json.loads((run_dir / "result.json").read_text())
-        results["hpc-ddp"].append(result["test_accuracy"])
-        print(
-            f"seed {seed}: conventional {results['conventional'][-1]:.4f}, "
-            f"hpc-ddp {results['hpc-ddp'][-1]:.4f}",
-            flush=True,
-        )
+        ours.append((cmd, out / f"ours{seed}.log"))
+    slots = args.parallel or (1 if args.cpu else _gpu_count())
+    run_side_by_side(refs + ours, slots, args.cpu)
+    results: dict[str, list[float]] = {
+        "conventional": [
+            json.loads((work / f"ref{s}.json").read_text())["test_accuracy"] for s in seeds
+        ],
+        "hpc-ddp": [
+            json.loads((work / f"ours{s}" / "result.json").read_text())["test_accuracy"]
+            for s in seeds
+        ],
+    }
+    for seed, ref, our in zip(seeds, results["conventional"], results["hpc-ddp"], strict=True):
+        print(f"seed {seed}: conventional {ref:.4f}, hpc-ddp {our:.4f}", flush=True)
     summary = {
         name: {
             "accuracies": accs,
@@ -87,6 +103,12 @@ def main() -> None:
     for name, s in summary.items():
         spread = f" +- {s['stdev']:.4f}" if s["stdev"] is not None else ""
         print(f"{name}: {s['mean']:.4f}{spread} over {len(s['accuracies'])} seeds")
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
 
 
 if __name__ == "__main__":
