@@ -17,6 +17,7 @@ first optimizer step) and writes, on rank 0, one JSON object with:
 - ``train_s``: training time, from the first step's start to the end of the last epoch's
   evaluation and checkpoint (what a user waits for), plus the trainer's result.json.
 ``--probe-no-ddp`` replaces DDP by the bare model (for the cost of the DDP wrapper on 1 GPU);
+``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
 ``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
 """
 
@@ -241,6 +242,11 @@ def main() -> None:
     ours.add_argument("--probe-json", required=True)
     ours.add_argument("--probe-nproc", type=int, default=1, help="fork N workers (spawn)")
     ours.add_argument("--probe-no-ddp", action="store_true")
+    ours.add_argument(
+        "--probe-stock-optimizer",
+        action="store_true",
+        help="torch.optim's classes as they are (with their torch._dynamo wrappers)",
+    )
     ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
         "--probe-deterministic",
@@ -256,6 +262,10 @@ def main() -> None:
     config.add_arguments(parser)
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
+    if pargs.probe_stock_optimizer:
+        from hpc_ddp.train import optim
+
+        optim.without_dynamo = lambda base: base  # type: ignore[assignment]
 
     if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
         tr.Trainer.write_progress = lambda self, progress, status: None  # type: ignore[method-assign]

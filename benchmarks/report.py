@@ -96,6 +96,7 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
         ("eager", "hpc-ddp train (eager DDP, no graphs)"),
         ("torchrun", "hpc-ddp train --cuda-graphs, one interpreter per worker (torchrun)"),
         ("again", "hpc-ddp train --cuda-graphs (again)"),
+        ("first_read", "hpc-ddp train --cuda-graphs, first read of the files (writes the cache)"),
         ("split", "hpc-ddp train --cuda-graphs, all-reduce outside the graph"),
         ("noprogress", "hpc-ddp train --cuda-graphs, no per-step progress.json (probe)"),
     ):
@@ -103,6 +104,11 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
             if key.startswith("ours_lenet_") and key.endswith(name):
                 base = runs.get(f"ref_ddp_{run.get('gpus')}gpu", {})
                 out.append(_ours_row(label, run, base))
+    for key, run in runs.items():
+        if key.startswith("ttfs_lenet_"):  # bench.py's ttfs suite: the headline run again
+            base = runs.get(f"ref_ddp_{run.get('gpus')}gpu", {})
+            label = f"hpc-ddp train --cuda-graphs --async-checkpoint ({key.rsplit('_', 1)[1]})"
+            out.append(_ours_row(label, run, base))
     for key, r in runs.items():
         if key == "ref_single_1gpu":
             out.append(_base_row(f"conventional, 1 GPU no DDP (batch {r.get('batch_size')})", r, 1))
@@ -137,6 +143,9 @@ def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
             f"DDP wrapper cost at 1 GPU: {bare:.0f} samples/s bare vs {base:.0f} with "
             f"DDP: {100 * (bare / base - 1):.1f}%",
         ]
+        stock = steady_rate(runs.get("resnet_1gpu_stockopt", {}))
+        if stock:
+            out.append(f"(DDP with torch.optim's own SGD class: {stock:.0f} samples/s)")
     return out
 
 
