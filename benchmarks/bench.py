@@ -12,8 +12,9 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
-  ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP, then under
-           DDP with torch.optim's own classes)
+  ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP, under DDP
+           with the all-reduce timing hook, under DDP with torch.optim's own classes)
+  eager    ResNet-18 eager DDP alone on each GPU count above 1 (with ddpcost: eager scaling)
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
   nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
   profile  per-step time of eager DDP vs the captured step (benchmarks/step_profile.py)
@@ -264,6 +265,9 @@ class Bench:
         top = max(self.gpus)
         flags = [*self.resnet_flags(f"resnet{top}a", epochs), "--async-checkpoint"]
         self.ours(f"resnet_{top}gpu_async", top, flags, timeout=180)
+        if top > 1:  # table e: the all-reduce window, timed by the trainer's comm hook
+            flags = [*self.resnet_flags(f"resnet{top}x", epochs), "--time-allreduce"]
+            self.ours(f"resnet_{top}gpu_timed", top, flags, timeout=180)
         if self.args.resnet_torchrun:  # the same run, one interpreter per worker
             flags = self.resnet_flags(f"resnet{top}t", epochs)
             self.ours(f"resnet_{top}gpu_torchrun", top, flags, timeout=180, launcher="torchrun")
@@ -281,9 +285,17 @@ class Bench:
         flags = self.resnet_flags("resnet1n", epochs)
         self.ours("resnet_1gpu_noddp", 1, flags, probe=["--probe-no-ddp"], timeout=180)
         self.ours("resnet_1gpu", 1, self.resnet_flags("resnet1", epochs), timeout=180)
+        flags = [*self.resnet_flags("resnet1x", epochs), "--time-allreduce"]
+        self.ours("resnet_1gpu_timed", 1, flags, timeout=180)
         flags = self.resnet_flags("resnet1s", epochs)
         probe = ["--probe-stock-optimizer"]
         self.ours("resnet_1gpu_stockopt", 1, flags, probe=probe, timeout=180)
+
+    def suite_eager(self) -> None:
+        """Eager DDP alone on every GPU count above 1 (scaling's eager rows, without the rest)."""
+        epochs = self.args.resnet_epochs
+        for n in (g for g in self.gpus if g > 1):
+            self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
 
     def suite_resume(self) -> None:
         """Preempt at a step mid-epoch 2 with SIGUSR1, then run the same command again."""
@@ -368,6 +380,7 @@ class Bench:
             "ref": self.suite_ref,
             "scaling": self.suite_scaling,
             "ddpcost": self.suite_ddpcost,
+            "eager": self.suite_eager,
             "resume": self.suite_resume,
             "nccl": self.suite_nccl,
             "refx": self.suite_refx,

@@ -143,9 +143,13 @@ def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
             f"DDP wrapper cost at 1 GPU: {bare:.0f} samples/s bare vs {base:.0f} with "
             f"DDP: {100 * (bare / base - 1):.1f}%",
         ]
-        stock = steady_rate(runs.get("resnet_1gpu_stockopt", {}))
-        if stock:
-            out.append(f"(DDP with torch.optim's own SGD class: {stock:.0f} samples/s)")
+        for key, label in (
+            ("stockopt", "DDP with torch.optim's own SGD class"),
+            ("timed", "DDP with the all-reduce timing hook (--time-allreduce)"),
+        ):
+            rate = steady_rate(runs.get(f"resnet_1gpu_{key}", {}))
+            if rate:
+                out.append(f"({label}: {rate:.0f} samples/s, {100 * (bare / rate - 1):.1f}%)")
     return out
 
 
@@ -229,7 +233,7 @@ def table_allreduce(runs: dict, gpus: list[int]) -> list[str]:
             continue
         nccl = runs.get(f"nccl_{n}gpu", {}).get("rows") or []
         at = {round(r["MiB"], 1): r["busbw_GBps"] for r in nccl}
-        r = runs.get(f"resnet_{n}gpu", {})
+        r = runs.get(f"resnet_{n}gpu_timed") or runs.get(f"resnet_{n}gpu", {})
         hist = (r.get("history") or [])[1:] or (r.get("history") or [])
         steps = [h["step"] for h in r.get("history") or []]
         per_epoch = (steps[1] - steps[0]) if len(steps) > 1 else (steps[0] if steps else None)

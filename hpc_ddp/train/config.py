@@ -112,6 +112,13 @@ class TrainConfig:
             "no fp16 or SyncBN"
         ),
     )
+    time_allreduce: bool = field(
+        default=False,
+        metadata=_opt(
+            "time DDP's gradient all-reduce (a Python comm hook per bucket; on NCCL it costs "
+            "host time per step, so it is off unless asked for; Gloo runs always have it)"
+        ),
+    )
     checkpoint_every_steps: int = field(
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
     )

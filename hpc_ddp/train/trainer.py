@@ -117,9 +117,13 @@ class Trainer:
         else:
             self.stepper = Stepper(self.model, opt, sched, scaler, self.amp, self.out_device)
         if isinstance(self.model, DDP):
-            # Gloo (CPU) promises bit-exact resume at any world size; NCCL keeps flat buckets.
-            self.stepper.comm_timer.per_tensor = ctx.backend == "gloo"
-            self.model.register_comm_hook(self.stepper.comm_timer, timed_allreduce)
+            # Gloo (CPU) promises bit-exact resume at any world size, so it reduces per tensor
+            # in a hook; NCCL keeps DDP's flat buckets and its C++ all-reduce unless timed (a
+            # Python hook per bucket costs host time on every step: benchmarks/README.md).
+            gloo = ctx.backend == "gloo"
+            self.stepper.comm_timer.per_tensor = gloo
+            if gloo or cfg.time_allreduce:
+                self.model.register_comm_hook(self.stepper.comm_timer, timed_allreduce)
         self.train_data, self.eval_data = gpu_data.choose(
             cfg,
             self.plan,
@@ -314,12 +318,14 @@ class Trainer:
             "time": times.to_dict(),
             "allreduce_calls": self.stepper.comm_timer.bucket_calls,
         }
+        timed = self.stepper.comm_timer.bucket_calls > 0
+        comm = f" (all-reduce {times.comm:.2f}s)" if timed else ""
         self.log(
             f"epoch {row['epoch']}: train loss {row['train_loss']:.4f}, test loss "
             f"{row['test_loss']:.4f}, accuracy {100 * row['test_accuracy']:.2f}% of "
             f"{row['test_samples']} test samples, {row['samples_per_second']:.0f} samples/s; "
-            f"time data {times.data:.2f}s compute {times.compute:.2f}s (all-reduce "
-            f"{times.comm:.2f}s) checkpoint {times.checkpoint:.2f}s eval {times.eval:.2f}s"
+            f"time data {times.data:.2f}s compute {times.compute:.2f}s{comm} "
+            f"checkpoint {times.checkpoint:.2f}s eval {times.eval:.2f}s"
         )
         progress.history.append(row)
         progress.epoch += 1
