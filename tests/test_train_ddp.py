@@ -27,6 +27,9 @@ from trainer_helpers import (
     wait_for_progress,
 )
 
+from hpc_ddp.train import models
+from hpc_ddp.train.trainer import ddp_options
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
@@ -177,3 +180,24 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     assert [r["train_loss"] for r in read_metrics(run_dir)] == [
         r["train_loss"] for r in read_metrics(tmp_path / "ref")
     ]
+
+
+def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
+    """The trainer's DDP settings (gradient buckets as the gradients, no buffer broadcast before
+    each forward: trainer.ddp_options) give a BatchNorm model the same weights, statistics and
+    test metrics as DDP's defaults, bit for bit."""
+    model = models.build_model("resnet18", 10, sync_bn=False)
+    assert ddp_options(model) == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+    model.register_buffer("mask", torch.ones(3))  # read in training, for all DDP knows
+    assert ddp_options(model)["broadcast_buffers"] is True
+
+    ours, theirs = tmp_path / "ours", tmp_path / "defaults"
+    done = run(torchrun_cmd(2, train_args(ours, data_dir, model="resnet18")), timeout=300)
+    assert done.returncode == 0, done.stderr
+    worker = str(Path(__file__).parent / "workers" / "ddp_defaults_train.py")
+    cmd = [*torchrun_cmd(2, [])[:3], worker, *train_args(theirs, data_dir, model="resnet18")]
+    done = run(cmd, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert read_result(ours)["params_sha256"] == read_result(theirs)["params_sha256"]
+    for a, b in zip(read_metrics(ours), read_metrics(theirs), strict=True):
+        assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])

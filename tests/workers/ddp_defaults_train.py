@@ -1,0 +1,16 @@
+"""``python -m hpc_ddp.train`` with DDP built on torch's defaults instead of ``ddp_options``.
+
+For tests/test_train_ddp.py: the trainer's DDP settings must not change any result.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hpc_ddp.commands import train as command
+from hpc_ddp.train import trainer
+
+trainer.ddp_options = lambda net: {}  # broadcast_buffers=True, gradient_as_bucket_view=False
+
+if __name__ == "__main__":
+    command.main(sys.argv[1:])
