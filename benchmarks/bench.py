@@ -12,8 +12,8 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
-  ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP, under DDP
-           with the all-reduce timing hook, under DDP with torch.optim's own classes)
+  ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP as the trainer
+           builds it, then under DDP with torch's defaults)
   eager    ResNet-18 eager DDP alone on each GPU count above 1 (with ddpcost: eager scaling)
   resume   preempt a ResNet-18 run mid-epoch and resume it: resume-to-first-step time
   nccl     all-reduce bus bandwidth ceiling (benchmarks/nccl_bench.py)
@@ -280,16 +280,22 @@ class Bench:
         )
 
     def suite_ddpcost(self) -> None:
-        """The DDP wrapper's cost at 1 GPU alone: bare model, then DDP, back to back."""
+        """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it, DDP
+        with torch's defaults; ``--ddpcost-extras``: with the all-reduce timing hook, with
+        torch.optim's own classes."""
         epochs = self.args.resnet_epochs
         flags = self.resnet_flags("resnet1n", epochs)
         self.ours("resnet_1gpu_noddp", 1, flags, probe=["--probe-no-ddp"], timeout=180)
         self.ours("resnet_1gpu", 1, self.resnet_flags("resnet1", epochs), timeout=180)
-        flags = [*self.resnet_flags("resnet1x", epochs), "--time-allreduce"]
-        self.ours("resnet_1gpu_timed", 1, flags, timeout=180)
-        flags = self.resnet_flags("resnet1s", epochs)
-        probe = ["--probe-stock-optimizer"]
-        self.ours("resnet_1gpu_stockopt", 1, flags, probe=probe, timeout=180)
+        flags = self.resnet_flags("resnet1d", epochs)
+        probe = ["--probe-ddp-defaults"]
+        self.ours("resnet_1gpu_ddpdefaults", 1, flags, probe=probe, timeout=180)
+        if self.args.ddpcost_extras:
+            flags = [*self.resnet_flags("resnet1x", epochs), "--time-allreduce"]
+            self.ours("resnet_1gpu_timed", 1, flags, timeout=180)
+            flags = self.resnet_flags("resnet1s", epochs)
+            probe = ["--probe-stock-optimizer"]
+            self.ours("resnet_1gpu_stockopt", 1, flags, probe=probe, timeout=180)
 
     def suite_eager(self) -> None:
         """Eager DDP alone on every GPU count above 1 (scaling's eager rows, without the rest)."""
@@ -420,6 +426,7 @@ def main() -> None:
         help="synthetic data for every run: hard (LeNet does not saturate, so accuracies can be "
         "compared) or easy (learnt in an epoch)",
     )
+    parser.add_argument("--ddpcost-extras", action="store_true", help="ddpcost: 2 more runs")
     parser.add_argument("--repeats", type=int, default=3, help="ttfs: runs of the headline")
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
     parser.add_argument("--resnet-epochs", type=int, default=5)

@@ -17,6 +17,7 @@ first optimizer step) and writes, on rank 0, one JSON object with:
 - ``train_s``: training time, from the first step's start to the end of the last epoch's
   evaluation and checkpoint (what a user waits for), plus the trainer's result.json.
 ``--probe-no-ddp`` replaces DDP by the bare model (for the cost of the DDP wrapper on 1 GPU);
+``--probe-ddp-defaults`` builds DDP with torch's defaults (not trainer.ddp_options);
 ``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
 ``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
 """
@@ -243,6 +244,11 @@ def main() -> None:
     ours.add_argument("--probe-nproc", type=int, default=1, help="fork N workers (spawn)")
     ours.add_argument("--probe-no-ddp", action="store_true")
     ours.add_argument(
+        "--probe-ddp-defaults",
+        action="store_true",
+        help="DDP with torch's defaults instead of trainer.ddp_options",
+    )
+    ours.add_argument(
         "--probe-stock-optimizer",
         action="store_true",
         help="torch.optim's classes as they are (with their torch._dynamo wrappers)",
@@ -262,6 +268,8 @@ def main() -> None:
     config.add_arguments(parser)
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
+    if pargs.probe_ddp_defaults:
+        tr.ddp_options = lambda net: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:
         from hpc_ddp.train import optim
 

@@ -144,6 +144,7 @@ def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
             f"DDP: {100 * (bare / base - 1):.1f}%",
         ]
         for key, label in (
+            ("ddpdefaults", "DDP with torch's defaults, not trainer.ddp_options"),
             ("stockopt", "DDP with torch.optim's own SGD class"),
             ("timed", "DDP with the all-reduce timing hook (--time-allreduce)"),
         ):
