@@ -269,7 +269,7 @@ def main() -> None:
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
     if pargs.probe_ddp_defaults:
-        tr.ddp_options = lambda net: {}  # type: ignore[assignment]
+        tr.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:
         from hpc_ddp.train import optim
 

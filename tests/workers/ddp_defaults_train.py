@@ -10,7 +10,7 @@ import sys
 from hpc_ddp.commands import train as command
 from hpc_ddp.train import trainer
 
-trainer.ddp_options = lambda net: {}  # broadcast_buffers=True, gradient_as_bucket_view=False
+trainer.ddp_options = lambda net, **_: {}  # broadcast_buffers=True, gradient_as_bucket_view=False
 
 if __name__ == "__main__":
     command.main(sys.argv[1:])
