@@ -119,6 +119,9 @@ class Bench:
         return {"rc": rc, "wall_s": wall, "log": str(log)}
 
     def record(self, name: str, entry: dict) -> dict:
+        earlier = self.results["runs"].get(name)
+        if entry.get("skipped") and earlier and not earlier.get("skipped"):
+            return earlier  # a rerun skipped for lack of budget keeps the earlier measurement
         self.results["runs"][name] = entry
         self.save()
         return entry

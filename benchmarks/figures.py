@@ -1,13 +1,14 @@
 """The benchmark README's pictures, drawn from bench.json files (matplotlib, Agg).
 
-    python3 benchmarks/figures.py --out benchmarks/img \\
-        --ref results/2026-11-26_4xH200_0415UTC/bench.json \\
-        --startup "torchrun, before (01:55)=results/2026-11-26_4xH200/bench.json:ours_lenet_4gpu" \\
-        --startup "torchrun (04:05)=results/.../bench.json:ours_lenet_4gpu_torchrun" ...
+    cd benchmarks && python3 figures.py --out img --ref R/..._0529UTC/ref/bench.json \\
+        --scaling "--cuda-graphs (05:22)=R/..._0522UTC/scal/bench.json:_graphs" ... \\
+        --startup "torchrun, before (01:55)=R/2026-11-26_4xH200/bench.json:ours_lenet_4gpu" ...
+
+(R = results; the exact command that drew img/ is in benchmarks/README.md.)
 
 reference.png: training and command-to-exit time, conventional script vs hpc-ddp, per GPU count.
 startup.png: time to first step split into phases, one bar per labelled run.
-scaling.png: ResNet-18 weak-scaling efficiency, eager DDP and --cuda-graphs.
+scaling.png: ResNet-18 weak-scaling efficiency, one line per labelled series.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from report import steady_rate  # benchmarks/report.py
 PHASES = [  # (label, phase keys summed), in the order they happen
     ("import torch", ("import_torch",)),
     ("import hpc_ddp (+torchvision before)", ("import_hpc_ddp",)),
-    ("process group (+torch._dynamo)", ("process_group", "fork_workers")),
+    ("process group (+torch._dynamo where imported)", ("process_group", "fork_workers")),
     ("read CIFAR", ("data_stage", "data_read")),
     ("to GPU, model, optimizer", ("data_to_device", "model_and_optimizer", "restore")),
     ("first step", ("first_step",)),
@@ -37,30 +38,44 @@ def load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())["runs"]
 
 
+OURS = (  # (run-name suffix, label) of hpc-ddp's rows in the reference figure
+    ("", "hpc-ddp --cuda-graphs"),
+    ("_async", "hpc-ddp --cuda-graphs --async-checkpoint"),
+    ("_first_read", "the same, first read of the files"),
+)
+
+
 def reference(runs: dict[str, Any], out: Path) -> None:
     counts = sorted(
         int(k.split("_")[2][0]) for k in runs if k.startswith("ref_ddp_") and runs[k].get("rc") == 0
     )
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), sharey=True)
+    rows: list[tuple[str, str, int]] = []  # (label, run name, GPUs), top to bottom
+    for n in sorted(counts, reverse=True):
+        rows.append((f"conventional DDP, {n} GPU{'s' * (n > 1)}", f"ref_ddp_{n}gpu", n))
+        rows += [
+            (f"{label}, {n} GPU{'s' * (n > 1)}", f"ours_lenet_{n}gpu{suffix}", n)
+            for suffix, label in OURS
+            if f"ours_lenet_{n}gpu{suffix}" in runs
+        ]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.3), sharey=True)
     for ax, (title, base_key, ours_key) in zip(
         axes,
         (("training", "train_time_s", "train_s"), ("command to exit", "wall_s", "wall_s")),
         strict=True,
     ):
-        for i, n in enumerate(counts):
+        for i, (_, name, n) in enumerate(rows):
             base = runs[f"ref_ddp_{n}gpu"][base_key]
-            ours = runs[f"ours_lenet_{n}gpu"][ours_key]
-            first = i == 0  # one legend entry per series
-            ax.barh(i + 0.2, base, 0.4, color="#bbbbbb", label="conventional DDP" if first else "")
-            ax.barh(
-                i - 0.2, ours, 0.4, color="#1f77b4", label="hpc-ddp --cuda-graphs" if first else ""
-            )
-            ax.text(ours, i - 0.2, f" {ours:.1f} s ({base / ours:.1f}x)", va="center", fontsize=8)
-            ax.text(base, i + 0.2, f" {base:.1f} s", va="center", fontsize=8)
+            if name.startswith("ref_"):
+                ax.barh(i, base, 0.7, color="#bbbbbb")
+                ax.text(base, i, f" {base:.1f} s", va="center", fontsize=8)
+                continue
+            ours = runs[name][ours_key]
+            ax.barh(i, ours, 0.7, color="#1f77b4")
+            ax.text(ours, i, f" {ours:.1f} s ({base / ours:.1f}x)", va="center", fontsize=8)
         ax.set(xscale="log", title=title, xlabel="seconds (log)")
         ax.set_xlim(right=ax.get_xlim()[1] * 3)
-    axes[0].set_yticks(range(len(counts)), [f"{n} GPU{'s' if n > 1 else ''}" for n in counts])
-    axes[0].legend(loc="lower right", fontsize=8)
+    axes[0].set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=8)
+    axes[0].invert_yaxis()
     fig.suptitle("CIFAR-100 LeNet, 10 epochs, batch 64 per GPU (4 x H200)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "reference.png", dpi=90)
@@ -96,21 +111,24 @@ def startup(specs: list[str], out: Path) -> None:
     plt.close(fig)
 
 
-def scaling(runs: dict[str, Any], out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for suffix, label in (("", "eager DDP"), ("_graphs", "--cuda-graphs")):
+def scaling(specs: list[str], out: Path) -> None:
+    """One line per ``LABEL=bench.json[+bench.json...]:SUFFIX`` (runs resnet_<n>gpu<SUFFIX>)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for spec in specs:
+        label, where = spec.split("=", 1)
+        paths, suffix = where.rsplit(":", 1)
+        runs: dict[str, Any] = {}
+        for path in paths.split("+"):
+            runs.update(load(path))
         base = steady_rate(runs.get(f"resnet_1gpu{suffix}", {}))
-        points = [
-            (n, steady_rate(runs[f"resnet_{n}gpu{suffix}"]) / (n * base))
-            for n in (1, 2, 4, 8)
-            if base and f"resnet_{n}gpu{suffix}" in runs
-        ]
+        rates = {n: steady_rate(runs.get(f"resnet_{n}gpu{suffix}", {})) for n in (1, 2, 4, 8)}
+        points = [(n, rate / (n * base)) for n, rate in rates.items() if base and rate]
         xs, ys = zip(*points, strict=True)
         ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
     ax.axhline(95, color="k", ls="--", lw=0.8)
-    ax.set(xlabel="GPUs", ylabel="efficiency (%)", ylim=(85, 101), xticks=[1, 2, 4])
-    ax.set_title("ResNet-18 weak scaling, bf16, 256 per GPU", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set(xlabel="GPUs", ylabel="efficiency (%)", ylim=(80, 101), xticks=[1, 2, 4])
+    ax.set_title("ResNet-18 weak scaling, bf16, 256 per GPU (4 x H200)", fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=90)
     plt.close(fig)
@@ -119,14 +137,17 @@ def scaling(runs: dict[str, Any], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ref", required=True, help="bench.json with the ref and scaling suites")
+    parser.add_argument("--ref", required=True, help="bench.json with the ref suite")
     parser.add_argument("--startup", action="append", default=[], help="LABEL=bench.json:RUN")
+    parser.add_argument(
+        "--scaling", action="append", default=[], help="LABEL=bench.json[+bench.json]:SUFFIX"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = load(args.ref)
-    reference(runs, out)
-    scaling(runs, out)
+    reference(load(args.ref), out)
+    if args.scaling:
+        scaling(args.scaling, out)
     if args.startup:
         startup(args.startup, out)
 
