@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from trainer_helpers import (
+    assert_resumed_like,
     interrupt_at,
     job_env,
-    read_metrics,
     read_result,
     run,
     torchrun_cmd,
@@ -200,12 +200,7 @@ def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
     final = run(torchrun_cmd(2, args))
     assert final.returncode == 0, final.stderr
     assert "step 5)" in final.stdout  # resumed from the preemption checkpoint
-    result, reference = read_result(run_dir), read_result(sync_reference)
-    assert result["interruptions"] == 1 and result["steps"] == 16
-    assert result["params_sha256"] == reference["params_sha256"]
-    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
-        r["train_loss"] for r in read_metrics(sync_reference)
-    ]
+    assert_resumed_like(run_dir, sync_reference, interruptions=1, steps=16)
 
 
 def test_a_failing_background_write_fails_the_run_and_keeps_latest(

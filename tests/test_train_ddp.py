@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from trainer_helpers import (
+    assert_resumed_like,
     finish,
     holding,
     interrupt_at,
@@ -80,13 +81,8 @@ def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
 
     final = run(torchrun_cmd(2, args))
     assert final.returncode == 0, final.stderr
-    result = read_result(run_dir)
-    assert result["interruptions"] == 2 and result["steps"] == 16
-    assert result["params_sha256"] == reference["params_sha256"]
+    result = assert_resumed_like(run_dir, ref_dir, interruptions=2, steps=16)
     assert result["test_accuracy"] == reference["test_accuracy"]
-    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
-        r["train_loss"] for r in read_metrics(ref_dir)
-    ]
 
 
 def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
@@ -174,12 +170,7 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
 
     final = run(torchrun_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr
-    result, reference = read_result(run_dir), read_result(tmp_path / "ref")
-    assert result["interruptions"] == 1 and result["steps"] == reference["steps"] == 384
-    assert result["params_sha256"] == reference["params_sha256"]
-    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
-        r["train_loss"] for r in read_metrics(tmp_path / "ref")
-    ]
+    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=384)
 
 
 def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:

@@ -97,6 +97,21 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+def assert_resumed_like(
+    run_dir: Path, ref_dir: Path, *, interruptions: int, steps: int
+) -> dict[str, Any]:
+    """An interrupted run ended as the uninterrupted ``ref_dir`` did: as many steps, bit-identical
+    weights, the same training-loss curve. Returns the run's result for further checks."""
+    result, reference = read_result(run_dir), read_result(ref_dir)
+    assert result["interruptions"] == interruptions
+    assert result["steps"] == reference["steps"] == steps
+    assert result["params_sha256"] == reference["params_sha256"]
+    assert [r["train_loss"] for r in read_metrics(run_dir)] == [
+        r["train_loss"] for r in read_metrics(ref_dir)
+    ]
+    return result
+
+
 def wait_for_progress(
     run_dir: Path,
     ready: Callable[[dict[str, Any]], bool],
