@@ -6,6 +6,8 @@ interpreter. test_env_command, test_render and test_doctor also run their comman
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import subprocess
 import sys
 
@@ -34,9 +36,20 @@ def test_command_module_does_not_import_torch(command: str) -> None:
     assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"
 
 
-HELP_PAGES = [[name, "--help"] for name in COMMANDS] + [
-    ["cluster", action, "--help"] for action in ("up", "down", "status", "env")
-]
+def _help_pages() -> list[list[str]]:
+    """Every command's ``--help`` and each of its subcommands', read from its own parser."""
+    pages = []
+    for name in COMMANDS:
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"hpc_ddp.commands.{name}").add_arguments(parser)
+        pages.append([name, "--help"])
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pages += [[name, sub, "--help"] for sub in action.choices]
+    return pages
+
+
+HELP_PAGES = _help_pages()
 
 
 @pytest.mark.parametrize("argv", HELP_PAGES, ids=" ".join)
