@@ -258,53 +258,41 @@ class Bench:
         flags += ["--no-augment", "--eval-batch-size", "1024"]
         return flags + ([] if self.args.smoke else ["--amp", "bf16"])
 
+    def resnet(
+        self, name: str, n: int, *extra: str, probe: list[str] | None = None, launcher="spawn"
+    ) -> dict:
+        """ResNet-18 for ``--resnet-epochs`` on ``n`` GPUs under the probe, in its own run dir."""
+        flags = [*self.resnet_flags(name, self.args.resnet_epochs), *extra]
+        return self.ours(name, n, flags, probe=probe, timeout=180, launcher=launcher)
+
     def suite_scaling(self) -> None:
         """Eager DDP and the captured step (--cuda-graphs) on every GPU count, then the extras."""
-        epochs = self.args.resnet_epochs
         for n in self.gpus:
-            self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
-            flags = [*self.resnet_flags(f"resnet{n}g", epochs), "--cuda-graphs"]
-            self.ours(f"resnet_{n}gpu_graphs", n, flags, timeout=180)
+            self.resnet(f"resnet_{n}gpu", n)
+            self.resnet(f"resnet_{n}gpu_graphs", n, "--cuda-graphs")
         top = max(self.gpus)
-        flags = [*self.resnet_flags(f"resnet{top}a", epochs), "--async-checkpoint"]
-        self.ours(f"resnet_{top}gpu_async", top, flags, timeout=180)
+        self.resnet(f"resnet_{top}gpu_async", top, "--async-checkpoint")
         if top > 1:  # table e: the all-reduce window, timed by the trainer's comm hook
-            flags = [*self.resnet_flags(f"resnet{top}x", epochs), "--time-allreduce"]
-            self.ours(f"resnet_{top}gpu_timed", top, flags, timeout=180)
+            self.resnet(f"resnet_{top}gpu_timed", top, "--time-allreduce")
         if self.args.resnet_torchrun:  # the same run, one interpreter per worker
-            flags = self.resnet_flags(f"resnet{top}t", epochs)
-            self.ours(f"resnet_{top}gpu_torchrun", top, flags, timeout=180, launcher="torchrun")
-        self.ours(
-            "resnet_1gpu_noddp",
-            1,
-            self.resnet_flags("resnet1n", epochs),
-            probe=["--probe-no-ddp"],
-            timeout=180,
-        )
+            self.resnet(f"resnet_{top}gpu_torchrun", top, launcher="torchrun")
+        self.resnet("resnet_1gpu_noddp", 1, probe=["--probe-no-ddp"])
 
     def suite_ddpcost(self) -> None:
         """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it, DDP
         with torch's defaults; ``--ddpcost-extras``: with the all-reduce timing hook, with
         torch.optim's own classes."""
-        epochs = self.args.resnet_epochs
-        flags = self.resnet_flags("resnet1n", epochs)
-        self.ours("resnet_1gpu_noddp", 1, flags, probe=["--probe-no-ddp"], timeout=180)
-        self.ours("resnet_1gpu", 1, self.resnet_flags("resnet1", epochs), timeout=180)
-        flags = self.resnet_flags("resnet1d", epochs)
-        probe = ["--probe-ddp-defaults"]
-        self.ours("resnet_1gpu_ddpdefaults", 1, flags, probe=probe, timeout=180)
+        self.resnet("resnet_1gpu_noddp", 1, probe=["--probe-no-ddp"])
+        self.resnet("resnet_1gpu", 1)
+        self.resnet("resnet_1gpu_ddpdefaults", 1, probe=["--probe-ddp-defaults"])
         if self.args.ddpcost_extras:
-            flags = [*self.resnet_flags("resnet1x", epochs), "--time-allreduce"]
-            self.ours("resnet_1gpu_timed", 1, flags, timeout=180)
-            flags = self.resnet_flags("resnet1s", epochs)
-            probe = ["--probe-stock-optimizer"]
-            self.ours("resnet_1gpu_stockopt", 1, flags, probe=probe, timeout=180)
+            self.resnet("resnet_1gpu_timed", 1, "--time-allreduce")
+            self.resnet("resnet_1gpu_stockopt", 1, probe=["--probe-stock-optimizer"])
 
     def suite_eager(self) -> None:
         """Eager DDP alone on every GPU count above 1 (scaling's eager rows, without the rest)."""
-        epochs = self.args.resnet_epochs
         for n in (g for g in self.gpus if g > 1):
-            self.ours(f"resnet_{n}gpu", n, self.resnet_flags(f"resnet{n}", epochs), timeout=180)
+            self.resnet(f"resnet_{n}gpu", n)
 
     def suite_resume(self) -> None:
         """Preempt at a step mid-epoch 2 with SIGUSR1, then run the same command again."""
