@@ -1,0 +1,195 @@
+"""Where the seconds before the first step go, one level below probe.py's phases.
+
+    PYTHONPATH=$PWD python3 benchmarks/startup_profile.py --nproc 4 --out DIR
+
+1. ``import torch`` in fresh interpreters (``--repeats``): wall time, and from ``-X importtime``
+   the modules with the most self time (a module's self time includes the shared libraries its
+   body loads: torch._C's is libtorch's, torch's own the CUDA libraries of _load_global_deps).
+2. The process group: ``--nproc`` workers forked after ``import torch``, as hpc_ddp.spawn forks
+   them. Each times its CUDA context, the TCPStore rendezvous, ``init_process_group`` and the
+   first two all-reduces. Variants:
+   - ``eager``: the trainer's way (``device_id`` given: NCCL's communicator is made in init);
+   - ``lazy``: no ``device_id``, so the communicator is made by the first all-reduce;
+   - ``overlap``: eager init on a thread while the main thread copies CIFAR-sized arrays
+     (180 MB) to the GPU, which shows whether init lets go of the interpreter meanwhile;
+   - ``solo``: one worker alone, for the CUDA context without the others starting beside it.
+   NCCL's own ``Init timings`` lines (NCCL_DEBUG=INFO) are kept in the JSON.
+Writes ``startup.json`` and prints a table. Needs CUDA GPUs and NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("eager", "lazy", "overlap", "solo")
+CIFAR_BYTES = 180 * 2**20  # train + test splits of CIFAR as uint8
+
+
+def import_profile(repeats: int) -> dict[str, Any]:
+    """Fresh interpreters importing torch: wall time and the costliest modules by self time."""
+    walls, tables = [], []
+    for _ in range(repeats):
+        t0 = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "import torch"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        walls.append(time.time() - t0)
+        rows = []
+        for line in proc.stderr.splitlines():
+            match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+            if match:
+                self_us, cum_us, indent, name = match.groups()
+                rows.append((name, int(self_us) / 1e6, int(cum_us) / 1e6, len(indent) // 2))
+        tables.append(rows)
+    last = tables[-1]
+    top = sorted(last, key=lambda row: -row[1])[:25]
+    return {
+        "wall_s": walls,
+        "python_only_s": _bare_interpreter_s(),
+        "total_self_s": sum(row[1] for row in last),
+        "top_self_s": [{"module": n, "self_s": s, "cum_s": c} for n, s, c, _ in top],
+        "top_level_cum_s": {n: c for n, s, c, depth in last if depth == 0 and c > 0.01},
+    }
+
+
+def _bare_interpreter_s() -> float:
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.time() - t0
+
+
+def worker(variant: str, rank: int, world: int, port: int, result_path: Path) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    marks: dict[str, float] = {"start": time.time()}
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device)
+    torch.cuda.synchronize()
+    marks["cuda_context"] = time.time()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
+    marks["store"] = time.time()
+
+    def init() -> None:
+        torch.cuda.set_device(device)  # the current device is per thread
+        kwargs = {} if variant == "lazy" else {"device_id": device}
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, **kwargs)
+        marks["init_process_group"] = time.time()
+
+    if variant == "overlap":
+        thread = threading.Thread(target=init)
+        thread.start()
+        host = np.ones(CIFAR_BYTES, dtype=np.uint8)
+        torch.from_numpy(host).to(device)
+        torch.cuda.synchronize()
+        marks["copy_done"] = time.time()
+        thread.join()
+    else:
+        init()
+    ones = torch.ones(1, device=device)
+    for name in ("first_allreduce", "second_allreduce"):
+        dist.all_reduce(ones)
+        torch.cuda.synchronize()
+        marks[name] = time.time()
+    dist.destroy_process_group()
+    result_path.write_text(json.dumps(marks))
+
+
+def run_variant(variant: str, nproc: int, port: int, out: Path) -> dict[str, Any]:
+    world = 1 if variant == "solo" else nproc
+    log_dir = out / f"nccl_{variant}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(
+        NCCL_DEBUG="INFO",
+        NCCL_DEBUG_SUBSYS="INIT",
+        NCCL_DEBUG_FILE=str(log_dir / "%h.%p.log"),
+    )
+    t_fork = time.time()
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                worker(variant, rank, world, port, out / f"{variant}_{rank}.json")
+            except BaseException as err:  # the parent reports the exit code
+                print(f"[{variant} rank {rank}] {err!r}", file=sys.stderr, flush=True)
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    ranks = []
+    for rank in range(world):
+        path = out / f"{variant}_{rank}.json"
+        if path.exists():
+            marks = json.loads(path.read_text())
+            ranks.append(_durations(marks, t_fork))
+    timings = []
+    for log in sorted(log_dir.glob("*.log")):
+        timings += [line.strip() for line in log.read_text().splitlines() if "timings" in line]
+    return {"exit_codes": codes, "ranks": ranks, "nccl_init_timings": timings}
+
+
+def _durations(marks: dict[str, float], t_fork: float) -> dict[str, float]:
+    order = sorted(marks.items(), key=lambda item: item[1])
+    steps = {"fork_to_start": order[0][1] - t_fork}
+    previous = order[0][1]
+    for name, when in order[1:]:
+        steps[name] = when - previous
+        previous = when
+    steps["total"] = order[-1][1] - t_fork
+    return steps
+
+
+def print_table(report: dict[str, Any]) -> None:
+    imports = report["imports"]
+    walls = ", ".join(f"{w:.2f}" for w in imports["wall_s"])
+    bare = imports["python_only_s"]
+    print(f"import torch, fresh interpreters: {walls} s (bare python {bare:.2f} s)")
+    for row in imports["top_self_s"][:12]:
+        print(f"  {row['module']:<50} self {row['self_s']:.3f} s   cum {row['cum_s']:.3f} s")
+    for variant, res in report["process_group"].items():
+        print(f"{variant}: exit codes {res['exit_codes']}")
+        for rank, steps in enumerate(res["ranks"]):
+            cells = "  ".join(f"{k} {v:.3f}" for k, v in steps.items())
+            print(f"  rank {rank}: {cells}")
+        for line in res["nccl_init_timings"][:4]:
+            print(f"  NCCL: {line[-160:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh interpreters importing torch")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--port", type=int, default=29700)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"imports": import_profile(args.repeats), "process_group": {}}
+    import torch  # after the subprocesses above, before the forks below (never CUDA here)
+
+    report["torch"] = torch.__version__
+    for i, variant in enumerate(v for v in args.variants.split(",") if v):
+        report["process_group"][variant] = run_variant(variant, args.nproc, args.port + i, out)
+    (out / "startup.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+
+
+if __name__ == "__main__":
+    main()
