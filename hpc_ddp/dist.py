@@ -36,6 +36,7 @@ from hpc_ddp.network import choose_backend
 # process exit instead of blocking the next collective forever.
 _NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 _ARRIVED_KEY = "hpc_ddp/arrived"
+_ALL_ARRIVED_KEY = "hpc_ddp/all_arrived"
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,16 @@ def init_distributed(
 def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
     """Meet every rank on rank 0's TCPStore within ``connect_timeout_s``, or say who is missing."""
     where = f"{env.master_addr}:{env.master_port}"
+    deadline = time.monotonic() + connect_timeout_s
     try:
+        if env.rank != 0:
+            _wait_until_listening(env.master_addr, env.master_port, deadline)
         store = dist.TCPStore(
             env.master_addr,
             env.master_port,
             env.world_size,
             is_master=env.rank == 0,
-            timeout=timedelta(seconds=connect_timeout_s),
+            timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
             wait_for_workers=False,
         )
     except (RuntimeError, OSError) as err:
@@ -131,19 +135,39 @@ def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
         ) from err
 
     store.set(f"hpc_ddp/host/{env.rank}", socket.gethostname())
-    store.add(_ARRIVED_KEY, 1)
-    deadline = time.monotonic() + connect_timeout_s
-    while int(store.add(_ARRIVED_KEY, 0)) < env.world_size:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(env.world_size) if not store.check([f"hpc_ddp/host/{r}"])]
-            raise LaunchEnvError(
-                f"rank {env.rank}: after {connect_timeout_s:.0f} s, {len(missing)} of "
-                f"{env.world_size} ranks never reached {where}: missing ranks {missing[:16]}",
-                hint="a node or task failed to start, or ranks disagree on WORLD_SIZE/MASTER_ADDR;"
-                " look at the missing ranks' logs first",
-            )
-        time.sleep(0.05)  # polling a local TCP counter; the deadline above bounds the wait
+    if int(store.add(_ARRIVED_KEY, 1)) == env.world_size:
+        store.set(_ALL_ARRIVED_KEY, "1")  # the last to arrive wakes everyone's wait below
+    try:
+        store.wait([_ALL_ARRIVED_KEY], timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+    except RuntimeError as err:  # the deadline passed (or rank 0's store went away)
+        missing = [r for r in range(env.world_size) if not store.check([f"hpc_ddp/host/{r}"])]
+        raise LaunchEnvError(
+            f"rank {env.rank}: after {connect_timeout_s:.0f} s, {len(missing)} of "
+            f"{env.world_size} ranks never reached {where}: missing ranks {missing[:16]}",
+            hint="a node or task failed to start, or ranks disagree on WORLD_SIZE/MASTER_ADDR;"
+            " look at the missing ranks' logs first",
+        ) from err
     return store
+
+
+def _wait_until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once rank 0 accepts connections on host:port, trying every 10 ms.
+
+    TCPStore's client retries a refused connection only after 250-750 ms (exponential backoff
+    with jitter from 500 ms), and ranks that finish starting a moment before rank 0 do meet a
+    refusal: on the GPU machines that added 0.4 s to a rank's start at random. Other errors
+    (a name that does not resolve, no route) are left for TCPStore to report.
+    """
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listened on {host}:{port}") from None
+            time.sleep(0.01)
+        except OSError:
+            return
 
 
 def shutdown_and_exit(code: int = 0) -> NoReturn:
