@@ -235,18 +235,18 @@ class Bench:
 
     def suite_ttfs(self) -> None:
         """Time to first step and command-to-exit of the headline run, several times over.
-        ``--ttfs-ab``: each repeat also without hpc_ddp.early_cuda (HPC_DDP_EARLY_CUDA=0: torch
-        imported once before the fork, each context made after it), the order alternating."""
+        ``--ttfs-ab``: each repeat also with ``--probe-store-backoff`` (ranks > 0 connect to
+        rank 0's store at once and retry on TCPStore's backoff), the order alternating."""
         top = max(self.gpus)
         for i in range(1, self.args.repeats + 1):
-            runs = [("", {})]
+            runs: list[tuple[str, list[str]]] = [("", [])]
             if self.args.ttfs_ab:
-                runs.append(("_noearly", {"HPC_DDP_EARLY_CUDA": "0"}))
+                runs.append(("_backoff", ["--probe-store-backoff"]))
                 runs = runs[:: 1 if i % 2 else -1]
-            for suffix, env in runs:
+            for suffix, probe in runs:
                 flags = self.lenet_flags(f"lenet{top}{suffix}r{i}", True)
                 flags.append("--async-checkpoint")
-                self.ours(f"ttfs_lenet_{top}gpu_async{suffix}_r{i}", top, flags, env=env)
+                self.ours(f"ttfs_lenet_{top}gpu_async{suffix}_r{i}", top, flags, probe=probe)
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
@@ -428,7 +428,7 @@ def main() -> None:
     parser.add_argument("--ddpcost-extras", action="store_true", help="ddpcost: 2 more runs")
     parser.add_argument("--repeats", type=int, default=3, help="ttfs: runs of the headline")
     parser.add_argument(
-        "--ttfs-ab", action="store_true", help="ttfs: each repeat also with early CUDA off"
+        "--ttfs-ab", action="store_true", help="ttfs: each repeat also on TCPStore's backoff"
     )
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
     parser.add_argument("--resnet-epochs", type=int, default=5)

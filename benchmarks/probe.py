@@ -19,6 +19,7 @@ first optimizer step) and writes, on rank 0, one JSON object with:
 ``--probe-no-ddp`` replaces DDP by the bare model (for the cost of the DDP wrapper on 1 GPU);
 ``--probe-ddp-defaults`` builds DDP with torch's defaults (not trainer.ddp_options);
 ``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
+``--probe-store-backoff`` lets ranks > 0 meet a refusal and TCPStore's backoff (no listener wait);
 ``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
 """
 
@@ -46,7 +47,6 @@ T_PROC = _process_start()
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -72,68 +72,22 @@ class DynamoImportWitness:
 
 sys.meta_path.insert(0, DynamoImportWitness())
 
-from hpc_ddp import early_cuda, spawn  # noqa: E402  (torch-free)
-from hpc_ddp.train import config  # noqa: E402  (torch-free)
+import torch  # noqa: E402
 
-# Set by import_trainer(), in whichever process imports torch: the parent before forking CPU
-# workers, each worker for GPU workers (hpc_ddp.spawn.run_ranks decides, as for hpc-ddp train).
-torch: Any = None
-hdist: Any = None
-cuda_graphs: Any = None
-data: Any = None
-gpu_data: Any = None
-loop: Any = None
-tr: Any = None
-checkpointer: Any = None
-T_IMPORT: dict[str, float] = {}  # start, torch, hpc_ddp: wall clock after each
-T_LAUNCH = T_MAIN  # when the workers were started (reset in main)
+T_TORCH = time.time()
+
+import hpc_ddp.dist as hdist  # noqa: E402
+from hpc_ddp import spawn  # noqa: E402
+from hpc_ddp.train import config, cuda_graphs, data, gpu_data, loop  # noqa: E402
+from hpc_ddp.train import trainer as tr  # noqa: E402
+from hpc_ddp.train.checkpoint import checkpointer  # noqa: E402
+
+T_IMPORTS = time.time()
 T_WORKER: list[float] = []  # when a forked worker began (--probe-nproc)
-EARLY: list[early_cuda.EarlyContexts] = []  # this process's early CUDA contexts, if any
 EVENTS: list[tuple[str, float, float]] = []  # (name, start, end), wall clock
 SAVES: list[dict[str, float]] = []
 STATE: dict[str, Any] = {"steps": 0}
 HOST_STEP_S: list[float] = []
-
-
-TRAINER_MODULES = {
-    "hdist": "hpc_ddp.dist",
-    "cuda_graphs": "hpc_ddp.train.cuda_graphs",
-    "data": "hpc_ddp.train.data",
-    "gpu_data": "hpc_ddp.train.gpu_data",
-    "loop": "hpc_ddp.train.loop",
-    "tr": "hpc_ddp.train.trainer",
-    "checkpointer": "hpc_ddp.train.checkpoint.checkpointer",
-}
-
-
-def import_trainer() -> None:
-    """Import torch and the trainer's modules as hpc-ddp train does, timing both; the module
-    globals above are set from them."""
-    global torch
-    if torch is not None:
-        return
-    T_IMPORT["start"] = time.time()
-    torch = importlib.import_module("torch")
-    T_IMPORT["torch"] = time.time()
-    for name, module in TRAINER_MODULES.items():
-        globals()[name] = importlib.import_module(module)
-    T_IMPORT["hpc_ddp"] = time.time()
-
-
-def _record_early_contexts(parent: int) -> None:
-    """Keep what hpc_ddp.early_cuda.start returns, for the report. run_ranks calls it first
-    thing in every rank, so in a forked worker it also marks when the worker began."""
-    start = early_cuda.start
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        if os.getpid() != parent:
-            T_WORKER.append(time.time())
-        contexts = start(*args, **kwargs)
-        if contexts is not None:
-            EARLY.append(contexts)
-        return contexts
-
-    early_cuda.start = recording  # type: ignore[assignment]
 
 
 def _sync() -> None:
@@ -228,13 +182,13 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
     out: dict[str, Any] = {"exit_code": code, "world_size": int(os.environ.get("WORLD_SIZE", 1))}
     if "first_step" in first:
         fs_end = first["first_step"][1]
-        phases = {"interpreter_start": T_MAIN - T_PROC}
-        if T_WORKER and T_WORKER[0] < T_IMPORT["start"]:  # GPU workers: forked, then import
-            phases["fork_workers"] = T_WORKER[0] - T_LAUNCH
-        phases["import_torch"] = T_IMPORT["torch"] - T_IMPORT["start"]
-        phases["import_hpc_ddp"] = T_IMPORT["hpc_ddp"] - T_IMPORT["torch"]
-        if T_WORKER and T_WORKER[0] >= T_IMPORT["start"]:  # CPU workers: import, then fork
-            phases["fork_workers"] = T_WORKER[0] - T_IMPORT["hpc_ddp"]
+        phases = {
+            "interpreter_start": T_MAIN - T_PROC,
+            "import_torch": T_TORCH - T_MAIN,
+            "import_hpc_ddp": T_IMPORTS - T_TORCH,
+        }
+        if T_WORKER:
+            phases["fork_workers"] = T_WORKER[0] - T_IMPORTS
         for name in (
             "process_group",
             "data_stage",
@@ -254,12 +208,6 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
             "launcher_s": T_PROC - t_cmd,
             "phases_s": phases,
         }
-        if EARLY:  # beside the phases: it ran on a thread during the imports
-            out["ttfs"]["early_cuda_context"] = {
-                "seconds": EARLY[0].seconds,
-                "error": EARLY[0].error,
-                "started_after_import_start_s": EARLY[0].started - T_IMPORT["start"],
-            }
         if "finish" in ev:
             out["train_s"] = ev["finish"][0] - first["first_step"][0]
     if HOST_STEP_S:
@@ -306,6 +254,12 @@ def main() -> None:
         action="store_true",
         help="torch.optim's classes as they are (with their torch._dynamo wrappers)",
     )
+    ours.add_argument(
+        "--probe-store-backoff",
+        action="store_true",
+        help="ranks > 0 connect to rank 0's TCPStore at once, retrying on TCPStore's own "
+        "backoff (250-750 ms), instead of hpc_ddp.dist waiting until it listens",
+    )
     ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
         "--probe-deterministic",
@@ -313,44 +267,43 @@ def main() -> None:
         help="deterministic cuDNN/cuBLAS kernels, so two runs can be compared bit for bit",
     )
     pargs = ours.parse_args(argv[:split])
+    if pargs.probe_deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
     parser = argparse.ArgumentParser(prog="probe.py -- [trainer flags]")
     config.add_arguments(parser)
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
+    instrument(pargs.probe_no_ddp)
+    if pargs.probe_ddp_defaults:
+        tr.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
+    if pargs.probe_stock_optimizer:
+        from hpc_ddp.train import optim
+
+        optim.without_dynamo = lambda base: base  # type: ignore[assignment]
+
+    if pargs.probe_store_backoff:
+        hdist._wait_until_listening = lambda *_: None  # type: ignore[attr-defined]
+    if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
+        tr.Trainer.write_progress = lambda self, progress, status: None  # type: ignore[method-assign]
+    destroy = torch.distributed.destroy_process_group
     done: list[int] = []
 
-    def prepare() -> None:
-        """The imports, then the stopwatch and the A/B switches on what they imported."""
-        import_trainer()
-        if pargs.probe_deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.benchmark = False
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        instrument(pargs.probe_no_ddp)
-        if pargs.probe_ddp_defaults:
-            tr.ddp_options = lambda net, **_: {}
-        if pargs.probe_stock_optimizer:
-            from hpc_ddp.train import optim
+    def report_then_destroy(*args: Any, **kwargs: Any) -> Any:
+        # Training is over when the trainer destroys its group: report first, so that the
+        # figures survive even if the teardown were to hang.
+        if int(os.environ.get("RANK", 0)) == 0 and not done:
+            report(pargs.probe_json, cfg, 0)
+            done.append(1)
+        t0 = time.time()
+        try:
+            return destroy(*args, **kwargs)
+        finally:
+            EVENTS.append(("destroy_process_group", t0, time.time()))
+            if int(os.environ.get("RANK", 0)) == 0:
+                report(pargs.probe_json, cfg, 0)  # again, with the teardown's time
 
-            optim.without_dynamo = lambda base: base  # type: ignore[assignment]
-        if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
-            tr.Trainer.write_progress = lambda self, progress, status: None
-        destroy = torch.distributed.destroy_process_group
-
-        def report_then_destroy(*args: Any, **kwargs: Any) -> Any:
-            # Training is over when the trainer destroys its group: report first, so that the
-            # figures survive even if the teardown were to hang.
-            if int(os.environ.get("RANK", 0)) == 0 and not done:
-                report(pargs.probe_json, cfg, 0)
-                done.append(1)
-            t0 = time.time()
-            try:
-                return destroy(*args, **kwargs)
-            finally:
-                EVENTS.append(("destroy_process_group", t0, time.time()))
-                if int(os.environ.get("RANK", 0)) == 0:
-                    report(pargs.probe_json, cfg, 0)  # again, with the teardown's time
-
-        torch.distributed.destroy_process_group = report_then_destroy
+    torch.distributed.destroy_process_group = report_then_destroy
 
     def run() -> int:
         code = tr.train(cfg).exit_code
@@ -359,11 +312,14 @@ def main() -> None:
             report(pargs.probe_json, cfg, code)
         return code
 
-    global T_LAUNCH
-    T_LAUNCH = time.time()
-    _record_early_contexts(os.getpid())
-    gpus_per_process = cfg.gpus_per_process or None
-    spawn.run_ranks(run, pargs.probe_nproc, imports=prepare, gpus_per_process=gpus_per_process)
+    if pargs.probe_nproc == 1:
+        hdist.run_main(run)
+
+    def worker() -> None:
+        T_WORKER.append(time.time())
+        hdist.run_main(run)
+
+    sys.exit(spawn.launch(worker, pargs.probe_nproc, gpus_per_process=cfg.gpus_per_process or 1))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
 1. ``import torch`` in fresh interpreters (``--repeats``): wall time, and from ``-X importtime``
    the modules with the most self time (a module's self time includes the shared libraries its
    body loads: torch._C's is libtorch's, torch's own the CUDA libraries of _load_global_deps).
-2. The process group: ``--nproc`` workers forked after ``import torch``, as hpc_ddp.spawn forks
+2. ``import torch`` and one CUDA context, in 1 and ``--nproc`` fresh interpreters side by side:
+   one after the other (as torch does it), or the context made on a thread during the import
+   through the driver API, from its start or once torch._C has loaded.
+3. The process group: ``--nproc`` workers forked after ``import torch``, as hpc_ddp.spawn forks
    them. Each times its CUDA context, the TCPStore rendezvous, ``init_process_group`` and the
    first two all-reduces. Variants:
    - ``eager``: the trainer's way (``device_id`` given: NCCL's communicator is made in init);
@@ -68,6 +71,65 @@ def _bare_interpreter_s() -> float:
     t0 = time.time()
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     return time.time() - t0
+
+
+# One fresh interpreter: import torch while (or before) the CUDA context of one device is made
+# through the driver API (its primary context, the one torch then uses); prints seconds as JSON.
+# argv: when, device.
+#   serial: the context after the import (what torch itself does)
+#   start:  on a thread from the start of the import
+#   after_c: on a thread once torch._C (the shared libraries) has loaded
+OVERLAP_SNIPPET = """
+import ctypes, json, sys, threading, time
+t0 = time.time()
+when, device = sys.argv[1], int(sys.argv[2])
+done = {}
+def make():
+    a = time.time()
+    libcuda = ctypes.CDLL('libcuda.so.1')
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    assert libcuda.cuInit(0) == 0 and libcuda.cuDeviceGet(ctypes.byref(dev), device) == 0
+    assert libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+    done.update(s=time.time() - a, end=time.time())
+thread = threading.Thread(target=make)
+class AfterC:
+    def find_spec(self, name, *_):
+        if 'torch._C' in sys.modules and not thread.is_alive() and not done:
+            sys.meta_path.remove(self); thread.start()
+if when == 'start':
+    thread.start()
+elif when == 'after_c':
+    sys.meta_path.insert(0, AfterC())
+import torch
+t1 = time.time()
+if when == 'serial':
+    thread.start()
+thread.join()
+torch.ones(1, device=f'cuda:{device}')  # torch adopts the primary context
+ready = max(t1, done['end']) - t0
+print(json.dumps({'import_s': t1 - t0, 'context_s': done['s'], 'ready_s': ready}))
+"""
+
+
+def overlap_profile(repeats: int, nproc: int) -> dict[str, Any]:
+    """``import torch`` and one CUDA context, in 1 and ``nproc`` interpreters side by side:
+    after each other, overlapped from the start, overlapped after torch._C; the order of the
+    variants rotates between repeats."""
+    whens = ["serial", "start", "after_c"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for i in range(repeats):
+        for when in whens[i % 3 :] + whens[: i % 3]:
+            for procs in sorted({1, nproc}):
+                cmd = [sys.executable, "-c", OVERLAP_SNIPPET, when]
+                running = [
+                    subprocess.Popen([*cmd, str(d)], stdout=subprocess.PIPE, text=True)
+                    for d in range(procs)
+                ]
+                rows = [json.loads(p.communicate()[0]) for p in running]
+                out.setdefault(f"{when}_x{procs}", []).append(
+                    {key: max(r[key] for r in rows) for key in rows[0]}
+                )
+    return out
 
 
 def worker(variant: str, rank: int, world: int, port: int, result_path: Path) -> None:
@@ -162,6 +224,10 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"import torch, fresh interpreters: {walls} s (bare python {bare:.2f} s)")
     for row in imports["top_self_s"][:12]:
         print(f"  {row['module']:<50} self {row['self_s']:.3f} s   cum {row['cum_s']:.3f} s")
+    print("import torch and one CUDA context (slowest interpreter; mean of repeats):")
+    for name, rows in report["overlap"].items():
+        cells = "  ".join(f"{k} {sum(r[k] for r in rows) / len(rows):.2f}" for k in rows[0])
+        print(f"  {name:<12} {cells}")
     for variant, res in report["process_group"].items():
         print(f"{variant}: exit codes {res['exit_codes']}")
         for rank, steps in enumerate(res["ranks"]):
@@ -182,6 +248,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"imports": import_profile(args.repeats), "process_group": {}}
+    report["overlap"] = overlap_profile(args.repeats, args.nproc)
     import torch  # after the subprocesses above, before the forks below (never CUDA here)
 
     report["torch"] = torch.__version__

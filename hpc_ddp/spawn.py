@@ -1,15 +1,9 @@
-"""Start one node's processes by fork: ``hpc-ddp train --nproc-per-node N``.
+"""Start one node's processes by fork, after the imports: ``hpc-ddp train --nproc-per-node N``.
 
-torchrun starts a fresh interpreter per worker through its agent: on the GPU machines that was
-2.4 s of torchrun before the workers' own start (benchmarks/NOTES.md). A fork costs milliseconds.
-When each worker is forked depends on what it will run on (``run_ranks``):
-
-* GPU workers are forked first. Each then imports torch and the trainer while a thread creates
-  its CUDA context (hpc_ddp.early_cuda), which torch could only begin after the import; the
-  imports of the workers run side by side, so the job waits for one import, not N.
-* CPU workers are forked after the parent has imported everything, and share those modules.
-
-The parent only supervises:
+torchrun starts a fresh interpreter per worker, and each then imports torch and the trainer: on
+the GPU machines that was 2.4 s of torchrun and ~4 s of interpreter and imports before any work
+(benchmarks/NOTES.md). Forking once the parent has imported them, and before anything touched
+CUDA, hands every worker those modules for free. The parent then only supervises:
 
 * it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker;
 * when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
@@ -31,9 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn
 
-from hpc_ddp import early_cuda
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.cluster.devices import count_visible_gpus
 from hpc_ddp.cluster.port import free_port, parse_port
@@ -175,37 +167,6 @@ def _share_cpu_threads(nproc: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
-
-
-def run_ranks(
-    body: Callable[[], int],
-    nproc: int,
-    *,
-    imports: Callable[[], object],
-    gpus_per_process: int | None = None,
-) -> NoReturn:
-    """Run ``body`` (one rank's work, returning its exit code) in this process when ``nproc`` is
-    1, else in ``nproc`` forked workers; exit with the job's code.
-
-    ``imports`` loads what ``body`` needs (torch, the trainer). In a process that will use GPUs
-    it runs while that process's CUDA contexts are being created.
-    """
-
-    def rank_main() -> NoReturn:
-        contexts = early_cuda.start(gpus_per_process)
-        imports()
-        if contexts is not None:
-            contexts.wait()
-        from hpc_ddp.dist import run_main  # imports torch
-
-        # run_main prints any error with this process's rank and exits with its code (os._exit).
-        run_main(body)
-
-    if nproc == 1:
-        rank_main()
-    if not early_cuda.wanted():
-        imports()  # CPU workers: imported once here, shared by every fork
-    sys.exit(launch(rank_main, nproc, gpus_per_process=gpus_per_process or 1))
 
 
 def launch(

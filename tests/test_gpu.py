@@ -80,33 +80,6 @@ def result(run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 
 
-@need(1)
-def test_torch_adopts_the_early_cuda_context(tmp_path) -> None:
-    """hpc_ddp.early_cuda retains each device's primary context before torch is imported; torch
-    must then run on those very contexts, not make its own."""
-    devices = min(GPUS, 2)
-    script = tmp_path / "early.py"
-    script.write_text(
-        "import ctypes, sys\n"
-        "from hpc_ddp import early_cuda\n"
-        "contexts = early_cuda.start()\n"
-        "assert contexts is not None and 'torch' not in sys.modules\n"
-        "import torch\n"
-        "contexts.wait()\n"
-        f"assert contexts.error is None and len(contexts.handles) == {devices}, contexts\n"
-        "libcuda = ctypes.CDLL('libcuda.so.1')\n"
-        "for index, handle in enumerate(contexts.handles):\n"
-        "    torch.cuda.set_device(index)\n"
-        "    torch.ones(4, device='cuda').sum().item()\n"
-        "    current = ctypes.c_void_p()\n"
-        "    assert libcuda.cuCtxGetCurrent(ctypes.byref(current)) == 0\n"
-        "    assert current.value == handle, (index, current.value, handle)\n"
-        "print('EARLY_OK', contexts.devices, round(contexts.seconds, 3), flush=True)\n"
-    )
-    env = {"HPC_DDP_GPUS_PER_PROCESS": str(devices)}
-    assert "EARLY_OK" in run([sys.executable, str(script)], env=env).stdout
-
-
 @need(2)
 def test_nccl_allreduce_through_init_distributed(tmp_path) -> None:
     script = tmp_path / "ar.py"

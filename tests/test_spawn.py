@@ -35,7 +35,6 @@ from hpc_ddp.localslurm import wait_for
 from hpc_ddp.spawn import check_can_spawn
 
 WORKER = Path(__file__).parent / "workers" / "spawn_worker.py"
-RUN_RANKS_WORKER = Path(__file__).parent / "workers" / "run_ranks_worker.py"
 
 
 def spawn_cmd(nproc: int, args: list[str]) -> list[str]:
@@ -99,28 +98,6 @@ def test_a_failed_worker_stops_the_others(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30  # SIGTERM at once, not the workers' 60 s wait
     for rank in (0, 2):
         assert gone(json.loads((tmp_path / f"rank{rank}.json").read_text())["pid"])
-
-
-@pytest.mark.parametrize("kind", ["cpu", "gpu"])
-def test_gpu_workers_import_after_the_fork_cpu_workers_before(kind: str, tmp_path: Path) -> None:
-    """GPU workers each import while their CUDA context is made (hpc_ddp.early_cuda); CPU
-    workers share the parent's imports."""
-    proc = subprocess.run(
-        [sys.executable, str(RUN_RANKS_WORKER), kind, "3", str(tmp_path)],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    ranks = [read_json(tmp_path / f"rank{r}.json") for r in range(3)]
-    assert {r["parent"] for r in ranks} == {proc_pid := ranks[0]["parent"]}
-    assert all(r["torch"] for r in ranks)  # imported before the body, in either order
-    importers = {int(p.name.split(".")[1]) for p in tmp_path.glob("imports.*")}
-    if kind == "gpu":
-        assert importers == {r["pid"] for r in ranks}
-    else:
-        assert importers == {proc_pid}
 
 
 def test_refused_before_anything_starts() -> None:

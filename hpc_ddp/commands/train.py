@@ -1,9 +1,8 @@
 """``hpc-ddp train``: run one process of the resumable DDP trainer.
 
 Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clush) or alone;
-``--nproc-per-node N`` starts a single machine's N processes itself (hpc_ddp.spawn: forked, so
-workers start in a fraction of torchrun's time). A process that uses GPUs creates its CUDA
-contexts while it imports torch (hpc_ddp.early_cuda).
+``--nproc-per-node N`` starts a single machine's N processes itself (hpc_ddp.spawn: forked after
+the imports, so workers start in a fraction of torchrun's time).
 Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpointed after a
 preemption/time-limit signal and requeued (EX_TEMPFAIL). The process always leaves through
 ``hpc_ddp.dist.run_main``, never through interpreter teardown (see shared/facts.md: Gloo exit
@@ -27,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="start N processes on this machine (one per GPU), forked by this one; "
+        help="start N processes on this machine (one per GPU), forked after the imports; "
         "not under another launcher (default: 1, this process alone)",
     )
 
@@ -35,22 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> NoReturn:
     cfg = config.from_args(args)  # bad settings fail here (exit 2), before torch is imported
 
-    def import_trainer() -> None:
-        import hpc_ddp.train.trainer  # noqa: F401  (torch and everything the trainer uses)
+    from hpc_ddp.dist import run_main
+    from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose
 
-    def body() -> int:
-        from hpc_ddp.train.trainer import train
+    def worker() -> NoReturn:
+        # run_main prints any error with this process's rank and exits with its code (os._exit).
+        run_main(lambda: train(cfg).exit_code)
 
-        return train(cfg).exit_code
+    if args.nproc_per_node == 1:
+        worker()
+    from hpc_ddp.spawn import launch
 
-    from hpc_ddp.spawn import run_ranks
-
-    run_ranks(
-        body,
-        args.nproc_per_node,
-        imports=import_trainer,
-        gpus_per_process=cfg.gpus_per_process or None,
-    )
+    sys.exit(launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process or 1))
 
 
 def main(argv: list[str]) -> NoReturn:
