@@ -5,11 +5,14 @@ the exit path. Ranks get their places from the project's own launcher variables 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from trainer_helpers import job_env
 
 from hpc_ddp.cluster.port import free_port
@@ -100,3 +103,31 @@ def test_a_user_error_exits_2_with_its_hint() -> None:
     assert code == 2, out
     assert "error: --mode usage was asked for" in out and "HINT: this is what a hint" in out
     assert "[rank 0/1 " in out, out  # named from the launcher's variables: no group exists yet
+
+
+def test_a_rank_waits_for_rank_0_to_listen_then_connects_at_once() -> None:
+    """Ranks > 0 poll rank 0's port themselves (TCPStore's own retry after a refusal comes
+    250-750 ms later); while nothing listens they keep waiting, until their deadline."""
+    from hpc_ddp.dist import _wait_until_listening
+
+    port = free_port()
+    with pytest.raises(TimeoutError, match=f"nothing listened on 127.0.0.1:{port}"):
+        _wait_until_listening("127.0.0.1", port, time.monotonic() + 0.2)
+
+    returned = threading.Event()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            _wait_until_listening("127.0.0.1", port, time.monotonic() + 60)
+            returned.set()
+        except BaseException as err:
+            errors.append(err)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    assert not returned.wait(0.3) and not errors  # refused, refused, ...: still waiting
+    with socket.create_server(("127.0.0.1", port)):
+        assert returned.wait(30), "the waiter did not notice the listener"
+    waiter.join(30)
+    assert not errors
