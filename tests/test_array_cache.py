@@ -47,6 +47,7 @@ def test_a_replaced_source_is_read_again(tmp_path: Path) -> None:
     write_batch(source, np.full((3, 3072), 7, np.uint8), [3, 4, 5])  # new size: a new stamp
     images, labels = array_cache.read_batch(source, KEYS)
     assert labels.tolist() == [3, 4, 5] and (images == 7).all()
+    assert array_cache._load(source) is not None  # the new read was cached under the new stamp
     assert array_cache.read_batch(source, KEYS)[1].tolist() == [3, 4, 5]  # now from the cache
 
 

@@ -21,6 +21,7 @@ from trainer_helpers import (
     interrupt_at,
     job_env,
     read_result,
+    reference_run,
     run,
     torchrun_cmd,
     train_args,
@@ -121,8 +122,7 @@ EVERY = {"checkpoint_every_steps": 2}
 def sync_reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """Uninterrupted, synchronous saves: 8 steps/epoch, 2 epochs, a checkpoint every 2 steps."""
     ref_dir = tmp_path_factory.mktemp("sync") / "run"
-    done = run(torchrun_cmd(2, train_args(ref_dir, data_dir, **EVERY)))
-    assert done.returncode == 0, done.stderr
+    reference_run(ref_dir, data_dir, **EVERY)
     return ref_dir
 
 

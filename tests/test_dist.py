@@ -105,7 +105,7 @@ def test_a_user_error_exits_2_with_its_hint() -> None:
     assert "[rank 0/1 " in out, out  # named from the launcher's variables: no group exists yet
 
 
-def test_a_rank_waits_for_rank_0_to_listen_then_connects_at_once() -> None:
+def test_a_rank_waits_for_rank_0_to_listen_and_returns_once_it_does() -> None:
     """Ranks > 0 poll rank 0's port themselves (TCPStore's own retry after a refusal comes
     250-750 ms later); while nothing listens they keep waiting, until their deadline."""
     from hpc_ddp.dist import _wait_until_listening

@@ -337,7 +337,9 @@ def test_async_snapshot_is_queued_in_stream_order(device_staging: bool) -> None:
     from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
 
     w = torch.zeros(1 << 24, device="cuda")  # 64 MiB
-    torch.cuda._sleep(200_000_000)  # keep the stream busy: the copy must still be queued below
+    # Keep the stream busy (~1 s of GPU cycles, far longer than pinning 64 MiB on a slow host):
+    # the copy must still be queued when start_snapshot returns.
+    torch.cuda._sleep(2_000_000_000)
     snap = start_snapshot({"w": w, "step": 3, "v": [w[:4]]}, device_staging=device_staging)
     assert not snap.events[0].query(), "start_snapshot waited for the GPU"
     w.fill_(1.0)

@@ -30,8 +30,11 @@ def test_a_setting_added_later_reads_as_its_default(tmp_path: Path) -> None:
         assert not open_run_dir(cfg, lock).finished  # resumes: "easy" was the only variant
     finally:
         lock.release()
+    # open_run_dir recorded the full config.json above: start over without the key.
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "again"))
+    started_run(tmp_path / "again", cfg, drop="synthetic_variant")
     hard = dataclasses.replace(cfg, synthetic_variant="hard")
-    lock = RunDirLock(tmp_path / "run")
+    lock = RunDirLock(tmp_path / "again")
     try:
         with pytest.raises(ConfigError, match="synthetic_variant: 'easy' -> 'hard'"):
             open_run_dir(hard, lock)

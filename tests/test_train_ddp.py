@@ -146,8 +146,7 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
 
     longer = {"synthetic_train_size": 4096, "epochs": 3, "log_every": 1000}  # 128 steps/epoch
-    ref = run(torchrun_cmd(2, train_args(tmp_path / "ref", data_dir, **longer)), timeout=300)
-    assert ref.returncode == 0, ref.stderr
+    reference_run(tmp_path / "ref", data_dir, timeout=300, **longer)
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, **longer)
     log = tmp_path / "signalled.log"
@@ -184,12 +183,11 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     assert ddp_options(model, one_device=False) == {}  # split across GPUs: DDP's defaults
 
     ours, theirs = tmp_path / "ours", tmp_path / "defaults"
-    done = run(torchrun_cmd(2, train_args(ours, data_dir, model="resnet18")), timeout=300)
-    assert done.returncode == 0, done.stderr
+    reference_run(ours, data_dir, timeout=300, model="resnet18")
     worker = str(Path(__file__).parent / "workers" / "ddp_defaults_train.py")
-    cmd = [*torchrun_cmd(2, [])[:3], worker, *train_args(theirs, data_dir, model="resnet18")]
-    done = run(cmd, timeout=300)
+    done = run(torchrun_cmd(2, train_args(theirs, data_dir, model="resnet18"), worker), 300)
     assert done.returncode == 0, done.stderr
+    assert done.stdout.count("DDP built with torch's defaults") == 2, done.stdout  # both ranks
     assert read_result(ours)["params_sha256"] == read_result(theirs)["params_sha256"]
     for a, b in zip(read_metrics(ours), read_metrics(theirs), strict=True):
         assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])

@@ -62,8 +62,10 @@ def single_cmd(args: list[str]) -> list[str]:
     return [HPC_DDP, "train", *args]
 
 
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "hpc_ddp.train", *args]
+def torchrun_cmd(nproc: int, args: list[str], script: str | None = None) -> list[str]:
+    """torchrun starting ``python -m hpc_ddp.train args``, or ``script args``."""
+    entry = [script] if script else ["-m", "hpc_ddp.train"]
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
 
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -72,9 +74,10 @@ def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
-def reference_run(run_dir: Path, data_dir: Path) -> Path:
-    """An uninterrupted 2-rank torchrun run of SMALL: what interrupted runs must end equal to."""
-    done = run(torchrun_cmd(2, train_args(run_dir, data_dir)))
+def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **overrides: Any) -> Path:
+    """An uninterrupted 2-rank torchrun run of SMALL (with ``overrides``): what interrupted runs
+    must end equal to. Fails the test unless it exits 0."""
+    done = run(torchrun_cmd(2, train_args(run_dir, data_dir, **overrides)), timeout=timeout)
     assert done.returncode == 0, done.stderr
     return run_dir
 

@@ -45,7 +45,7 @@ def without_dynamo(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimi
     torch._dynamo on first use, which takes 4.5 s on the H200 machines' CPUs (1 s on a laptop)
     and was the largest part of the time to first step (benchmarks/README.md, table c). The
     trainer never compiles, so nothing traces and the unwrapped methods do exactly what the
-    wrapped ones do (tests/test_train_units.py compares results and state dicts bit for bit).
+    wrapped ones do (tests/test_optim.py compares weights and state dicts bit for bit).
     Falls back to ``base`` if a torch release moves the import into the methods themselves.
     """
     methods = {name: inspect.unwrap(getattr(base, name)) for name in _WRAPPED_METHODS}
