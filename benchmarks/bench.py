@@ -153,6 +153,7 @@ class Bench:
     # ------------------------------------------------------------------ ref
     def reference(self, name: str, mode: str, n: int, batch: int) -> None:
         out = self.work / f"{name}.json"
+        out.unlink(missing_ok=True)
         cmd = [PY, str(BENCH / "reference_ddp.py"), "--data", str(self.root), "--mode", mode]
         cmd += ["--gpus", str(n), "--batch-size", str(batch), "--epochs", str(self.args.epochs)]
         cmd += ["--port", str(self.next_port()), "--json", str(out)]
@@ -348,6 +349,7 @@ class Bench:
     def torchrun_script(self, kind: str, script: str, n: int, timeout: float) -> None:
         """``script --json OUT`` under torchrun on ``n`` GPUs, its JSON merged into the record."""
         out = self.work / f"{kind}_{n}.json"
+        out.unlink(missing_ok=True)  # a warm machine's earlier call must not lend its figures
         cmd = [*self.torchrun(n), str(BENCH / script), "--json", str(out)]
         res = self.run(f"{kind}_{n}gpu", cmd, timeout=timeout)
         if out.exists():

@@ -47,7 +47,9 @@ OURS = (  # (run-name suffix, label) of hpc-ddp's rows in the reference figure
 
 def reference(runs: dict[str, Any], out: Path) -> None:
     counts = sorted(
-        int(k.split("_")[2][0]) for k in runs if k.startswith("ref_ddp_") and runs[k].get("rc") == 0
+        int(k.split("_")[2].removesuffix("gpu"))
+        for k in runs
+        if k.startswith("ref_ddp_") and runs[k].get("rc") == 0
     )
     rows: list[tuple[str, str, int]] = []  # (label, run name, GPUs), top to bottom
     for n in sorted(counts, reverse=True):
@@ -55,7 +57,7 @@ def reference(runs: dict[str, Any], out: Path) -> None:
         rows += [
             (f"{label}, {n} GPU{'s' * (n > 1)}", f"ours_lenet_{n}gpu{suffix}", n)
             for suffix, label in OURS
-            if f"ours_lenet_{n}gpu{suffix}" in runs
+            if runs.get(f"ours_lenet_{n}gpu{suffix}", {}).get("rc") == 0
         ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.3), sharey=True)
     for ax, (title, base_key, ours_key) in zip(

@@ -298,10 +298,8 @@ def main() -> None:
         t0 = time.time()
         try:
             return destroy(*args, **kwargs)
-        finally:
+        finally:  # run() below reports again with it, once train() returns
             EVENTS.append(("destroy_process_group", t0, time.time()))
-            if int(os.environ.get("RANK", 0)) == 0:
-                report(pargs.probe_json, cfg, 0)  # again, with the teardown's time
 
     torch.distributed.destroy_process_group = report_then_destroy
 

@@ -107,7 +107,8 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
     for key, run in runs.items():
         if key.startswith("ttfs_lenet_"):  # bench.py's ttfs suite: the headline run again
             base = runs.get(f"ref_ddp_{run.get('gpus')}gpu", {})
-            label = f"hpc-ddp train --cuda-graphs --async-checkpoint ({key.rsplit('_', 1)[1]})"
+            variant = key.split("gpu_async", 1)[-1].lstrip("_")  # r1, backoff_r1, ...
+            label = f"hpc-ddp train --cuda-graphs --async-checkpoint ({variant})"
             out.append(_ours_row(label, run, base))
     for key, r in runs.items():
         if key == "ref_single_1gpu":

@@ -33,13 +33,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.cluster.port import free_port
+
 VARIANTS = ("eager", "lazy", "overlap", "solo")
 CIFAR_BYTES = 180 * 2**20  # train + test splits of CIFAR as uint8
 
 
 def import_profile(repeats: int) -> dict[str, Any]:
-    """Fresh interpreters importing torch: wall time and the costliest modules by self time."""
-    walls, tables = [], []
+    """Fresh interpreters importing torch: wall time of each, and the costliest modules by self
+    time in the last one (the earlier ones warm the page cache)."""
+    walls: list[float] = []
+    rows: list[tuple[str, float, float, int]] = []
     for _ in range(repeats):
         t0 = time.time()
         proc = subprocess.run(
@@ -49,21 +53,19 @@ def import_profile(repeats: int) -> dict[str, Any]:
             check=True,
         )
         walls.append(time.time() - t0)
-        rows = []
+        rows.clear()
         for line in proc.stderr.splitlines():
             match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
             if match:
                 self_us, cum_us, indent, name = match.groups()
                 rows.append((name, int(self_us) / 1e6, int(cum_us) / 1e6, len(indent) // 2))
-        tables.append(rows)
-    last = tables[-1]
-    top = sorted(last, key=lambda row: -row[1])[:25]
+    top = sorted(rows, key=lambda row: -row[1])[:25]
     return {
         "wall_s": walls,
         "python_only_s": _bare_interpreter_s(),
-        "total_self_s": sum(row[1] for row in last),
+        "total_self_s": sum(row[1] for row in rows),
         "top_self_s": [{"module": n, "self_s": s, "cum_s": c} for n, s, c, _ in top],
-        "top_level_cum_s": {n: c for n, s, c, depth in last if depth == 0 and c > 0.01},
+        "top_level_cum_s": {n: c for n, _, c, depth in rows if depth == 0 and c > 0.01},
     }
 
 
@@ -242,19 +244,21 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="fresh interpreters importing torch")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"imports": import_profile(args.repeats), "process_group": {}}
+    save = out / "startup.json"
+    save.write_text(json.dumps(report, indent=1))  # after each part: a later failure keeps it
     report["overlap"] = overlap_profile(args.repeats, args.nproc)
+    save.write_text(json.dumps(report, indent=1))
     import torch  # after the subprocesses above, before the forks below (never CUDA here)
 
     report["torch"] = torch.__version__
-    for i, variant in enumerate(v for v in args.variants.split(",") if v):
-        report["process_group"][variant] = run_variant(variant, args.nproc, args.port + i, out)
-    (out / "startup.json").write_text(json.dumps(report, indent=1))
+    for variant in (v for v in args.variants.split(",") if v):
+        report["process_group"][variant] = run_variant(variant, args.nproc, free_port(), out)
+        save.write_text(json.dumps(report, indent=1))
     print_table(report)
 
 
