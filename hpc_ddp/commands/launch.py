@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--python", help="python on the hosts (default: this one, path shared with the hosts)"
     )
     parser.add_argument(
-        "--state-dir", help="host-local dir for pid files (default /tmp/hpc-ddp-launch-$USER)"
+        "--state-dir",
+        help="dir for pid files on every host, only yours (default: each host's "
+        "$XDG_RUNTIME_DIR/hpc-ddp/launch, else ~/.local/state/hpc-ddp/launch)",
     )
     parser.add_argument(
         "--timeout", type=int, help="pdsh/clush -u: kill a host's command after N s"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from hpc_ddp.private_paths import SHELL_FUNCTIONS
+
 if TYPE_CHECKING:
     from hpc_ddp.deploy.shell_launch import LaunchSpec
 
@@ -17,8 +19,25 @@ if TYPE_CHECKING:
 EXIT_WRONG_RANK = 97  # %n does not name the host the canonical order puts there
 EXIT_NO_WORKDIR = 96
 EXIT_SETUP_FAILED = 95
+EXIT_STATE_DIR = 94  # no private directory for the pid files
 
 _H, _N = "\x00H", "\x00N"  # sentinels for %h / %n while the rest of the text gets escaped
+
+
+def _state_lines(spec: LaunchSpec) -> list[str]:
+    """Bash that sets ``$state`` (the pid files' directory) and ``$launch_dir``, ``$pidfile``.
+
+    The default is resolved on the host, by the rules of hpc_ddp.private_paths: a path from
+    the launching machine (its XDG_RUNTIME_DIR, its user) may not exist or be ours there.
+    Resolved before ``cd`` and the exports, so that the stop script finds the same directory.
+    """
+    state = shlex.quote(spec.state_dir) if spec.state_dir else '"$(hpc_ddp_state_base)/launch"'
+    return [
+        *SHELL_FUNCTIONS.strip().splitlines(),
+        f"state={state}",
+        f'launch_dir="$state"/{shlex.quote(spec.launch_id)}',
+        'pidfile="$launch_dir/$host.pgid"',
+    ]
 
 
 def _finish(lines: list[str]) -> str:
@@ -57,7 +76,8 @@ def payload_argv(spec: LaunchSpec) -> list[str]:
 
 
 def host_script(spec: LaunchSpec) -> str:
-    """The bash text every host runs: check rank, cd, export, set up, start, record, wait."""
+    """The bash text every host runs: check rank and state dir, cd, export, set up, start,
+    record, wait."""
     q = shlex.quote
     launcher_env: list[tuple[str, str]] = [
         ("HPC_DDP_LAUNCH_ID", spec.launch_id),
@@ -87,6 +107,14 @@ def host_script(spec: LaunchSpec) -> str:
         f'{",".join(spec.hosts)} puts ${{hosts[$node_rank]:-no host}} there" >&2',
         f"  exit {EXIT_WRONG_RANK}",
         "fi",
+        *_state_lines(spec),
+        # Every level from the toolkit's own directory down: 0700, ours, nobody else's.
+        *([] if spec.state_dir else ['hpc_ddp_private_dir "$(dirname -- "$state")" &&']),
+        'hpc_ddp_private_dir "$state" && hpc_ddp_private_dir "$launch_dir" || {',
+        f'  echo "{tag} $host: no private directory for the pid files; fix the one above or'
+        ' pass --state-dir DIR (a directory only you can write)" >&2',
+        f"  exit {EXIT_STATE_DIR}",
+        "}",
         f'cd {q(spec.workdir)} || {{ echo "{tag} $host: cannot cd to" {q(spec.workdir)} >&2;'
         f" exit {EXIT_NO_WORKDIR}; }}",
     ]
@@ -97,21 +125,24 @@ def host_script(spec: LaunchSpec) -> str:
             f" exit {EXIT_SETUP_FAILED}; }}"
         )
     lines += [f"export {k}={q(v)}" for k, v in launcher_env]
-    pidfile = f'{q(spec.launch_dir)}/"$host".pgid'
     lines += [
-        f"mkdir -p {q(spec.launch_dir)} || exit 1",
         # Own session: its process group id is its pid, recorded so `hpc-ddp launch stop`
         # (or the launcher, when another host fails) can end everything it started here.
         f"setsid {shlex.join(payload_argv(spec))} </dev/null &",
         "pid=$!",
-        # mkdir again: another "host" sharing this dir may have just removed it (rmdir below)
-        f'mkdir -p {q(spec.launch_dir)}; echo "$pid" > {pidfile}',
+        # mkdir again: another "host" sharing this dir may have just removed it (rmdir below).
+        # The pid goes to a new file (mktemp: O_EXCL) renamed over the pid file's name, so a
+        # link planted at that name is replaced, never written through.
+        'mkdir -p -m 0700 -- "$launch_dir"',
+        'tmp=$(mktemp -- "$launch_dir/.$host.pgid.XXXXXX") && echo "$pid" > "$tmp" &&'
+        ' mv -fT -- "$tmp" "$pidfile" ||'
+        f' echo "{tag} $host: could not record the process group in $launch_dir" >&2',
         "trap 'kill -TERM -- -$pid 2>/dev/null' TERM INT HUP",
         'wait "$pid"; rc=$?',
         # a trapped signal interrupts wait: keep waiting for the real exit code
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done',
-        f"rm -f {pidfile}",
-        f"rmdir --ignore-fail-on-non-empty {q(spec.launch_dir)} 2>/dev/null",
+        'rm -f -- "$pidfile"',
+        'rmdir --ignore-fail-on-non-empty -- "$launch_dir" 2>/dev/null',
         f'echo "{tag} host=$host node_rank=$node_rank exit=$rc" >&2',
         "exit $rc",
     ]
@@ -129,20 +160,22 @@ def stop_script(spec: LaunchSpec) -> str:
     outlive its launch; if its leader exists but lacks the tag, the pid was reused: left alone.
     While any member of a group lives, Linux does not reuse its id, so ``-pgid`` is safe.
     """
-    q = shlex.quote
     tag = "hpc-ddp-launch-stop:"
-    pidfile = f'{q(spec.launch_dir)}/"$host".pgid'
     ticks = max(1, spec.stop_grace_s * 10)
     lines = [
         f"host={_H}",
+        *_state_lines(spec),
         f'marker="HPC_DDP_LAUNCH_TAG={spec.launch_id}/$host"',
         # pids whose environment carries the marker (zombies have an empty environ: skipped)
         "ours() {",
         '  grep -lzxF "$marker" /proc/[0-9]*/environ 2>/dev/null'
         " | sed -e 's#^/proc/##' -e 's#/environ$##' | grep -vx \"$$\"",
         "}",
+        # The pid file only from a private state dir, never through a link, digits only.
         "pg=",
-        f"[ -f {pidfile} ] && pg=$(cat {pidfile})",
+        'if ! hpc_ddp_not_private "$state" >/dev/null && [ -f "$pidfile" ] && [ ! -L "$pidfile" ]',
+        'then pg=$(cat -- "$pidfile"); [[ $pg =~ ^[0-9]+$ ]] || pg=; else pidfile=; fi',
+        'drop_pidfile() { [ -z "$pidfile" ] || rm -f -- "$pidfile"; }',
         # Unreadable environ = the leader is gone; its group may live on: keep pg.
         "if [ -n \"$pg\" ] && leader_env=$( { tr '\\0' '\\n' < \"/proc/$pg/environ\"; }"
         " 2>/dev/null ); then",
@@ -150,20 +183,20 @@ def stop_script(spec: LaunchSpec) -> str:
         "fi",
         "targets=$(ours)",
         'if [ -z "$targets" ] && ! { [ -n "$pg" ] && kill -0 -- "-$pg" 2>/dev/null; }; then',
-        f'  rm -f {pidfile}; echo "{tag} $host: nothing running"; exit 0',
+        f'  drop_pidfile; echo "{tag} $host: nothing running"; exit 0',
         "fi",
         'if [ -n "$pg" ]; then kill -TERM -- "-$pg" 2>/dev/null; fi',
         "kill -TERM $targets 2>/dev/null",
         f"for _ in $(seq {ticks}); do",
         "  targets=$(ours)",
         '  if [ -z "$targets" ] && ! { [ -n "$pg" ] && kill -0 -- "-$pg" 2>/dev/null; }; then',
-        f'    rm -f {pidfile}; echo "{tag} $host: stopped"; exit 0',
+        f'    drop_pidfile; echo "{tag} $host: stopped"; exit 0',
         "  fi",
         "  sleep 0.1",
         "done",
         'if [ -n "$pg" ]; then kill -KILL -- "-$pg" 2>/dev/null; fi',
         "kill -KILL $(ours) 2>/dev/null",
-        f"rm -f {pidfile}",
+        "drop_pidfile",
         f'echo "{tag} $host: killed (still running {spec.stop_grace_s} s after SIGTERM)"',
     ]
     return _finish(lines)

@@ -195,9 +195,10 @@ class _Interrupted(Exception):
 
 def stop_hint(spec: LaunchSpec) -> str:
     """The exact ``hpc-ddp launch stop`` command for this launch."""
+    state = ["--state-dir", spec.state_dir] if spec.state_dir else []  # else: each host's default
     return shlex.join(
         ["hpc-ddp", "launch", "stop", "--via", spec.tool, "--rcmd", spec.rcmd, "--hosts",
-         ",".join(spec.hosts), "--launch-id", spec.launch_id, "--state-dir", spec.state_dir]
+         ",".join(spec.hosts), "--launch-id", spec.launch_id, *state]
     )  # fmt: skip
 
 

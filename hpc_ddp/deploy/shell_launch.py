@@ -18,7 +18,6 @@ This module builds and renders; ``launch_runner`` runs. Neither imports torch.
 
 from __future__ import annotations
 
-import getpass
 import os
 import re
 import secrets
@@ -46,6 +45,8 @@ FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LAUNCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_STATE_DIR = re.compile(r"/[^\x00-\x1f\x7f]*")
+DEFAULT_STATE_DIR_SHOWN = "${XDG_RUNTIME_DIR:-~/.local/state}/hpc-ddp/launch"
 
 
 def new_launch_id() -> str:
@@ -82,7 +83,9 @@ class LaunchSpec:
     # The interpreter running hpc-ddp: on the shared file system that --workdir already assumes,
     # the same path (venv included) exists on every host, so no --setup is needed to find torch.
     python: str = field(default_factory=lambda: sys.executable)
-    state_dir: str = "/tmp/hpc-ddp-launch"
+    # Where each host keeps the launch's pid files; "" = the host's private state dir
+    # (host_scripts resolves it there: hpc_ddp.private_paths' rules).
+    state_dir: str = ""
     timeout_s: int | None = None  # pdsh/clush -u: last-resort bound on the whole run per host
     rendezvous_timeout_s: int = 120
     stop_grace_s: int = 10
@@ -121,13 +124,19 @@ class LaunchSpec:
             )
         if not 1 <= self.master_port <= 65535:
             raise ConfigError(f"master port {self.master_port} is not a TCP port", hint="1..65535")
-        if not _LAUNCH_ID.match(self.launch_id):
+        if not _LAUNCH_ID.fullmatch(self.launch_id):
             raise ConfigError(
                 f"launch id {self.launch_id!r} is not a plain name",
                 hint="letters, digits, '.', '-', '_' (it names pid files on every host)",
             )
+        if self.state_dir and not _STATE_DIR.fullmatch(self.state_dir):
+            raise ConfigError(
+                f"--state-dir {self.state_dir!r} is not an absolute path without control "
+                "characters",
+                hint="pass an absolute directory only you can write, or leave --state-dir out",
+            )
         for key, _ in self.env:
-            if not _ENV_KEY.match(key):
+            if not _ENV_KEY.fullmatch(key):
                 raise ConfigError(f"--env {key!r} is not a variable name", hint="use --env K=V")
 
     @property
@@ -148,7 +157,8 @@ class LaunchSpec:
 
     @property
     def launch_dir(self) -> str:
-        return f"{self.state_dir}/{self.launch_id}"
+        """For people: where the pid files go (the host resolves the default itself)."""
+        return f"{self.state_dir or DEFAULT_STATE_DIR_SHOWN}/{self.launch_id}"
 
 
 def make_spec(
@@ -196,7 +206,7 @@ def make_spec(
         env=tuple(sorted(env.items())),
         python=python,
         workdir=workdir or os.getcwd(),
-        state_dir=state_dir or f"/tmp/hpc-ddp-launch-{getpass.getuser()}",
+        state_dir=os.path.abspath(state_dir) if state_dir else "",
         **kwargs,  # type: ignore[arg-type]
     )
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hpc_ddp.private_paths import replace_file
 
 RESULT = "result.json"
 METRICS = "metrics.jsonl"
@@ -40,10 +42,9 @@ class Result:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Atomic: readers (tests, monitors) never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Atomic (readers such as tests and monitors never see a half-written file), and never
+    through a link at ``path`` (private_paths.replace_file)."""
+    replace_file(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:
@@ -52,9 +53,8 @@ def read_json(path: Path) -> Any:
 
 def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
     """Rewrite metrics.jsonl from the checkpointed history, so a resume never duplicates lines."""
-    tmp = run_dir / f".{METRICS}.tmp-{os.getpid()}"
-    tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in history))
-    os.replace(tmp, run_dir / METRICS)
+    lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in history)
+    replace_file(run_dir / METRICS, lines.encode())
 
 
 def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
@@ -76,9 +76,9 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     for ax in (ax_loss, ax_acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
-    out = run_dir / PLOT
-    tmp = run_dir / f".{PLOT}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=80)
+    png = io.BytesIO()  # matplotlib would open a path through a link: hand it bytes instead
+    fig.savefig(png, format="png", dpi=80)
     plt.close(fig)
-    os.replace(tmp, out)
+    out = run_dir / PLOT
+    replace_file(out, png.getvalue())
     return out

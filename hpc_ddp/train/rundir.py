@@ -6,6 +6,8 @@
   a later start whose identity settings (model, data, optimizer, seed, ...: ``IDENTITY_KEYS``)
   differ is refused: resuming would mix two experiments.
 - A directory with checkpoints resumes; one with ``result.json`` is finished and left alone.
+- Only a directory the trainer made is used (run_marker.py): one holding other files is refused
+  before anything is written into it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.checkpoint import RunDirLock
 from hpc_ddp.train.config import IDENTITY_KEYS, TrainConfig
 from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
+from hpc_ddp.train.run_marker import claim_run_dir
 
 _DEFAULTS = TrainConfig().to_dict()
 
@@ -27,8 +30,10 @@ class RunDirState:
 
 
 def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
-    """Rank 0: take the lock, check the directory against ``cfg``, record ``config.json``."""
+    """Rank 0: claim the directory, take the lock, check it against ``cfg``, record
+    ``config.json``."""
     run_dir = Path(cfg.run_dir)
+    claim_run_dir(run_dir)  # before the lock, whose files would be the first written there
     lock.acquire()  # raises RunDirLockedError (exit 2) if another run holds it
     saved_path = run_dir / CONFIG
     if saved_path.exists():

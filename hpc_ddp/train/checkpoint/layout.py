@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +12,13 @@ from .fsutil import fsync_dir, remove_tree, write_bytes_durably
 from .manifest import LATEST, TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs
 
 Log = Callable[[str], None]
+
+# Exactly the names saves give their directories: tmp_dir_name(step) while writing, and
+# "<TRASH_PREFIX><step dir>-<pid>" for one being replaced or pruned. Anything else that merely
+# starts with ".tmp-" is not ours to delete.
+_LEFTOVER = re.compile(
+    rf"{re.escape(TMP_PREFIX)}step-[0-9]{{8,}}|{re.escape(TRASH_PREFIX)}step-[0-9]{{8,}}-[0-9]+"
+)
 
 
 def read_latest(root: Path) -> tuple[str | None, str | None]:
@@ -35,12 +44,19 @@ def write_latest(root: Path, name: str) -> None:
     write_bytes_durably(root / LATEST, f"{name}\n".encode())
 
 
+def is_leftover(entry: os.DirEntry[str]) -> bool:
+    """A directory (not a link) named as a save names its temporary or trash directories, owned
+    by this user: what a crashed save of ours leaves, never someone else's file."""
+    if not _LEFTOVER.fullmatch(entry.name):
+        return False
+    st = entry.stat(follow_symlinks=False)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def clean_leftovers(root: Path, log: Log, *, keep: str | None = None) -> None:
     """Remove temporary and trash directories left by saves that crashed (rank 0 only)."""
     for entry in os.scandir(root):
-        if entry.name == keep or not entry.is_dir(follow_symlinks=False):
-            continue
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if entry.name != keep and is_leftover(entry):
             log(f"checkpoint: removing {entry.name}, left by an interrupted save")
             remove_tree(Path(entry.path), log)
 

@@ -1,0 +1,138 @@
+"""Whose directory is this? The trainer writes only into a run dir that it made.
+
+``--run-dir`` pointed at a directory of other files must not become a run dir: the trainer
+replaces config.json, progress.json, metrics.jsonl, result.json and plot.png there and cleans
+up inside checkpoints/. So rank 0, before it writes anything there (the lock included):
+
+- a missing or empty directory becomes a run dir: ``.hpc-ddp-run`` is created in it;
+- a directory holding ``.hpc-ddp-run`` (a regular file in this format) is a run dir;
+- a directory that an hpc-ddp older than the marker made (its config.json holds only the
+  trainer's settings, with the ones every version recorded) is one too, and gets the marker:
+  runs started before an upgrade must still resume, and their requeued jobs arrive unattended;
+- anything else is refused, naming what the directory holds.
+
+Not counted as content: the lock files of a run that died before writing the marker, and under
+Slurm the job's own log if its name carries the job id (``%j``/``%A``): job specs put
+``--output`` into the run dir, and Slurm creates that file before the trainer starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import hpc_ddp
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.private_paths import create_file
+from hpc_ddp.train.checkpoint.lock import LOCK_FILE, OWNER_FILE
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.results import CONFIG
+
+MARKER = ".hpc-ddp-run"
+FORMAT = "hpc-ddp-run/1"
+_FORMAT_PREFIX = "hpc-ddp-run/"
+_MAX_MARKER_BYTES = 4096
+_LOCK_LEFTOVERS = frozenset({LOCK_FILE, OWNER_FILE})
+# Settings every config.json since the first version recorded (tests/test_run_marker.py checks
+# that they still exist); together with "no key the trainer does not know" they tell the
+# toolkit's own config.json from someone else's.
+OLDEST_KEYS = ("run_dir", "dataset", "model", "seed", "epochs", "batch_size", "lr")
+_JOB_ID = re.compile(r"[0-9]+")
+_JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID")
+_HINT = "choose an empty or new --run-dir (the trainer creates it)"
+
+
+def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> None:
+    """Make ``run_dir`` a run dir of ours, or raise ConfigError if it is someone else's."""
+    run_dir = Path(run_dir)
+    try:
+        entries = os.listdir(run_dir)
+    except FileNotFoundError:
+        entries = []
+    except OSError as err:
+        raise ConfigError(
+            f"cannot use {run_dir} as the run dir: {err.strerror}", hint=_HINT
+        ) from None
+    if MARKER in entries:
+        _check_marker(run_dir / MARKER)
+        return
+    env = os.environ if environ is None else environ
+    ignored = _LOCK_LEFTOVERS
+    others = sorted(e for e in entries if e not in ignored and not _job_log(run_dir, e, env))
+    if others and not is_older_run_dir(run_dir):
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise ConfigError(
+            f"run dir {run_dir} is not empty and is not an hpc-ddp run dir (it has no {MARKER}): "
+            f"it holds {shown}",
+            hint=f"{_HINT}; the trainer never writes into a directory of other files",
+        )
+    marker = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "hpc_ddp": hpc_ddp.__version__}  # fmt: skip
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        create_file(run_dir / MARKER, (json.dumps(marker) + "\n").encode())
+    except FileExistsError:
+        _check_marker(run_dir / MARKER)  # a second start raced this one; the lock decides next
+    except OSError as err:
+        raise ConfigError(
+            f"cannot create the run dir {run_dir}: {err.strerror}", hint=_HINT
+        ) from None
+
+
+def _read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link) of at most ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = f.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
+def _check_marker(path: Path) -> None:
+    data = _read_regular(path, _MAX_MARKER_BYTES)
+    try:
+        marker: Any = json.loads(data) if data is not None else None
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or not str(marker.get("format", "")).startswith(_FORMAT_PREFIX):
+        raise ConfigError(
+            f"{path} is not a run dir marker written by hpc-ddp (a link, not a file, or not "
+            f"of the format {FORMAT})",
+            hint=f"{_HINT}; the trainer writes only into run dirs it made",
+        )
+
+
+def is_older_run_dir(run_dir: Path) -> bool:
+    """A run dir of an hpc-ddp version that wrote no marker: recognised by its config.json."""
+    data = _read_regular(run_dir / CONFIG, 1 << 20)
+    try:
+        saved = json.loads(data) if data is not None else None
+    except ValueError:
+        return False
+    known = TrainConfig.__dataclass_fields__
+    return (
+        isinstance(saved, dict)
+        and all(key in saved for key in OLDEST_KEYS)
+        and all(key in known for key in saved)
+    )
+
+
+def _job_log(run_dir: Path, name: str, env: Mapping[str, str]) -> bool:
+    """Is ``name`` a regular file named with this Slurm job's id (its own ``--output``)?"""
+    ids = [env[v] for v in _JOB_ID_VARS if _JOB_ID.fullmatch(env.get(v, ""))]
+    if not any(re.search(rf"(?<![0-9]){job_id}(?![0-9])", name) for job_id in ids):
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(run_dir / name).st_mode)
+    except OSError:
+        return False
