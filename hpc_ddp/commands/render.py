@@ -109,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _all_examples(args: argparse.Namespace) -> int:
+    if not (args.jobs_dir / "specs").is_dir():
+        raise ConfigError(
+            f"--all-examples re-renders the committed jobs of a source checkout, and "
+            f"{args.jobs_dir / 'specs'} does not exist (this hpc-ddp is an installed package)",
+            hint="run it in a clone of the hpc-ddp repository, with hpc-ddp installed from it "
+            "(scripts/install.sh)",
+        )
     if args.check or args.dry_run:
         stale = stale_examples(args.jobs_dir)
         for ex in stale:
