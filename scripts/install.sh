@@ -7,8 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+# Every extra: the toolkit's core, training (torch) and submitit; --test adds the test tools.
+extras="[all]"
+[ "${1:-}" = "--test" ] && extras="[all,test]"
 
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -32,7 +33,8 @@ for svc in slurmctld slurmd munge; do
 done
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# torch 2.14.1 + torchvision 0.29.1: the pair that imports together on x86_64 (shared/facts.md).
+# torch 2.14.1 + torchvision 0.29.1: on x86_64 the newest pair whose torchvision imports beside
+# its torch from the wheels this installer can reach (torch 2.13.0+cpu has no working torchvision).
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -e ".${extras}"
 echo "install: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -78,13 +78,15 @@ def test_config_file_then_flags_win(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "values,needle",
     [
-        ({"learning_rate": 0.1}, "valid settings: run_dir"),
+        ({"learning_rate": 0.1}, "valid keys: run_dir"),
+        ({"bach_size": 8}, "did you mean 'batch_size'"),
         ({"model": "vgg"}, "use one of: lenet, resnet18"),
-        ({"epochs": "3"}, "epochs takes a int"),
+        ({"epochs": "3"}, "epochs: expected an integer"),
+        ({"epochs": 3.0}, "epochs: expected an integer"),
         ({"batch_size": 0}, "batch_size=0 must be >= 1"),
         ({"keep_checkpoints": 1}, "keep at least 2"),
         ({"requeue_signals": ["SIGNOPE"]}, "unknown signal"),
-        ({"amp": True}, "amp takes a str"),
+        ({"amp": True}, "amp: expected a string"),
     ],
 )
 def test_bad_config_values_fail_clearly(values: dict, needle: str) -> None:
@@ -98,9 +100,9 @@ def test_bad_config_files(tmp_path: Path) -> None:
     (tmp_path / "x.yaml").write_text("lr: 1")
     (tmp_path / "list.json").write_text("[1]")
     for name, needle in [
-        ("bad.json", "cannot parse"),
-        ("x.yaml", "*.json or *.toml"),
-        ("list.json", "table/object"),
+        ("bad.json", "invalid JSON"),
+        ("x.yaml", "use .toml or .json"),
+        ("list.json", "expected a table of settings"),
         ("missing.json", "does not exist"),
     ]:
         with pytest.raises(ConfigError) as err:

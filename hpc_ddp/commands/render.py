@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import schema
 from hpc_ddp.deploy.examples import JOBS_DIR, examples, render_all, stale_examples, write_atomic
 from hpc_ddp.deploy.render import render
 from hpc_ddp.deploy.spec import JobSpec, build_spec
@@ -22,45 +22,18 @@ _SKIP = {"args"}  # given after `--`
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per JobSpec field (dest ``spec_<name>``, default None = not given)."""
+    """One flag per JobSpec field (only the flags given override the file)."""
     parser.add_argument("-c", "--config", metavar="FILE", help="job spec file (.toml or .json)")
     group = parser.add_argument_group("job spec fields (override the file)")
-    for f in fields(JobSpec):
-        if f.name in _SKIP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kw: dict[str, Any] = {"dest": f"spec_{f.name}", "default": None, "help": f.metadata["help"]}
-        kind = str(f.type)
-        if kind == "int":
-            group.add_argument(flag, type=int, metavar="N", **kw)
-        elif kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif kind == "list[str]":
-            group.add_argument(flag, action="append", metavar="VALUE", **kw)
-        elif kind == "dict[str, str]":
-            group.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
-        else:
-            group.add_argument(flag, metavar="VALUE", **kw)
+    schema.add_arguments(group, JobSpec, skip=_SKIP, show_defaults=False)
     parser.add_argument("args", nargs="*", help="program arguments (after --)")
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in fields(JobSpec):
-        value = getattr(args, f"spec_{f.name}", None)
-        if f.name == "args":
-            value = list(args.args) if args.args else None
-        if value is None:
-            continue
-        if str(f.type) == "dict[str, str]":
-            pairs = {}
-            for item in value:
-                key, sep, val = item.partition("=")
-                if not sep:
-                    raise ConfigError(f"--env {item!r}: expected KEY=VALUE")
-                pairs[key] = val
-            value = pairs
-        out[f.name] = value
+    out = schema.given_values(args, JobSpec)
+    out.pop("args", None)
+    if args.args:
+        out["args"] = list(args.args)
     return out
 
 
@@ -109,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _all_examples(args: argparse.Namespace) -> int:
+    if not (args.jobs_dir / "specs").is_dir():
+        raise ConfigError(
+            f"--all-examples re-renders the committed jobs of a source checkout, and "
+            f"{args.jobs_dir / 'specs'} does not exist (this hpc-ddp is an installed package)",
+            hint="run it in a clone of the hpc-ddp repository, with hpc-ddp installed from it "
+            "(scripts/install.sh)",
+        )
     if args.check or args.dry_run:
         stale = stale_examples(args.jobs_dir)
         for ex in stale:

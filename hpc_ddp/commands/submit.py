@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.extras import require
 
 # "slurm" is another name for "submitit" (submitit's AutoExecutor on the Slurm cluster).
 EXECUTORS = ("sbatch", "submitit", "slurm", "local")
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             f"--executor {args.executor} needs a job spec (.toml/.json), got {job}",
             hint="use the spec in jobs/specs/, or --executor sbatch for a rendered script",
         )
+    require("submitit", f"--executor {args.executor}")
     from hpc_ddp.deploy.submitit_backend import run_spec
 
     executor = "submitit" if args.executor == "slurm" else args.executor

@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn
 
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.extras import require
 from hpc_ddp.train import config
 
 
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> NoReturn:
     cfg = config.from_args(args)  # bad settings fail here (exit 2), before torch is imported
+    require("train", "training")
 
     from hpc_ddp.dist import run_main
     from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose

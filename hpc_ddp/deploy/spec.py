@@ -9,14 +9,13 @@ Pure Python, never imports torch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import schema
 from hpc_ddp.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
@@ -150,65 +149,10 @@ class JobSpec:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "job spec") -> JobSpec:
         """Build from plain data; unknown keys and wrong types are reported with the valid keys."""
-        known = {f.name: f for f in fields(cls)}
-        problems = []
-        for key in data:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                maybe = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"unknown key {key!r}{maybe}")
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            if key in known:
-                try:
-                    values[key] = _coerce(known[key], value)
-                except (TypeError, ValueError) as err:
-                    problems.append(f"{key}: {err}")
-        if problems:
-            raise ConfigError(
-                f"{source}: " + "; ".join(problems),
-                hint="valid keys: " + ", ".join(known),
-            )
-        return cls(**values)
+        return cls(**schema.from_mapping(cls, data, source=source))
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
-
-
-def _type_name(f: dataclasses.Field[Any]) -> str:
-    return str(f.type)
-
-
-def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
-    kind = _type_name(f)
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"expected an integer, got {value!r}")
-        return value
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise TypeError(f"expected true or false, got {value!r}")
-        return value
-    if kind == "str":
-        if not isinstance(value, str):
-            raise TypeError(f"expected a string, got {value!r}")
-        return value
-    if kind == "list[str]":
-        if isinstance(value, str):
-            raise TypeError(f"expected a list of strings, got the string {value!r}")
-        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-            raise TypeError(f"expected a list of strings, got {value!r}")
-        return list(value)
-    if kind == "dict[str, str]":
-        if not isinstance(value, Mapping):
-            raise TypeError(f'expected a table of KEY = "value", got {value!r}')
-        out = {}
-        for k, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, str | int | float):
-                raise TypeError(f"{k}: expected a string value, got {v!r}")
-            out[str(k)] = str(v)
-        return out
-    raise TypeError(f"unsupported field type {kind}")  # pragma: no cover - schema bug
 
 
 def _divisors(n: int) -> list[int]:
@@ -334,31 +278,7 @@ def time_limit_seconds(limit: str) -> int | None:
 
 def load_spec_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON spec file into plain data (not yet validated)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read job spec {path}: {err.strerror}") from err
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: invalid JSON: {err}") from err
-    elif path.suffix == ".toml":
-        import tomllib
-
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from err
-    else:
-        raise ConfigError(
-            f"job spec {path}: unknown file type {path.suffix!r}",
-            hint="use a .toml or .json file",
-        )
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a table of settings at the top level")
-    return data
+    return schema.load_file(path, what="job spec")
 
 
 def build_spec(

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import signal
-import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import schema
 from hpc_ddp.errors import ConfigError
 
 DATASETS = ("cifar10", "cifar100")
@@ -134,7 +133,11 @@ class TrainConfig:
     )
     requeue_signals: list[str] = field(
         default_factory=lambda: ["SIGUSR1", "SIGTERM"],
-        metadata=_opt("signals that mean 'checkpoint and requeue' (e.g. USR1,TERM)"),
+        metadata=_opt(
+            "signals that mean 'checkpoint and requeue' (e.g. USR1,TERM)",
+            flag="--requeue-signal",
+            split=",",
+        ),
     )
     backend: str | None = field(default=None, metadata=_opt("process-group backend override"))
     gpus_per_process: int = field(
@@ -209,124 +212,29 @@ def parse_signal(name: str | int) -> signal.Signals:
 
 
 def field_names() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]
-
-
-def _coerce(name: str, value: Any, default: Any) -> Any:
-    """Check a file/API value against the field's type (from its default); ints may be floats."""
-    kind = type(default)
-    if name == "backend":
-        if value is None or isinstance(value, str):
-            return value
-    elif isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-    elif isinstance(default, list):
-        if isinstance(value, str):
-            return [s for s in value.split(",") if s]
-        if isinstance(value, list) and all(isinstance(v, (str, int)) for v in value):
-            return list(value)
-    elif isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(value, kind) and not isinstance(value, bool):
-        return value
-    raise ConfigError(
-        f"{name}={value!r} has the wrong type",
-        hint=f"{name} takes a {kind.__name__} (default {default!r})",
-    )
+    return schema.field_names(TrainConfig)
 
 
 def from_mapping(values: dict[str, Any], *, base: TrainConfig | None = None) -> TrainConfig:
     """Build a config from a mapping (file or API); unknown keys fail listing the valid ones."""
-    current = (base or TrainConfig()).to_dict()
-    valid = field_names()
-    normalized = {str(k).replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(normalized) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"unknown setting(s): {', '.join(unknown)}", hint=f"valid settings: {', '.join(valid)}"
-        )
-    defaults = TrainConfig().to_dict()
-    for key, value in normalized.items():
-        current[key] = _coerce(key, value, defaults[key])
-    return TrainConfig(**current)
+    return TrainConfig(**schema.from_mapping(TrainConfig, values, source="settings", base=base))
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or TOML config file (TOML needs Python 3.11+ or the tomli package)."""
-    path = Path(path)
-    if not path.is_file():
+    """Read a JSON or TOML config file; a [train] table is used when the file has one."""
+    if not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist", hint="check the --config path")
-    text = path.read_text()
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        elif path.suffix == ".toml":
-            data = _toml_loads(text)
-        else:
-            raise ConfigError(
-                f"config file {path} has an unknown type", hint="name it *.json or *.toml"
-            )
-    except (ValueError, TypeError) as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ConfigError(f"cannot parse {path}: {err}", hint="fix the syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a table/object of settings, not {type(data).__name__}")
-    # A [train] table is accepted so one TOML file can also hold other sections.
-    return data.get("train", data) if isinstance(data.get("train"), dict) else data
-
-
-def _toml_loads(text: str) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise ConfigError(
-                "TOML config files need Python 3.11+ or the tomli package",
-                hint="pip install tomli, or write the config as JSON",
-            ) from None
-    return tomllib.loads(text)
+    return schema.load_file(path, what="config file", section="train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field (--batch-size ...). Defaults are SUPPRESSed: only given flags override."""
     parser.add_argument("--config", help="JSON or TOML file of settings (flags win over it)")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (default: {_default(f)!r})"
-        if f.name == "requeue_signals":
-            parser.add_argument(
-                "--requeue-signal",
-                dest=f.name,
-                default=argparse.SUPPRESS,
-                type=lambda s: [x for x in s.split(",") if x],
-                help=help_text,
-            )
-        elif isinstance(_default(f), bool):
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            kind = type(_default(f)) if _default(f) is not None else str
-            parser.add_argument(
-                flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=help_text
-            )
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
+    schema.add_arguments(parser, TrainConfig)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults < --config file < flags."""
     base = from_mapping(load_file(args.config)) if getattr(args, "config", None) else TrainConfig()
-    given = {k: v for k, v in vars(args).items() if k in field_names()}
+    given = schema.given_values(args, TrainConfig)
     return dataclasses.replace(base, **given) if given else base

@@ -1,0 +1,240 @@
+"""One schema helper for every settings dataclass (JobSpec, TrainConfig, the launch options).
+
+A settings class is a dataclass whose fields carry their help in metadata (``setting``). From
+it this module derives, in one way for all of them: type checks of values from files and the
+API (``from_mapping``), TOML/JSON loading (``load_file``) and the argparse flags
+(``add_arguments`` / ``given_values``). Pure Python: no torch.
+
+Coercion rules (the same for every class): an int field takes an integer (not a bool, not a
+float); a float field takes an int or a float; a bool field takes true/false only; a str field a
+string; ``list[str]`` a list of strings (or, for fields marked ``split=","``, one comma-separated
+string); ``dict[str, str]`` a table whose values are strings or numbers; ``X | None`` also None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.errors import ConfigError
+
+MISSING = dataclasses.MISSING
+
+
+def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta: Any) -> Any:
+    """A dataclass field with its help text. ``meta``: ``flag`` (its CLI name), ``split`` (a
+    separator that lets a list field be one string), ``cli=False`` (no flag)."""
+    metadata = {"help": help, **meta}
+    if factory is not MISSING:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation (settings modules use postponed annotations)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _optional(kind: Any) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return kind, False
+
+
+def type_name(kind: Any) -> str:
+    base, optional = _optional(kind)
+    name = getattr(base, "__name__", str(base)) if typing.get_origin(base) is None else str(base)
+    return f"{name} or none" if optional else name
+
+
+def coerce(kind: Any, value: Any, *, split: str | None = None) -> Any:
+    """``value`` checked against ``kind``; raises TypeError saying what was expected."""
+    kind, optional = _optional(kind)
+    if value is None and optional:
+        return None
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError(f"expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError(f"expected an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError(f"expected a number, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError(f"expected a string, got {value!r}")
+    if origin is list:
+        if isinstance(value, str):
+            if split:
+                return [s for s in value.split(split) if s]
+            raise TypeError(f"expected a list of strings, got the string {value!r}")
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise TypeError(f"expected a list of strings, got {value!r}")
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError(f'expected a table of KEY = "value", got {value!r}')
+        out = {}
+        for k, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, str | int | float):
+                raise TypeError(f"{k}: expected a string value, got {v!r}")
+            out[str(k)] = str(v)
+        return out
+    raise TypeError(f"unsupported field type {kind}")  # pragma: no cover - a schema bug
+
+
+def from_mapping(
+    cls: type, data: Mapping[str, Any], *, source: str, base: Any = None
+) -> dict[str, Any]:
+    """Checked keyword arguments for ``cls`` from plain data (a file, the API, flags).
+
+    Keys may use '-' for '_'. Every unknown key (with the closest valid one) and every wrong
+    type is reported at once; values not given come from ``base`` (an instance) if there is one.
+    """
+    kinds = field_types(cls)
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
+    problems = []
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in kinds:
+            close = difflib.get_close_matches(key, kinds, n=1)
+            maybe = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown key {raw_key!r}{maybe}")
+            continue
+        try:
+            values[key] = coerce(kinds[key], value, split=meta[key].get("split"))
+        except TypeError as err:
+            problems.append(f"{key}: {err}")
+    if problems:
+        raise ConfigError(
+            f"{source}: " + "; ".join(problems), hint="valid keys: " + ", ".join(kinds)
+        )
+    return values
+
+
+def _toml_loads(text: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10 (tomli is a core dependency there)
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def load_file(path: str | Path, *, what: str, section: str | None = None) -> dict[str, Any]:
+    """Plain data from a .toml or .json file (not yet checked). With ``section``, a top-level
+    table of that name is used when present, so one file can hold several sections."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot read {what} {path}: {err.strerror}", hint="check the path"
+        ) from None
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(
+            f"{what} {path}: unknown file type {path.suffix!r}", hint="use .toml or .json"
+        )
+    try:
+        data = json.loads(text) if path.suffix == ".json" else _toml_loads(text)
+    except ValueError as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ConfigError(
+            f"{path}: invalid {path.suffix[1:].upper()}: {err}", hint="fix the syntax"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a table of settings at the top level, not {type(data).__name__}"
+        )
+    if section and isinstance(data.get(section), dict):
+        return data[section]
+    return data
+
+
+def flag_of(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    skip: frozenset[str] = frozenset(),
+    show_defaults: bool = True,
+) -> None:
+    """One flag per field. Defaults are SUPPRESSed, so ``given_values`` sees only given flags."""
+    kinds = field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.metadata.get("cli") is False:
+            continue
+        kind, _ = _optional(kinds[f.name])
+        help_text = f.metadata.get("help", "")
+        if show_defaults:
+            help_text = f"{help_text} (default: {default_of(f)!r})".replace("%", "%%")
+        else:
+            help_text = help_text.replace("%", "%%")
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        origin = typing.get_origin(kind)
+        if kind is bool:
+            parser.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
+        elif origin is list and f.metadata.get("split"):
+            sep = f.metadata["split"]
+            parser.add_argument(
+                flag_of(f), type=lambda s, sep=sep: [x for x in s.split(sep) if x], **kw
+            )
+        elif origin is list:
+            parser.add_argument(flag_of(f), action="append", metavar="VALUE", **kw)
+        elif origin is dict:
+            parser.add_argument(flag_of(f), action="append", metavar="KEY=VALUE", **kw)
+        else:
+            metavar = {int: "N", float: "X"}.get(kind, "VALUE")
+            parser.add_argument(flag_of(f), type=kind, metavar=metavar, **kw)
+
+
+def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` given as flags, with KEY=VALUE lists turned into tables."""
+    kinds = field_types(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if typing.get_origin(_optional(kinds[f.name])[0]) is dict:
+            table = {}
+            for item in value:
+                key, sep, val = item.partition("=")
+                if not sep:
+                    raise ConfigError(f"{flag_of(f)} {item!r}: expected KEY=VALUE")
+                table[key] = val
+            value = table
+        out[f.name] = value
+    return out
