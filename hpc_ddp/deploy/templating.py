@@ -12,6 +12,8 @@ from pathlib import Path
 
 import jinja2
 
+from hpc_ddp.deploy.safe_text import comment_text
+
 TEMPLATE_DIR = Path(
     os.environ.get("HPC_DDP_TEMPLATES", Path(__file__).resolve().parents[2] / "templates")
 )
@@ -28,6 +30,7 @@ def environment() -> jinja2.Environment:
         autoescape=False,  # shell, not HTML: quoting is done with shlex
     )
     env.filters["shquote"] = shlex.quote
+    env.filters["comment"] = comment_text  # free text inside a '#' line stays on that line
     return env
 
 
