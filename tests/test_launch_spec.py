@@ -85,7 +85,7 @@ def test_trainer_arguments_become_the_trainer_command() -> None:
         ({"tool": "srun"}, "tool"),
         ({"rcmd": "rsh"}, "rcmd"),
         ({"command": []}, "no command"),
-        ({"launch_id": "a b"}, "launch id"),
+        ({"launch_id": "a b"}, "--launch-id"),
         ({"env": {"A-B": "1"}}, "variable name"),
         ({"master_port": 70000}, "TCP port"),
     ],
@@ -217,3 +217,63 @@ def test_missing_tool_is_a_clear_error() -> None:
                    "true"])  # fmt: skip
     assert res.returncode == 2
     assert "'/nonexistent/pdsh' is not installed" in res.stderr and "HINT:" in res.stderr
+
+
+# --- data never becomes code (the full table is tests/test_hostile_scripts.py) -------------
+@pytest.mark.parametrize("addr", ["node01", "10.0.0.1", "fd00::1", "::ffff:10.0.0.1", "n-1.ib"])
+def test_master_addr_takes_host_names_and_addresses(addr: str) -> None:
+    spec = _spec(master_addr=addr)
+    assert f"--master-addr={addr}" in payload_argv(spec)
+    assert f"master {addr}:" in render_launch_script(spec)
+
+
+@pytest.mark.parametrize(
+    "addr", ["node1\n", "a\nrm -rf ~", "$(id)", "-oProxyCommand=x", "fd00::1%eth0", "a b", ""]
+)
+def test_master_addr_is_validated(addr: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _spec(master_addr=addr)
+    assert f"--master-addr {addr!r}" in str(err.value) and err.value.hint
+
+
+@pytest.mark.parametrize("text", ["node1\n", "node[1-2]\n", "node1,-oProxyCommand=x", "node1\r"])
+def test_host_lists_refuse_trailing_newlines_and_options(text: str) -> None:
+    with pytest.raises(ConfigError, match="--hosts"):
+        canonical_hosts(text)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"command": ["python3", "w.py", "a\nb"]}, "command argument 2 'a\\nb'"),
+        ({"env": {"NCCL_DEBUG": "INFO\n"}}, "env NCCL_DEBUG 'INFO\\n'"),
+        ({"workdir": "/w\u2028x"}, "--workdir '/w\\u2028x': U+2028 LINE SEPARATOR"),
+        ({"setup": ("source a\nb",)}, "--setup[0]"),
+        ({"launch_id": "L1\n"}, "--launch-id 'L1\\n'"),
+    ],
+)
+def test_launch_values_refuse_control_characters(kw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _spec(**kw)
+    assert needle in str(err.value) and err.value.hint
+
+
+def test_rendered_script_keeps_its_comments_whatever_the_file_name(tmp_path) -> None:
+    script = tmp_path / "x\nrm -rf ~ #.sh"
+    res = hpc_ddp(["launch", "pdsh", "--hosts", "n1", "--launch-id", "L3", "--render-script",
+                   str(script), "--", "true"], timeout=30)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    head = script.read_text().split("\nset -u\n")[0].splitlines()
+    assert all(line.startswith("#") for line in head), head
+    assert any("x\\nrm -rf ~ #.sh" in line for line in head)
+
+
+def test_render_script_never_overwrites_without_force(tmp_path) -> None:
+    script = tmp_path / "launch.sh"
+    script.write_text("mine\n")
+    args = ["launch", "pdsh", "--hosts", "n1", "--launch-id", "L4", "--render-script", str(script)]
+    res = hpc_ddp([*args, "--", "true"], timeout=30)
+    assert res.returncode == 2 and "exists" in res.stderr and "--force" in res.stderr
+    assert script.read_text() == "mine\n"
+    assert hpc_ddp([*args, "--force", "--", "true"], timeout=30).returncode == 0
+    assert script.read_text().startswith("#!/usr/bin/env bash")

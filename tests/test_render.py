@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp import __version__
 from hpc_ddp.cli import main
 from hpc_ddp.deploy import JobSpec, build_spec, render
 from hpc_ddp.errors import ConfigError
@@ -245,3 +246,56 @@ def test_per_rank_logs_go_to_one_file_per_rank() -> None:
 def test_gpus_per_process_env_must_agree_with_the_spec() -> None:
     with pytest.raises(ConfigError, match="contradicts gpus_per_process=8"):
         JobSpec(gpus_per_node=8, gpus_per_process=8, env={"HPC_DDP_GPUS_PER_PROCESS": "4"})
+
+
+# --- data never becomes code (the full table is tests/test_hostile_scripts.py) -------------
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        (dict(time="01:00:00\n"), "time '01:00:00\\n'"),  # '$' would accept the newline
+        (dict(time="٣"), "time '٣'"),  # an Arabic-Indic digit is no Slurm time
+        (dict(mem="4G\n"), "mem '4G\\n'"),
+        (dict(name="job\n"), "name 'job\\n'"),
+        (dict(env={"KEY\n": "1"}), "env key 'KEY\\n'"),
+        (dict(partition="gpu\n#SBATCH --qos=high"), "partition 'gpu\\n#SBATCH"),
+        (dict(output="logs/a b.out"), "output 'logs/a b.out': an #SBATCH value cannot hold"),
+        (dict(account="hetjob1"), "sbatch reads 'hetjob'"),
+        (dict(extra_sbatch=["--exclusive --qos=x"]), "extra_sbatch[0] '--exclusive --qos=x'"),
+        (dict(module="pkg.mod;ls"), "module 'pkg.mod;ls'"),
+        (dict(args=["ok", "a\rb"]), "args[1] 'a\\rb': U+000D CARRIAGE RETURN"),
+        (dict(python="py\u2028thon"), "U+2028 LINE SEPARATOR"),
+    ],
+)
+def test_data_fields_refuse_what_would_leave_their_line(kw: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec(**kw)
+    assert needle in str(err.value)
+
+
+def test_setup_lines_are_shell_but_one_line_each() -> None:
+    text = render(JobSpec(setup=["module load cuda\t# tab kept", "echo $(hostname)"]))
+    assert "module load cuda\t# tab kept\necho $(hostname)\n" in text
+    with pytest.raises(ConfigError, match=r"setup\[1\] .*LINE FEED.*its own setup entry"):
+        JobSpec(setup=["ok", "echo a\necho b"])
+
+
+def test_directive_values_are_written_for_sbatch_not_for_a_shell() -> None:
+    """sbatch unquotes #SBATCH lines itself: a value goes in as it is (it is checked instead)."""
+    d = _directives(render(JobSpec(partition="gpu,debug", constraint="a100&ib")))
+    assert "--partition=gpu,debug" in d and "--constraint=a100&ib" in d
+
+
+def test_the_recorded_command_stays_one_comment_line() -> None:
+    text = render(JobSpec(), command="hpc-ddp submit 'a\nb.toml'\u2028x")
+    assert text.splitlines()[1] == "# Rendered by hpc-ddp " + __version__ + (
+        ": hpc-ddp submit 'a\\nb.toml'\\u2028x"
+    )
+
+
+def test_cli_names_the_field_of_a_control_character(tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(json.dumps({"env": {"DATA": "x\ny"}}))
+    out = tmp_path / "job.sbatch"
+    proc = _cli("render", "--config", str(spec_file), "-o", str(out))
+    assert proc.returncode == 2 and "env['DATA'] 'x\\ny': U+000A LINE FEED" in proc.stderr
+    assert not out.exists()

@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write a standalone bash script of this launch and exit",
     )
+    parser.add_argument(
+        "--force", action="store_true", help="with --render-script: overwrite an existing FILE"
+    )
     parser.usage = "hpc-ddp launch {pdsh,clush,stop} --hosts HOSTS [options] [-- COMMAND...]"
     # argparse cannot take options, then '--', then a command whose own options it must not
     # read (a positional after '--' is "unrecognized"); so split at the first '--' ourselves.
@@ -187,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
         invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
         produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
-        write_launch_script(spec, args.render_script, produced_by=produced_by)
+        write_launch_script(spec, args.render_script, produced_by=produced_by, force=args.force)
         print(
             f"wrote {args.render_script} (launch {spec.launch_id}); run: bash "
             f"{args.render_script}; stop: bash {args.render_script} stop",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc_ddp import __version__
+from hpc_ddp.deploy.examples import write_atomic
 from hpc_ddp.deploy.shell_launch import LaunchSpec, launch_command, stop_command
 from hpc_ddp.deploy.templating import get_template
 
@@ -19,19 +20,28 @@ TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}
 def render_launch_script(
     spec: LaunchSpec, *, produced_by: str = "hpc-ddp launch", script_name: str = "launch.sh"
 ) -> str:
+    """The script's text. ``produced_by`` and ``script_name`` are recorded in comments."""
     launch, stop = launch_command(spec), stop_command(spec)
     template = get_template(TEMPLATES[spec.tool])
+    banner = (
+        f"hpc-ddp launch {spec.launch_id}: {','.join(spec.hosts)} x {spec.nproc_per_node} "
+        f"({spec.mode}), master {spec.master_addr}:{spec.master_port}"
+    )
     return template.render(
         spec=spec,
         version=__version__,
         produced_by=produced_by,
         script_name=script_name,
+        banner=banner,
         launch_env=list(launch.env),
         launch_argv=list(launch.argv),
         stop_argv=list(stop.argv),
     )
 
 
-def write_launch_script(spec: LaunchSpec, path: Path, *, produced_by: str) -> None:
-    path.write_text(render_launch_script(spec, produced_by=produced_by, script_name=path.name))
-    path.chmod(0o755)
+def write_launch_script(
+    spec: LaunchSpec, path: Path, *, produced_by: str, force: bool = False
+) -> None:
+    """Write atomically; an existing file is replaced only with ``force`` (never lost silently)."""
+    text = render_launch_script(spec, produced_by=produced_by, script_name=path.name)
+    write_atomic(path, text, force=force, mode=0o755)

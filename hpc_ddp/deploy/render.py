@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass
 
 from hpc_ddp import __version__
+from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -69,10 +70,12 @@ def sbatch_directives(spec: JobSpec) -> list[str]:
     if spec.mem:
         d.append(f"--mem={spec.mem}")
     d.append(f"--time={spec.time}")
+    # No shell quoting in #SBATCH lines: sbatch parses them itself, and JobSpec has refused
+    # every character it would interpret (hpc_ddp.deploy.safe_text).
     for key in ("partition", "account", "qos", "constraint"):
         value = getattr(spec, key)
         if value:
-            d.append(f"--{key}={shlex.quote(value)}")
+            d.append(f"--{key}={value}")
     if spec.signal_lead_s:
         # No "B:": Slurm signals every task of the job's steps, i.e. the training processes.
         d.append(f"--signal={spec.signal}@{spec.signal_lead_s}")
@@ -161,7 +164,7 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
     ctx = RenderContext(
         spec=spec,
         version=__version__,
-        command=command,
+        command=comment_text(command),  # a comment line, whatever the command held
         layout_text=layout_text(spec),
         directives=sbatch_directives(spec),
         env=job_env(spec),

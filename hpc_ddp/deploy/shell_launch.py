@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from hpc_ddp.cluster.port import derive_port
 from hpc_ddp.deploy.host_scripts import host_script, stop_script
-from hpc_ddp.deploy.hosts import canonical_hosts
+from hpc_ddp.deploy.hosts import canonical_hosts, check_address, is_host_name
+from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.errors import ConfigError
 
 TOOLS = ("pdsh", "clush")
@@ -43,8 +44,7 @@ SSH_OPTIONS = ("-oBatchMode=yes", "-oConnectTimeout=10", "-oForwardX11=no")
 FORWARD_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
 
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_LAUNCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline
 _STATE_DIR = re.compile(r"/[^\x00-\x1f\x7f]*")
 DEFAULT_STATE_DIR_SHOWN = "${XDG_RUNTIME_DIR:-~/.local/state}/hpc-ddp/launch"
 
@@ -126,7 +126,7 @@ class LaunchSpec:
             raise ConfigError(f"master port {self.master_port} is not a TCP port", hint="1..65535")
         if not _LAUNCH_ID.fullmatch(self.launch_id):
             raise ConfigError(
-                f"launch id {self.launch_id!r} is not a plain name",
+                f"--launch-id {self.launch_id!r} is not a plain name",
                 hint="letters, digits, '.', '-', '_' (it names pid files on every host)",
             )
         if self.state_dir and not _STATE_DIR.fullmatch(self.state_dir):
@@ -136,8 +136,39 @@ class LaunchSpec:
                 hint="pass an absolute directory only you can write, or leave --state-dir out",
             )
         for key, _ in self.env:
-            if not _ENV_KEY.fullmatch(key):
+            if not ENV_NAME.fullmatch(key):
                 raise ConfigError(f"--env {key!r} is not a variable name", hint="use --env K=V")
+        bad_hosts = [h for h in self.hosts if not is_host_name(h)]
+        if bad_hosts:
+            raise ConfigError(
+                f"host name(s) {bad_hosts[:5]} cannot be passed through ssh and pdsh/clush safely",
+                hint="use plain host names (letters, digits, '.', '-', '_'), as in /etc/hosts",
+            )
+        check_address("--master-addr", self.master_addr)
+        problems = self._text_problems()
+        if problems:
+            raise ConfigError(
+                "launch values with control characters:\n  - " + "\n  - ".join(problems),
+                hint="values are data: no line breaks or other control characters (variables "
+                "forwarded from this shell count too; --no-forward-env skips them)",
+            )
+
+    def _text_problems(self) -> list[str]:
+        """Free-text values are shell-quoted where they land; like every data field they may
+        still hold no control character (hpc_ddp.deploy.safe_text says why)."""
+        found = [control_problem(f"env {key}", value) for key, value in self.env]
+        found += [control_problem(f"command argument {i}", a) for i, a in enumerate(self.command)]
+        for i, line in enumerate(self.setup):  # shell by design, but one line per entry
+            found.append(control_problem(f"--setup[{i}]", line, allow_tab=True))
+        for flag, value in (
+            ("--workdir", self.workdir),
+            ("--python", self.python),
+            ("--state-dir", self.state_dir),
+            ("--tool-path", self.tool_path or ""),
+            *(("ssh option", option) for option in self.ssh_options),
+        ):
+            found.append(control_problem(flag, value))
+        return [problem for problem in found if problem]
 
     @property
     def num_nodes(self) -> int:

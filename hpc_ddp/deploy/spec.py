@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
+from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem, directive_problem
 from hpc_ddp.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
@@ -28,11 +29,18 @@ TRAIN_MODULE = "hpc_ddp.train"
 TRAINER_DEFAULT_SIGNALS = ("USR1", "TERM")
 _SIGNAL_FLAGS = ("--requeue-signal", "--requeue-signals")
 
+# Every pattern is used with fullmatch ('$' would accept a trailing newline) and ASCII digits only.
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or UNLIMITED).
-_TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|INFINITE)$")
-_MEM = re.compile(r"^\d+[KMGT]?$")
-_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME = re.compile(
+    r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|INFINITE", re.ASCII
+)
+_MEM = re.compile(r"\d+[KMGT]?", re.ASCII)
+_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# One #SBATCH option, long form: --exclusive or --gres=gpu:a100:8 (the value is checked further).
+_EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
+# Fields written into #SBATCH lines, which sbatch parses (name and extra_sbatch are checked apart).
+_DIRECTIVE_FIELDS = ("partition", "account", "qos", "constraint", "output", "error", "workdir")
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -162,8 +170,10 @@ def _divisors(n: int) -> list[int]:
 def _check(s: JobSpec) -> list[str]:
     """Every contradiction in one pass; the messages name the valid choices."""
     p: list[str] = []
-    if not _NAME.match(s.name):
+    if not _NAME.fullmatch(s.name):
         p.append(f"name {s.name!r}: use letters, digits and . _ + - only")
+    elif problem := directive_problem("name", s.name):
+        p.append(problem)
     if s.nodes < 1:
         p.append(f"nodes must be >= 1, got {s.nodes}")
     if s.gpus_per_node < 0:
@@ -195,7 +205,7 @@ def _check(s: JobSpec) -> list[str]:
             "launcher torchrun starts one process per GPU; one process driving "
             f'{s.gpus_per_process} GPUs needs launcher = "srun" (one task per node)'
         )
-    if not _TIME.match(s.time):
+    if not _TIME.fullmatch(s.time):
         p.append(f"time {s.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS)")
     elif (
         s.signal_lead_s
@@ -205,7 +215,7 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"signal_lead_s={s.signal_lead_s} is not shorter than the time limit {s.time}")
     if s.cpus_per_task < 0:
         p.append(f"cpus_per_task must be >= 0, got {s.cpus_per_task}")
-    if s.mem and not _MEM.match(s.mem):
+    if s.mem and not _MEM.fullmatch(s.mem):
         p.append(f"mem {s.mem!r}: expected a number with an optional K/M/G/T suffix")
     if s.signal not in SIGNALS:
         p.append(f"signal {s.signal!r} is not one of {', '.join(SIGNALS)} (no SIG prefix)")
@@ -223,16 +233,42 @@ def _check(s: JobSpec) -> list[str]:
             f"env HPC_DDP_GPUS_PER_PROCESS={gpp_env} contradicts gpus_per_process="
             f"{s.gpus_per_process}; set gpus_per_process only (the script exports it)"
         )
-    for key in s.env:
-        if not _ENV_KEY.match(key):
-            p.append(f"env key {key!r} is not a valid variable name")
     if bool(s.script) == bool(s.module):
         p.append("give exactly one of module (python -m) and script")
-    for opt in s.extra_sbatch:
-        if not opt.startswith("--"):
-            p.append(f"extra_sbatch {opt!r}: expected a long option such as '--exclusive'")
+    p += _check_text(s)
     p += _check_trainer_args(s)
     return p
+
+
+def _check_text(s: JobSpec) -> list[str]:
+    """Data never becomes code: what each text field may hold where the script puts it.
+
+    An #SBATCH value may hold nothing sbatch would interpret; a value the script shell-quotes
+    (python, script, args, env values) may hold anything but control characters; setup lines
+    are shell by design, one line each.
+    """
+    found = [directive_problem(name, v) for name in _DIRECTIVE_FIELDS if (v := getattr(s, name))]
+    for i, opt in enumerate(s.extra_sbatch):
+        field = f"extra_sbatch[{i}]"
+        problem = control_problem(field, opt)
+        if not problem and not _EXTRA_SBATCH.fullmatch(opt):
+            problem = (
+                f"{field} {opt!r}: expected one long option such as '--exclusive' or "
+                "'--gres=gpu:8' (write a value after '=', not after a space)"
+            )
+        found.append(problem or directive_problem(field, opt))
+    if s.module and not _MODULE.fullmatch(s.module):
+        found.append(f"module {s.module!r}: expected a dotted Python module name (hpc_ddp.train)")
+    found += [control_problem("python", s.python), control_problem("script", s.script)]
+    found += [control_problem(f"args[{i}]", arg) for i, arg in enumerate(s.args)]
+    for key, value in s.env.items():
+        if not ENV_NAME.fullmatch(key):
+            found.append(f"env key {key!r} is not a valid variable name")
+        found.append(control_problem(f"env[{key!r}]", value))
+    for i, line in enumerate(s.setup):
+        if problem := control_problem(f"setup[{i}]", line, allow_tab=True):
+            found.append(f"{problem} (give each shell line as its own setup entry)")
+    return [problem for problem in found if problem]
 
 
 def _check_trainer_args(s: JobSpec) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jinja2
 
+from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.errors import ConfigError
 
 TEMPLATES_VAR = "HPC_DDP_TEMPLATES"
@@ -63,6 +64,7 @@ def environment() -> jinja2.Environment:
         autoescape=False,  # shell, not HTML: quoting is done with shlex
     )
     env.filters["shquote"] = shlex.quote
+    env.filters["comment"] = comment_text  # free text inside a '#' line stays on that line
     return env
 
 
