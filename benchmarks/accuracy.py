@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=0, help="seeds at once (0: one per GPU)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from hpc_ddp.train import synthetic
+    from hpc_ddp.cifar import synthetic
 
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ class Bench:
         self.deadline = time.monotonic() + args.budget_s
         self.results: dict[str, Any] = {"meta": self.meta(), "runs": {}}
         self.port = 29600
-        from hpc_ddp.train import synthetic
+        from hpc_ddp.cifar import synthetic
 
         size = (args.train_size, args.test_size)
         self.data_dir = self.work / "data"  # ours gets this; the reference script self.root:
@@ -135,7 +135,7 @@ class Bench:
 
     # ----------------------------------------------------------------- data
     def stage(self) -> None:
-        from hpc_ddp.train import synthetic
+        from hpc_ddp.cifar import synthetic
 
         args = self.args
         t0 = time.time()
@@ -215,7 +215,7 @@ class Bench:
         them, one run of ours that reads the CIFAR files for the first time (it writes the
         .npy cache the later runs read): what the first job on new data pays."""
         if not self.args.smoke:
-            from hpc_ddp.train.array_cache import CACHE_DIR
+            from hpc_ddp.cifar.array_cache import CACHE_DIR
 
             shutil.rmtree(self.root / "cifar-100-python" / CACHE_DIR, ignore_errors=True)
             top = max(self.gpus)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.cluster.port import free_port
+from hpc_ddp.cluster.master_port import free_port
 
 VARIANTS = ("eager", "lazy", "overlap", "solo")
 CIFAR_BYTES = 180 * 2**20  # train + test splits of CIFAR as uint8

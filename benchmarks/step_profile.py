@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc_ddp.cifar.models import build_model
 from hpc_ddp.train.cuda_graphs import GraphedStep
-from hpc_ddp.train.models import build_model
 
 
 def eager_step(model, opt, x, y, amp):

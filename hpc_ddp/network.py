@@ -15,7 +15,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hpc_ddp.cluster.env import DistEnv
+from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.errors import ConfigError
 
 BACKENDS = ("nccl", "gloo", "mpi")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.cluster.devices import count_visible_gpus
-from hpc_ddp.cluster.port import free_port, parse_port
+from hpc_ddp.cluster.master_port import free_port, parse_port
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.deploy import JobSpec, render
-from hpc_ddp.deploy.submit import Finished, sbatch, wait_job
+from hpc_ddp.deploy import JobSpec
+from hpc_ddp.deploy.sbatch import render
+from hpc_ddp.deploy.sbatch.submit import Finished, sbatch, wait_job
 
 
 def train_args(data_dir: str, run_dir: str, *extra: str) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_ddp.deploy.examples import JOBS_DIR, examples
+from render_examples import JOBS_DIR, examples
 
 PAYLOADS = {
     "newline, then a command": "a\npwned",

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.cluster.port import free_port
+from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.localslurm import wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_ddp.train import array_cache, synthetic
-from hpc_ddp.train.gpu_data import load_cifar_arrays
+from hpc_ddp.cifar import array_cache, synthetic
+from hpc_ddp.cifar.gpu_data import load_cifar_arrays
 
 KEYS = ("labels", "fine_labels")
 

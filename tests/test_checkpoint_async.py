@@ -27,8 +27,8 @@ from trainer_helpers import (
     train_args,
 )
 
-from hpc_ddp.train.checkpoint import Checkpointer, UnsafeCheckpointContentError
-from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
+from hpc_ddp.checkpoint import Checkpointer, UnsafeCheckpointContentError
+from hpc_ddp.checkpoint.asyncsave import start_snapshot
 
 DEADLINE_S = 60
 

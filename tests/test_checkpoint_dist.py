@@ -8,8 +8,8 @@ import signal
 import pytest
 from ckpt_support import launch
 
+from hpc_ddp.checkpoint import Checkpointer, CheckpointMismatchError
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 
 class Logs(list):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from ckpt_support import launch
 
-from hpc_ddp.train.checkpoint import Checkpointer, CheckpointWriteError
+from hpc_ddp.checkpoint import Checkpointer, CheckpointWriteError
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_file_size_limit_is_reported_with_the_path(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource, sys, torch
-        from hpc_ddp.train.checkpoint import Checkpointer, CheckpointWriteError
+        from hpc_ddp.checkpoint import Checkpointer, CheckpointWriteError
         ck = Checkpointer({str(tmp_path / "run")!r}, rank=0, world_size=1, log=lambda _: None)
         ck.save(1, shared={{"model": {{"w": torch.zeros(4)}}}}, per_rank={{}}, meta={{}})
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

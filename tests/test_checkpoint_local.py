@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.train.checkpoint import (
+from hpc_ddp.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
     UnsafeCheckpointContentError,
 )
-from hpc_ddp.train.checkpoint.fsutil import sha256_file, write_bytes_durably
-from hpc_ddp.train.checkpoint.manifest import build_manifest, manifest_bytes
+from hpc_ddp.checkpoint.fsutil import sha256_file, write_bytes_durably
+from hpc_ddp.checkpoint.manifest import build_manifest, manifest_bytes
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.train.fingerprint import params_sha256
 
 

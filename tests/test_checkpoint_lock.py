@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from hpc_ddp.checkpoint import RunDirLock, RunDirLockedError
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.train.checkpoint import RunDirLock, RunDirLockedError
 from hpc_ddp.train.fingerprint import params_sha256
 
 
@@ -22,7 +22,7 @@ def test_second_run_on_the_same_directory_is_refused_naming_the_holder(tmp_path)
     holder_code = textwrap.dedent(
         f"""
         import sys, pathlib
-        from hpc_ddp.train.checkpoint import RunDirLock
+        from hpc_ddp.checkpoint import RunDirLock
         lock = RunDirLock({str(tmp_path / "run")!r}).acquire()
         pathlib.Path({str(ready)!r}).write_text("held")
         sys.stdin.read()  # hold until the test closes stdin or kills us

@@ -16,7 +16,7 @@ import pytest
 
 from hpc_ddp.cluster import PRECEDENCE, DistEnv, detect_env, detect_source
 from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus, parse_visible_devices
-from hpc_ddp.cluster.port import PORT_BASE, PORT_SPAN, derive_port
+from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port
 from hpc_ddp.errors import LaunchEnvError
 
 ENVS = Path(__file__).parent / "data" / "envs"

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc_ddp.cifar.models import build_model
 from hpc_ddp.dist import shutdown_and_exit
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Stepper, Times
-from hpc_ddp.train.models import build_model
 
 CPU = torch.device("cpu")
 
@@ -83,7 +83,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     pairs = zip(a.parameters(), b.parameters(), strict=True)
     diff = max((pa - pb).abs().max().item() for pa, pb in pairs)
     torch.save({"diff": diff, "params": [p.detach() for p in b.parameters()]}, f"{out}.{rank}")
-    shutdown_and_exit(0)  # Gloo can abort at interpreter exit (facts.md); this cannot
+    shutdown_and_exit(0)  # Gloo can abort at interpreter exit (hpc_ddp.dist explains); this cannot
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from trainer_helpers import job_env
 
-from hpc_ddp.cluster.port import free_port
+from hpc_ddp.cluster.master_port import free_port
 
 WORKER = Path(__file__).parent / "workers" / "dist_worker.py"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.train import synthetic
+from hpc_ddp.cifar import synthetic
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -274,10 +274,10 @@ def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
 @need(1)
 def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
     """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
-    from hpc_ddp.train import gpu_data
+    from hpc_ddp.cifar import gpu_data
+    from hpc_ddp.cifar.data import LoaderTrainData, load_datasets
+    from hpc_ddp.runtime.sampler import ShardPlan
     from hpc_ddp.train.config import TrainConfig
-    from hpc_ddp.train.data import LoaderTrainData, load_datasets
-    from hpc_ddp.train.sampler import ShardPlan
 
     cfg = TrainConfig(dataset="cifar100", synthetic=True, augment=True, seed=3)
     root = synthetic.synthetic_root(data_dir, "cifar100", TRAIN, TEST)
@@ -303,8 +303,8 @@ def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
 @need(1)
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
+    from hpc_ddp.cifar.models import build_model
     from hpc_ddp.train.cuda_graphs import GraphedStep, make_capturable
-    from hpc_ddp.train.models import build_model
 
     torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda", 0)
@@ -334,7 +334,7 @@ def test_graphed_step_replays_and_matches_eager() -> None:
 def test_async_snapshot_is_queued_in_stream_order(device_staging: bool) -> None:
     """start_snapshot returns before the GPU copied anything, and an in-place update queued
     right after it cannot leak into the copy (stream order), staged on the GPU or not."""
-    from hpc_ddp.train.checkpoint.asyncsave import start_snapshot
+    from hpc_ddp.checkpoint.asyncsave import start_snapshot
 
     w = torch.zeros(1 << 24, device="cuda")  # 64 MiB
     # Keep the stream busy (~1 s of GPU cycles, far longer than pinning 64 MiB on a slow host):

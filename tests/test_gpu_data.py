@@ -13,17 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.train import gpu_data, synthetic
-from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.data import (
+from hpc_ddp.cifar import gpu_data, synthetic
+from hpc_ddp.cifar.data import (
     CifarTensors,
     LoaderTrainData,
     dataset_class,
     eval_batches,
     load_datasets,
 )
-from hpc_ddp.train.sampler import ShardPlan
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.train.config import TrainConfig
 
 CPU = torch.device("cpu")
 TRAIN, TEST = 203, 37  # odd sizes: uneven shards, a dropped tail, a short eval batch
@@ -201,7 +201,7 @@ def test_choose_falls_back_with_arrays_read_without_torchvision(staged) -> None:
 
 GPU_PATH_RUN = r"""
 import json, sys
-from hpc_ddp.train import gpu_data
+from hpc_ddp.cifar import gpu_data
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.trainer import train
 if sys.argv[1] == "gpu":  # the GPU-resident classes, run on the CPU: pretend the device fits

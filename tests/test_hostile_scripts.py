@@ -43,11 +43,11 @@ from hostile_cases import (
     Case,
 )
 from hostile_support import Stubs, make_stubs
+from render_examples import JOBS_DIR
 
 from hpc_ddp.cli import main
 from hpc_ddp.commands import launch as launch_command
-from hpc_ddp.deploy.examples import JOBS_DIR
-from hpc_ddp.deploy.render import sbatch_directives
+from hpc_ddp.deploy.sbatch.render import sbatch_directives
 from hpc_ddp.deploy.spec import JobSpec, build_spec, load_spec_file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from render_examples import JOBS_DIR, examples, stale_examples
+
 from hpc_ddp.cli import main
-from hpc_ddp.deploy.examples import JOBS_DIR, examples, stale_examples
 
 REQUIRED = {
     "cifar_2x8",

@@ -9,12 +9,12 @@ import pytest
 from ClusterShell.NodeSet import NodeSet
 from launch_support import hpc_ddp
 
-from hpc_ddp.cluster.port import derive_port
-from hpc_ddp.deploy.host_scripts import host_script, payload_argv
-from hpc_ddp.deploy.hosts import canonical_hosts
-from hpc_ddp.deploy.launch_runner import parse_failure
-from hpc_ddp.deploy.launch_script import render_launch_script
-from hpc_ddp.deploy.shell_launch import (
+from hpc_ddp.cluster.master_port import derive_port
+from hpc_ddp.deploy.shell.host_order import canonical_hosts
+from hpc_ddp.deploy.shell.host_scripts import host_script, payload_argv
+from hpc_ddp.deploy.shell.runner import parse_failure
+from hpc_ddp.deploy.shell.script import render_launch_script
+from hpc_ddp.deploy.shell.spec import (
     forwarded_env,
     launch_command,
     make_spec,
@@ -205,8 +205,9 @@ def test_launch_modules_never_import_torch() -> None:
     import sys
 
     code = (
-        "import sys, hpc_ddp.commands.launch, hpc_ddp.deploy.launch_runner, "
-        "hpc_ddp.deploy.launch_script, hpc_ddp.deploy.node_agent; print('torch' in sys.modules)"
+        "import sys, hpc_ddp.commands.launch, hpc_ddp.deploy.shell.runner, "
+        "hpc_ddp.deploy.shell.script, hpc_ddp.deploy.shell.node_agent; "
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

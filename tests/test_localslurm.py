@@ -20,7 +20,8 @@ import pytest
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, hosts, orphans, procs
+from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, orphans, procs
+from hpc_ddp.localslurm import etc_hosts as hosts
 from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
 from hpc_ddp.localslurm.embedded import configured_slurm, ensure_local_cluster
 

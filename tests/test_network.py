@@ -236,7 +236,7 @@ def test_unresolvable_master_is_reported_not_fatal(tmp_path: Path) -> None:
 
 def test_dist_env_supplies_master_and_nodes(tmp_path: Path) -> None:
     """dist.init_distributed passes the DistEnv itself."""
-    from hpc_ddp.cluster.env import DistEnv
+    from hpc_ddp.cluster.distenv import DistEnv
 
     two = DistEnv("slurm", 1, 1, 4, 2, 0, 2, "127.0.0.1", 20001, "1")
     choice = choose_backend(cuda_available=False, env=two, sys_root=fake_sys(tmp_path), environ={})

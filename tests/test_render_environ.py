@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hpc_ddp.deploy.environ import scrubbed_environ, submission_env
+from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env
 
 PARENT = {
     "SLURM_CONF": "/etc/x/slurm.conf",

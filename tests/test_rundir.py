@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.checkpoint import RunDirLock
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.rundir import open_run_dir
 

@@ -29,10 +29,11 @@ from deploy_support import (
     train_spec,
 )
 
-from hpc_ddp.deploy import JobSpec, render
-from hpc_ddp.deploy.submit import wait_job
+from hpc_ddp.deploy import JobSpec
+from hpc_ddp.deploy.sbatch import render
+from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.localslurm.client import TERMINAL
+from hpc_ddp.slurm_client import TERMINAL
 
 pytestmark = pytest.mark.slurm
 
@@ -170,7 +171,7 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
     slurm_cluster, tmp_path: Path
 ) -> None:
     """A 2x2 job's task (which also looks like a torchrun worker: RANK, MASTER_PORT) submits a
-    1x1 job through hpc_ddp.deploy.submit.sbatch: the child must see none of that, only its
+    1x1 job through hpc_ddp.deploy.sbatch.submit.sbatch: the child must see none of that, only its
     own layout, and still reach the same cluster (SLURM_CONF kept)."""
     child = JobSpec(
         name="child", nodes=1, module="hpc_ddp.deploy.preflight", python=sys.executable,
@@ -182,7 +183,7 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
     parent_py = tmp_path / "parent.py"
     parent_py.write_text(
         "import os, pathlib\n"
-        "from hpc_ddp.deploy.submit import sbatch\n"
+        "from hpc_ddp.deploy.sbatch.submit import sbatch\n"
         "os.environ.update(MASTER_PORT='12345', RANK='3', WORLD_SIZE='4')\n"
         "if os.environ['SLURM_PROCID'] == '0':\n"
         "    cwd = pathlib.Path.cwd()\n"

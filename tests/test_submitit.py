@@ -18,7 +18,7 @@ from deploy_support import (
 )
 
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.submitit_backend import submit_train, wait_submitit
+from hpc_ddp.deploy.submitit.backend import submit_train, wait_submitit
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
 

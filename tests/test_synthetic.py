@@ -1,4 +1,4 @@
-"""The synthetic CIFAR-format data (hpc_ddp.train.synthetic): its two variants, where each lives,
+"""The synthetic CIFAR-format data (hpc_ddp.cifar.synthetic): its two variants, where each lives,
 its marker, that torchvision reads both, and that the trainer and the benchmark agree on them.
 
 The easy variant must not change at all (many tests rely on it being learnt in an epoch): its
@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpc_ddp.cifar import synthetic
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train import config, synthetic
+from hpc_ddp.train import config
 from hpc_ddp.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,7 +95,7 @@ def test_hard_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dataset", ["cifar100", "cifar10"])
 def test_torchvision_reads_the_hard_files(tmp_path: Path, dataset: str) -> None:
-    from hpc_ddp.train.data import dataset_class  # torchvision's class, MD5 checks off
+    from hpc_ddp.cifar.data import dataset_class  # torchvision's class, MD5 checks off
 
     _write(tmp_path, dataset, variant="hard")
     cls = dataset_class(dataset, is_synthetic=True)
@@ -143,7 +144,7 @@ def test_trainer_config_and_staging(tmp_path: Path) -> None:
     cfg = config.from_args(parser.parse_args(["--synthetic-variant", "hard"]))
     assert cfg.synthetic_variant == "hard"
 
-    from hpc_ddp.train import data
+    from hpc_ddp.cifar import data
 
     sizes = {"synthetic_train_size": TRAIN, "synthetic_test_size": TEST}
     for variant in ("easy", "hard"):
@@ -175,7 +176,7 @@ def _bench_module():
 def test_bench_reference_and_trainer_read_the_same_files(tmp_path: Path, variant: str) -> None:
     """bench.py hands the conventional script ``self.root`` and our trainer its flags: the
     trainer's own data_root of those flags must be that very directory, staged by bench."""
-    from hpc_ddp.train import data
+    from hpc_ddp.cifar import data
 
     bench = _bench_module()
     args = argparse.Namespace(

@@ -28,7 +28,7 @@ from trainer_helpers import (
     wait_for_progress,
 )
 
-from hpc_ddp.train import models
+from hpc_ddp.cifar import models
 from hpc_ddp.train.trainer import ddp_options
 
 

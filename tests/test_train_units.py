@@ -14,11 +14,12 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from hpc_ddp import exit_codes
+from hpc_ddp.cifar import data, models, synthetic
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime import preemption, rng
+from hpc_ddp.runtime.sampler import ShardPlan, epoch_permutation, eval_indices, rank_indices
 from hpc_ddp.train import config as cfgmod
-from hpc_ddp.train import data, models, preemption, rng, synthetic
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.sampler import ShardPlan, epoch_permutation, eval_indices, rank_indices
 
 
 # ------------------------------------------------------------------------------------ sampler

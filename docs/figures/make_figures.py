@@ -388,7 +388,7 @@ def no_scheduler(ax: Axes) -> None:
         HPC_DDP_LAUNCH_ID,
          HPC_DDP_LAUNCH_TAG,
          HPC_DDP_GPUS_PER_PROCESS"""
-    processes_mode = """hpc_ddp.deploy.node_agent
+    processes_mode = """hpc_ddp.deploy.shell.node_agent
         starts the 2 processes; each
         process sees:
          HPC_DDP_LAUNCHER=pdsh|clush

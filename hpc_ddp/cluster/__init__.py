@@ -13,7 +13,7 @@ from types import ModuleType
 from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchrun
 from hpc_ddp.cluster._vars import check_rank, parse_int
 from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus
-from hpc_ddp.cluster.env import SOURCES, DistEnv
+from hpc_ddp.cluster.distenv import SOURCES, DistEnv
 from hpc_ddp.errors import LaunchEnvError
 
 __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]

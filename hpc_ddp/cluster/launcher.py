@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hpc_ddp.cluster._vars import get_int, get_opt_int
-from hpc_ddp.cluster.env import DistEnv
-from hpc_ddp.cluster.port import parse_port
+from hpc_ddp.cluster.distenv import DistEnv
+from hpc_ddp.cluster.master_port import parse_port
 from hpc_ddp.errors import LaunchEnvError
 
 LAUNCHERS = ("pdsh", "clush", "spawn")

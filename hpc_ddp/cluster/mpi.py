@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hpc_ddp.cluster._vars import get_int, get_opt_int
-from hpc_ddp.cluster.env import DistEnv
-from hpc_ddp.cluster.port import master_port
+from hpc_ddp.cluster.distenv import DistEnv
+from hpc_ddp.cluster.master_port import master_port
 from hpc_ddp.errors import LaunchEnvError
 
 

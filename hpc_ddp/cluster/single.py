@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpc_ddp.cluster.env import DistEnv
-from hpc_ddp.cluster.port import free_port, parse_port
+from hpc_ddp.cluster.distenv import DistEnv
+from hpc_ddp.cluster.master_port import free_port, parse_port
 from hpc_ddp.errors import LaunchEnvError
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hpc_ddp.cluster._vars import first_int, get_int, get_opt_int
-from hpc_ddp.cluster.env import DistEnv
+from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
-from hpc_ddp.cluster.port import master_port
+from hpc_ddp.cluster.master_port import master_port
 from hpc_ddp.cluster.single import one_process
 from hpc_ddp.errors import LaunchEnvError
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_ddp.deploy.shell_launch import (
+from hpc_ddp.deploy.shell.spec import (
     MODES,
     RCMDS,
     TOOLS,
@@ -62,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--master-addr", help="default: first host (127.0.0.1 with --rcmd exec)")
     parser.add_argument(
-        "--master-port", type=int, help="default: derived from the launch id (hpc_ddp.cluster.port)"
+        "--master-port",
+        type=int,
+        help="default: derived from the launch id (hpc_ddp.cluster.master_port)",
     )
     parser.add_argument("--launch-id", help="name of this launch (pid files, port); default: new")
     parser.add_argument(
@@ -179,14 +181,14 @@ def run(args: argparse.Namespace) -> int:
         tool_path=args.tool_path,
     )
     if stopping:
-        from hpc_ddp.deploy.launch_runner import stop_all
+        from hpc_ddp.deploy.shell.runner import stop_all
 
         if args.dry_run:
             print(stop_command(spec).shell())
             return 0
         return stop_all(spec, out=sys.stdout)
     if args.render_script:
-        from hpc_ddp.deploy.launch_script import write_launch_script
+        from hpc_ddp.deploy.shell.script import write_launch_script
 
         invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
         produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
@@ -205,6 +207,6 @@ def run(args: argparse.Namespace) -> int:
         )
         print(launch_command(spec).shell())
         return 0
-    from hpc_ddp.deploy.launch_runner import run_launch
+    from hpc_ddp.deploy.shell.runner import run_launch
 
     return run_launch(spec)

@@ -7,18 +7,22 @@ file. Every check runs before anything is written.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
-from hpc_ddp.deploy.examples import JOBS_DIR, examples, render_all, stale_examples, write_atomic
-from hpc_ddp.deploy.render import render
+from hpc_ddp.deploy.sbatch.render import render
+from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.spec import JobSpec, build_spec
 from hpc_ddp.errors import ConfigError
 
-_SKIP = {"args"}  # given after `--`
+_SKIP = {"args"}
+_CHECKOUT = (
+    Path(__file__).resolve().parents[2]
+)  # the repository, when run from a source tree  # given after `--`
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check", action="store_true", help="with --all-examples: only report stale renders"
     )
-    parser.add_argument("--jobs-dir", type=Path, default=JOBS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--jobs-dir", type=Path, default=None, help=argparse.SUPPRESS)
     add_spec_arguments(parser)
 
 
@@ -82,21 +86,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _all_examples(args: argparse.Namespace) -> int:
-    if not (args.jobs_dir / "specs").is_dir():
+    """Run the checkout's scripts/render_examples.py (a maintainer's tool, not in the wheel)."""
+    tool = _CHECKOUT / "scripts" / "render_examples.py"
+    if not ((_CHECKOUT / "pyproject.toml").is_file() and tool.is_file()):
         raise ConfigError(
-            f"--all-examples re-renders the committed jobs of a source checkout, and "
-            f"{args.jobs_dir / 'specs'} does not exist (this hpc-ddp is an installed package)",
+            "--all-examples re-renders the committed jobs/ of a source checkout, and this "
+            "hpc-ddp is an installed package",
             hint="run it in a clone of the hpc-ddp repository, with hpc-ddp installed from it "
-            "(scripts/install.sh)",
+            "(scripts/install.sh), or: python scripts/render_examples.py",
         )
-    if args.check or args.dry_run:
-        stale = stale_examples(args.jobs_dir)
-        for ex in stale:
-            print(f"stale: {ex.script_path} (re-render from {ex.spec_path})")
-        print(f"{len(examples(args.jobs_dir)) - len(stale)} up to date, {len(stale)} stale")
-        return 1 if stale else 0
-    changed = render_all(args.jobs_dir)
-    for path in changed:
-        print(f"rendered {path}")
-    print(f"{len(examples(args.jobs_dir))} examples, {len(changed)} changed")
-    return 0
+    spec = importlib.util.spec_from_file_location("hpc_ddp_render_examples", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--check"] if args.check or args.dry_run else []
+    if args.jobs_dir:
+        argv += ["--jobs-dir", str(args.jobs_dir)]
+    return int(module.main(argv))

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             hint="use the spec in jobs/specs/, or --executor sbatch for a rendered script",
         )
     require("submitit", f"--executor {args.executor}")
-    from hpc_ddp.deploy.submitit_backend import run_spec
+    from hpc_ddp.deploy.submitit.backend import run_spec
 
     executor = "submitit" if args.executor == "slurm" else args.executor
     return run_spec(
@@ -80,8 +80,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_sbatch(args: argparse.Namespace, job: Path) -> int:
-    from hpc_ddp.deploy import build_spec, render
-    from hpc_ddp.deploy.submit import print_finished, result_summary, run_dir_of, sbatch, wait_job
+    from hpc_ddp.deploy import build_spec
+    from hpc_ddp.deploy.sbatch import render
+    from hpc_ddp.deploy.sbatch.submit import (
+        print_finished,
+        result_summary,
+        run_dir_of,
+        sbatch,
+        wait_job,
+    )
 
     cwd = Path.cwd()
     nodes, gpus = 2, 0

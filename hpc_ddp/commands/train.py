@@ -5,8 +5,8 @@ Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clu
 the imports, so workers start in a fraction of torchrun's time).
 Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpointed after a
 preemption/time-limit signal and requeued (EX_TEMPFAIL). The process always leaves through
-``hpc_ddp.dist.run_main``, never through interpreter teardown (see shared/facts.md: Gloo exit
-abort).
+``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can abort in a C++
+destructor after all work is done.
 """
 
 from __future__ import annotations

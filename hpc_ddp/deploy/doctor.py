@@ -254,7 +254,7 @@ def check_network(o: Options) -> Check:
 
 
 def check_port(o: Options) -> Check:
-    from hpc_ddp.cluster.port import master_port
+    from hpc_ddp.cluster.master_port import master_port
     from hpc_ddp.errors import HpcDdpError
 
     env = o.env

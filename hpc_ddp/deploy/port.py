@@ -1,8 +1,8 @@
 """``python -m hpc_ddp.deploy.port``: print the rendezvous port for this Slurm job.
 
 The torchrun template calls this from the batch shell so that shell and Python share one port
-rule (``hpc_ddp.cluster.port.master_port``): an explicit MASTER_PORT wins, else one derived from
-the job id.
+rule (``hpc_ddp.cluster.master_port.master_port``): an explicit MASTER_PORT wins, else one
+derived from the job id.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from hpc_ddp.cluster.port import master_port
+from hpc_ddp.cluster.master_port import master_port
 
 
 def job_port(environ: Mapping[str, str] | None = None) -> int:

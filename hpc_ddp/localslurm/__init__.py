@@ -4,9 +4,9 @@
 toolkit's default when no Slurm is configured. See docs/local-cluster.md.
 """
 
-from hpc_ddp.localslurm.client import JobResult, SlurmClient, wait_for
 from hpc_ddp.localslurm.daemons import ClusterStartError, LocalCluster, check_prerequisites
 from hpc_ddp.localslurm.embedded import default_state_dir, ensure_local_cluster
+from hpc_ddp.slurm_client import JobResult, SlurmClient, wait_for
 
 __all__ = [
     "ClusterStartError",

@@ -18,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.localslurm import hosts, procs
-from hpc_ddp.localslurm.client import SlurmClient, client_env, wait_for
+from hpc_ddp.localslurm import etc_hosts as hosts
+from hpc_ddp.localslurm import procs
 from hpc_ddp.localslurm.config import (
     NODE_ADDR,
     OWNED_NAMES,
@@ -27,7 +27,8 @@ from hpc_ddp.localslurm.config import (
     render_gres_conf,
     render_slurm_conf,
 )
-from hpc_ddp.localslurm.ports import free_ports, port_in_use
+from hpc_ddp.localslurm.free_ports import free_ports, port_in_use
+from hpc_ddp.slurm_client import SlurmClient, client_env, wait_for
 
 BINARIES = ("slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun")
 DAEMON_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"

@@ -22,7 +22,7 @@ SCHEDULES = ("cosine", "constant")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
-SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.train.synthetic.VARIANTS (no numpy import here)
+SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.cifar.synthetic.VARIANTS (no numpy import here)
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
 # of them changed would silently mix two experiments, so the trainer refuses instead.

@@ -15,8 +15,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.train.collectives import Comm
-
 
 @dataclass
 class Times:
@@ -161,43 +159,3 @@ class Stepper:
         times.compute += time.perf_counter() - t0
         times.comm += self.comm_timer.take()
         return loss_sum, total
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    comm: Comm,
-    amp_dtype: torch.dtype | None,
-) -> dict[str, float]:
-    """Exact test metrics: each rank sums (loss, correct, count) over its shard; all_reduce SUM."""
-    was_training = model.training
-    model.eval()
-    # Sums stay on the device until the end: a host read per batch would make the CPU wait
-    # for the GPU every batch. float64 from float32 batch sums, in batch order: the same
-    # numbers as summing Python floats.
-    loss_sum: torch.Tensor | None = None
-    correct_sum: torch.Tensor | None = None
-    count = 0
-    for x, y in batches:
-        with torch.autocast(
-            x.device.type, dtype=amp_dtype or torch.float32, enabled=bool(amp_dtype)
-        ):
-            out = model(x)
-        y = y.to(out.device)
-        batch_loss = F.cross_entropy(out.float(), y, reduction="sum").double()
-        batch_correct = (out.argmax(1) == y).sum()
-        loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
-        correct_sum = batch_correct if correct_sum is None else correct_sum + batch_correct
-        count += len(y)
-    model.train(was_training)
-    loss = float(loss_sum) if loss_sum is not None else 0.0
-    correct = float(correct_sum) if correct_sum is not None else 0.0
-    per_rank = comm.gather_objects(count)
-    loss, correct, count = comm.sum([loss, correct, float(count)])
-    return {
-        "test_loss": loss / max(count, 1),
-        "test_accuracy": correct / max(count, 1),
-        "test_samples": int(count),
-        "test_samples_per_rank": per_rank,
-    }

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import hpc_ddp
+from hpc_ddp.checkpoint.lock import LOCK_FILE, OWNER_FILE
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.train.checkpoint.lock import LOCK_FILE, OWNER_FILE
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import CONFIG
 

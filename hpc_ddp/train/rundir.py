@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.checkpoint import RunDirLock
 from hpc_ddp.train.config import IDENTITY_KEYS, TrainConfig
 from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
 from hpc_ddp.train.run_marker import claim_run_dir

@@ -19,19 +19,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc_ddp.checkpoint import Checkpointer, RunDirLock
+from hpc_ddp.cifar import data, gpu_data, models
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.train import cuda_graphs, data, gpu_data, models, results, rng
-from hpc_ddp.train.checkpoint import Checkpointer, RunDirLock
-from hpc_ddp.train.collectives import Comm
+from hpc_ddp.runtime import rng
+from hpc_ddp.runtime.collectives import Comm
+from hpc_ddp.runtime.evaluation import evaluate
+from hpc_ddp.runtime.preemption import PreemptionFlag, requeue
+from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.train import cuda_graphs, results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fingerprint import params_sha256
-from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
+from hpc_ddp.train.loop import Stepper, Times, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
-from hpc_ddp.train.preemption import PreemptionFlag, requeue
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
-from hpc_ddp.train.sampler import ShardPlan
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpc_ddp.checkpoint import Checkpointer
 from hpc_ddp.dist import shutdown_and_exit
-from hpc_ddp.train.checkpoint import Checkpointer
 from hpc_ddp.train.fingerprint import params_sha256
 
 

@@ -3,8 +3,9 @@
 ``TrainTask`` is a ``submitit.helpers.Checkpointable``. Each submitit task runs the trainer as a
 child process (``python -m hpc_ddp.train``), for two reasons:
 
-* the trainer leaves through ``os._exit`` (Gloo can abort in interpreter teardown, see
-  shared/facts.md), which would skip submitit's result pickle if it ran in submitit's process;
+* the trainer leaves through ``os._exit`` (Gloo can abort in a C++ destructor at interpreter
+  teardown, after the work is done), which would skip submitit's result pickle if it ran in
+  submitit's process;
 * the trainer checkpoints at a step boundary when its ranks agree, never inside a signal handler.
 
 Preemption/time limit: Slurm (or the local controller) sends USR2 to every process. Our handler
@@ -31,13 +32,13 @@ from typing import Any, TextIO
 
 import submitit
 
-from hpc_ddp.deploy.environ import scrubbed_environ
-from hpc_ddp.deploy.render import job_env
+from hpc_ddp.deploy.sbatch.render import job_env
+from hpc_ddp.deploy.sbatch.submit import LogFollower, result_lines
 from hpc_ddp.deploy.spec import JobSpec, build_spec, time_limit_seconds
-from hpc_ddp.deploy.submit import LogFollower, result_lines
+from hpc_ddp.deploy.submission_env import scrubbed_environ
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
+from hpc_ddp.slurm_client import TERMINAL, SlurmClient
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
 CHILD_CHECKPOINT_TIMEOUT_S = 120.0

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from hpc_ddp.cifar import synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.train import synthetic
+from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc_ddp import __version__
-from hpc_ddp.deploy.examples import write_atomic
-from hpc_ddp.deploy.shell_launch import LaunchSpec, launch_command, stop_command
+from hpc_ddp.deploy.script_file import write_atomic
+from hpc_ddp.deploy.shell.spec import LaunchSpec, launch_command, stop_command
 from hpc_ddp.deploy.templating import get_template
 
 TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}

@@ -318,7 +318,7 @@ class Checkpointer:
     ) -> Loaded | None:
         """The newest checkpoint that verifies, loaded for this rank; None if there is none.
 
-        See :func:`hpc_ddp.train.checkpoint.loader.load_latest` for the fallback rules. Waits
+        See :func:`hpc_ddp.checkpoint.loader.load_latest` for the fallback rules. Waits
         for a background save first (and raises its error).
         """
         self.wait()

@@ -31,10 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.train import array_cache
-from hpc_ddp.train.config import DATA_PATHS, TrainConfig
-from hpc_ddp.train.data import (
+from hpc_ddp.cifar import array_cache
+from hpc_ddp.cifar.data import (
     MEAN,
     STD,
     CifarTensors,
@@ -45,7 +43,9 @@ from hpc_ddp.train.data import (
     eval_batches,
     load_datasets,
 )
-from hpc_ddp.train.sampler import ShardPlan, eval_indices
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.sampler import ShardPlan, eval_indices
+from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 
 # On-disk layout of the "python version" archives, as torchvision reads them.
 _FILES = {

@@ -26,10 +26,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from hpc_ddp.cluster.port import derive_port
-from hpc_ddp.deploy.host_scripts import host_script, stop_script
-from hpc_ddp.deploy.hosts import canonical_hosts, check_address, is_host_name
+from hpc_ddp.cluster.master_port import derive_port
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
+from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address, is_host_name
+from hpc_ddp.deploy.shell.host_scripts import host_script, stop_script
 from hpc_ddp.errors import ConfigError
 
 TOOLS = ("pdsh", "clush")
@@ -212,7 +212,7 @@ def make_spec(
     - hosts: expanded and put in canonical (sorted) order; node rank 0 = the first.
     - master address: the first host; with ``rcmd=exec`` every "host" is this machine, whose
       made-up names (node0, node1) need not resolve, so it is 127.0.0.1.
-    - master port: derived from the launch id (hpc_ddp.cluster.port), so two launches sharing
+    - master port: derived from the launch id (hpc_ddp.cluster.master_port), so two launches sharing
       a host pick different ports without talking to each other.
     - command: one that starts with an option is trainer arguments: ``python -m hpc_ddp.train``.
     """

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hpc_ddp.private_paths import SHELL_FUNCTIONS
 
 if TYPE_CHECKING:
-    from hpc_ddp.deploy.shell_launch import LaunchSpec
+    from hpc_ddp.deploy.shell.spec import LaunchSpec
 
 # Exit codes of the host script itself (the payload's own codes pass through unchanged).
 EXIT_WRONG_RANK = 97  # %n does not name the host the canonical order puts there
@@ -67,7 +67,7 @@ def payload_argv(spec: LaunchSpec) -> list[str]:
     return [
         spec.python,
         "-m",
-        "hpc_ddp.deploy.node_agent",
+        "hpc_ddp.deploy.shell.node_agent",
         f"--nproc={spec.nproc_per_node}",
         f"--grace={spec.stop_grace_s}",
         "--",

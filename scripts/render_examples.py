@@ -1,21 +1,23 @@
 """The committed jobs: ``jobs/specs/<name>.toml`` renders to ``jobs/<name>.sbatch``.
 
-``hpc-ddp render --all-examples`` regenerates them; tests/test_jobs_up_to_date.py fails when a
+A maintainer's tool of the source checkout, not of the installed package: run
+``python scripts/render_examples.py [--check]`` or ``hpc-ddp render --all-examples``, which
+loads this file from the checkout. tests/test_jobs_up_to_date.py fails when a
 template or a default changed and the committed renders were not regenerated.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.deploy.render import render
+from hpc_ddp.deploy.sbatch.render import render
+from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.spec import build_spec
-from hpc_ddp.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 JOBS_DIR = REPO / "jobs"
 
 
@@ -52,27 +54,6 @@ def stale_examples(jobs_dir: Path = JOBS_DIR) -> list[Example]:
     return out
 
 
-def write_atomic(path: Path, text: str, *, force: bool = False, mode: int = 0o644) -> None:
-    """Write via a temporary file in the same directory and rename: never a half-written job."""
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists", hint="pass --force to overwrite it")
-    if not path.parent.is_dir():
-        raise ConfigError(
-            f"directory {path.parent} does not exist", hint="create it or choose another -o path"
-        )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def render_all(jobs_dir: Path = JOBS_DIR) -> list[Path]:
     """Re-render every example; returns the scripts that changed. All specs are checked first."""
     rendered = [(ex, ex.render()) for ex in examples(jobs_dir)]  # fails before writing anything
@@ -82,3 +63,26 @@ def render_all(jobs_dir: Path = JOBS_DIR) -> list[Path]:
             write_atomic(ex.script_path, text, force=True, mode=0o755)
             changed.append(ex.script_path)
     return changed
+
+
+def main(argv: list[str]) -> int:
+    """``--check``: list stale renders (exit 1 if any); otherwise re-render them."""
+    parser = argparse.ArgumentParser(prog="render_examples.py", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="only report stale renders")
+    parser.add_argument("--jobs-dir", type=Path, default=JOBS_DIR, help="default: jobs/")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_examples(args.jobs_dir)
+        for ex in stale:
+            print(f"stale: {ex.script_path} (re-render from {ex.spec_path})")
+        print(f"{len(examples(args.jobs_dir)) - len(stale)} up to date, {len(stale)} stale")
+        return 1 if stale else 0
+    changed = render_all(args.jobs_dir)
+    for path in changed:
+        print(f"rendered {path}")
+    print(f"{len(examples(args.jobs_dir))} examples, {len(changed)} changed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -47,7 +47,7 @@ def _refuse(obj: Any, where: str) -> None:
     if kind.startswith("numpy."):
         hint = (
             "convert numpy values first (torch.from_numpy(a) for arrays, .item() for scalars); "
-            "for RNG states use hpc_ddp.train.rng.capture()"
+            "for RNG states use hpc_ddp.runtime.rng.capture()"
         )
     raise UnsafeCheckpointContentError(
         f"cannot checkpoint {where}: it is a {kind}, which torch.load(weights_only=True) "

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpc_ddp.deploy.environ import submission_env
+from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
+from hpc_ddp.slurm_client import TERMINAL, SlurmClient
 
 _OUTPUT = re.compile(r"^#SBATCH\s+(?:--output|-o)[= ]\s*(\S+)", re.M)
 _JOBNAME = re.compile(r"^#SBATCH\s+(?:--job-name|-J)[= ]\s*(\S+)", re.M)

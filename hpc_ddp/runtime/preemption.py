@@ -88,3 +88,44 @@ def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
     if done.returncode != 0:
         return f"scontrol requeue {job} failed (rc {done.returncode}): {done.stderr.strip()}"
     return f"requeued Slurm job {job} (scontrol requeue)"
+
+
+class Preemption:
+    """Preemption for a training loop of your own: the pieces the trainer uses, in one object.
+
+    ``Preemption()`` installs handlers for ``signals`` (Slurm sends SIGTERM at preemption and at
+    the time limit, after ``--signal=USR1@N`` if the job asks). In the loop, call
+    :meth:`agreed` at step boundaries: it is True on every rank once any rank got a signal (one
+    all-reduce, so call it on all ranks at the same steps). Then save a checkpoint on all ranks,
+    call :meth:`requeue` on rank 0 and leave with ``shutdown(Preemption.EXIT_CODE)`` (75).
+    """
+
+    EXIT_CODE = EXIT_REQUEUE
+
+    def __init__(self, signals: Iterable[str | int] = ("USR1", "TERM")) -> None:
+        self.flag = PreemptionFlag.install(signals)
+
+    @property
+    def requested(self) -> bool:
+        """A signal reached this process (other ranks may not know yet)."""
+        return self.flag.requested
+
+    def agreed(self) -> bool:
+        """Whether any rank got a signal: the same answer on every rank (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.requested
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        vote = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        return bool(vote.item())
+
+    def requeue(self, mode: str = "auto") -> str:
+        """Ask the scheduler to run the job again (see :func:`requeue`); returns what happened."""
+        return requeue(mode)
+
+    def close(self) -> None:
+        """Restore the signal handlers that were there before."""
+        self.flag.uninstall()

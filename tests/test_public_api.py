@@ -1,0 +1,76 @@
+"""The public API: ``import hpc_ddp`` is torch-free, every listed name resolves and documents
+itself, and the names that need torch load it only when used."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import hpc_ddp
+
+TORCH_FREE = ("DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError")
+
+
+def _python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.strip()
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    assert set(hpc_ddp.__all__) == {"__version__", *hpc_ddp._PUBLIC}
+    assert len(hpc_ddp.__all__) == len(set(hpc_ddp.__all__))
+
+
+def test_every_public_name_resolves_and_has_a_contract() -> None:
+    for name in hpc_ddp._PUBLIC:
+        value = getattr(hpc_ddp, name)
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"hpc_ddp.{name} has no docstring"
+
+
+def test_import_and_torch_free_names_do_not_import_torch() -> None:
+    names = ", ".join(f"hpc_ddp.{n}" for n in TORCH_FREE)
+    code = (
+        "import sys, hpc_ddp\n"
+        f"_ = ({names})\n"
+        "spec = hpc_ddp.load_job_spec(None, {'nodes': 2, 'gpus_per_node': 8})\n"
+        "assert '#SBATCH --nodes=2' in hpc_ddp.render(spec)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert _python(code) == "False"
+
+
+def test_torch_names_load_torch_on_first_use() -> None:
+    code = "import sys, hpc_ddp\nhpc_ddp.Checkpointer\nprint('torch' in sys.modules)\n"
+    assert _python(code) == "True"
+
+
+def test_unknown_name_is_an_attribute_error() -> None:
+    try:
+        hpc_ddp.no_such_thing  # noqa: B018
+    except AttributeError as err:
+        assert "no_such_thing" in str(err)
+    else:  # pragma: no cover - the assertion below explains
+        raise AssertionError("hpc_ddp.no_such_thing resolved")
+
+
+def test_preemption_flag_from_a_real_signal(monkeypatch) -> None:
+    """Without a process group, ``agreed`` is this process's own answer."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")):
+            monkeypatch.delenv(key)
+    before = signal.getsignal(signal.SIGUSR1)
+    pre = hpc_ddp.Preemption(["USR1"])
+    try:
+        assert not pre.requested and not pre.agreed()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert pre.requested and pre.agreed()
+        assert "not inside a Slurm job" in pre.requeue()
+        assert hpc_ddp.Preemption.EXIT_CODE == hpc_ddp.EXIT_REQUEUE == 75
+    finally:
+        pre.close()
+    assert signal.getsignal(signal.SIGUSR1) == before
