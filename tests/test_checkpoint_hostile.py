@@ -276,7 +276,7 @@ def test_an_owner_file_of_the_wrong_shape_names_no_one(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------- a signal while loading
-PROMPT_S = 10.0  # SIGTERM -> exit, with a load, one step and a checkpoint in between
+PROMPT_S = 5.0  # SIGTERM -> exit, with a load, one step and a checkpoint in between
 
 
 def test_sigterm_while_a_run_loads_hostile_checkpoints_ends_it_promptly(
