@@ -1,8 +1,9 @@
 """The GPU-resident data path, run on the CPU, yields exactly the torchvision path's batches.
 
-Both paths are real: torchvision's CIFAR10/CIFAR100 classes read files in CIFAR's on-disk format
-(written by ``synthetic.write_synthetic``) behind ``data.LoaderTrainData``; ``gpu_data`` reads the
-same files itself. Only the device differs from a GPU run (``cpu`` here).
+Both paths are real and read files in CIFAR's on-disk format (written by
+``synthetic.write_synthetic``) with ``data.read_arrays``, whose arrays equal what torchvision's
+CIFAR10/CIFAR100 classes read; ``data.LoaderTrainData`` serves one path, ``gpu_data`` the other.
+Only the device differs from a GPU run (``cpu`` here).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hpc_ddp.cifar.data import (
     LoaderTrainData,
     dataset_class,
     eval_batches,
+    load_class_names,
     load_datasets,
 )
 from hpc_ddp.errors import ConfigError
@@ -152,7 +154,7 @@ def _own_split(root: Path, dataset: str, *, train: bool) -> gpu_data.Split:
 
 
 def test_both_readers_give_identical_arrays(staged) -> None:
-    """gpu_data's own reader of CIFAR's pickles == torchvision's CIFAR10/CIFAR100 classes."""
+    """data.read_arrays's reader of CIFAR's pickles == torchvision's CIFAR10/CIFAR100 classes."""
     from torchvision.datasets import CIFAR10, CIFAR100
 
     dataset, root = staged
@@ -166,17 +168,17 @@ def test_both_readers_give_identical_arrays(staged) -> None:
         assert labels.dtype.name == "int64" and labels.shape == (n,)
         assert (images == theirs.data.transpose(0, 3, 1, 2)).all()  # torchvision holds NHWC
         assert labels.tolist() == list(theirs.targets)
-        assert gpu_data.load_class_names(root, dataset) == theirs.classes
+        assert load_class_names(root, dataset) == theirs.classes
     # The trainer's read on a GPU-capable setting: the same tensors as the loader path's.
     cfg = TrainConfig(dataset=dataset, synthetic=True, seed=7)
     train_set, test_set, num_classes = load_datasets(cfg, root)
     own = [_own_split(root, dataset, train=t) for t in (True, False)]
     for ours, theirs in zip(own, (train_set, test_set), strict=True):
         assert torch.equal(ours.images, theirs.images) and torch.equal(ours.targets, theirs.targets)
-    assert num_classes == len(gpu_data.load_class_names(root, dataset))
+    assert num_classes == len(load_class_names(root, dataset))
 
 
-def test_load_splits_uses_torchvision_only_for_the_loader(staged) -> None:
+def test_load_splits_gives_the_loader_its_datasets(staged) -> None:
     dataset, root = staged
     cfg = TrainConfig(dataset=dataset, synthetic=True)
     train, test, num_classes = gpu_data.load_splits(cfg, root, CPU)  # CPU: the loader runs
@@ -214,8 +216,9 @@ print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
 
 
 def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
-    """A whole training run on the GPU-resident path (on the CPU) without importing torchvision,
-    and the same weights, loss and accuracy as the torchvision loader path."""
+    """A whole training run on the GPU-resident path (on the CPU), and one on the loader path,
+    neither importing torchvision (the files are read without it), with the same weights, loss
+    and accuracy."""
     import json
     import subprocess
     import sys
@@ -246,7 +249,7 @@ def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert ("data: GPU-resident" in done.stdout) == (path == "gpu"), done.stdout
         out[path] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["gpu"]["torchvision"] is False and out["torchvision"]["torchvision"] is True
+    assert out["gpu"]["torchvision"] is False and out["torchvision"]["torchvision"] is False
     assert out["gpu"]["sha"] == out["torchvision"]["sha"]
     assert out["gpu"]["loss"] == out["torchvision"]["loss"]
     assert out["gpu"]["acc"] == out["torchvision"]["acc"]

@@ -134,7 +134,7 @@ def test_synthetic_writes_the_real_on_disk_format(
     with open(folder / ("test_batch" if dataset == "cifar10" else "test"), "rb") as f:
         entry = pickle.load(f, encoding="latin1")
     assert entry["data"].shape == (11, 3072) and entry["data"].dtype.name == "uint8"
-    train, test, num_classes = data.load_datasets(cfg, root)  # torchvision's own classes
+    train, test, num_classes = data.load_datasets(cfg, root)  # the restricted reader
     assert (len(train), len(test), num_classes) == (53, 11, classes)
     x, y = train[0]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= int(y) < classes

@@ -7,6 +7,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointWriteError,
     RunDirLockedError,
+    RunDirUnwritableError,
     UnsafeCheckpointContentError,
 )
 from .loader import Loaded
@@ -21,5 +22,6 @@ __all__ = [
     "Loaded",
     "RunDirLock",
     "RunDirLockedError",
+    "RunDirUnwritableError",
     "UnsafeCheckpointContentError",
 ]

@@ -27,3 +27,7 @@ class UnsafeCheckpointContentError(CheckpointError):
 
 class RunDirLockedError(HpcDdpError):
     """Another process holds the run directory."""
+
+
+class RunDirUnwritableError(HpcDdpError):
+    """The run directory cannot be written (permissions, a read-only file system)."""

@@ -17,6 +17,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
+from hpc_ddp.regular_file import open_regular
+
 from .errors import CheckpointWriteError
 
 CHUNK = 4 << 20  # 4 MiB: big enough for throughput, small enough not to matter for memory
@@ -141,13 +143,22 @@ def write_bytes_durably(path: Path, data: bytes) -> tuple[int, str]:
 
 
 def sha256_file(path: Path) -> tuple[int, str]:
-    """(size, sha256) of a file, read in chunks so a multi-GB file never sits in memory."""
+    """(size, sha256) of a regular file (never a FIFO or a device: those would block or never
+    end), read in chunks so a multi-GB file never sits in memory."""
+    with open_regular(path) as f:
+        return sha256_stream(f)
+
+
+def sha256_stream(f: BinaryIO, limit: int | None = None) -> tuple[int, str]:
+    """(size, sha256) of what is left in ``f``; stops after ``limit`` bytes plus one chunk, so a
+    file that keeps growing cannot keep the reader busy (the size then exceeds ``limit``)."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            h.update(chunk)
-            size += len(chunk)
+    for chunk in iter(lambda: f.read(CHUNK), b""):
+        h.update(chunk)
+        size += len(chunk)
+        if limit is not None and size > limit:
+            break
     return size, h.hexdigest()
 
 

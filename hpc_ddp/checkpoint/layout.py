@@ -8,10 +8,13 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc_ddp.regular_file import read_small
+
 from .fsutil import fsync_dir, remove_tree, write_bytes_durably
 from .manifest import LATEST, TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs
 
 Log = Callable[[str], None]
+LATEST_MAX_BYTES = 4096  # it holds one directory name
 
 # Exactly the names saves give their directories: tmp_dir_name(step) while writing, and
 # "<TRASH_PREFIX><step dir>-<pid>" for one being replaced or pruned. Anything else that merely
@@ -24,7 +27,8 @@ _LEFTOVER = re.compile(
 def read_latest(root: Path) -> tuple[str | None, str | None]:
     """(directory name, problem). Both None: there is no pointer at all."""
     try:
-        raw = (root / LATEST).read_bytes()
+        # A plain file by design (write_latest): a symlink, FIFO or device there was planted.
+        raw = read_small(root / LATEST, LATEST_MAX_BYTES)
     except FileNotFoundError:
         return None, None
     except OSError as exc:

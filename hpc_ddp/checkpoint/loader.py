@@ -22,11 +22,11 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchE
 from .manifest import (
     SHARED_FILE,
     VerifyFailure,
+    open_verified,
     parse_step,
     rank_file,
     read_manifest,
     step_dirs,
-    verify_files,
 )
 
 Log = Callable[[str], None]
@@ -91,26 +91,29 @@ def _check_expect(manifest: dict[str, Any], path: Path, expect: dict[str, Any]) 
             )
 
 
-def _load_one(path: Path, manifest: dict[str, Any], rank: int, map_location: Any) -> Loaded:
-    def load(name: str) -> Any:
+def _load_verified(path: Path, manifest: dict[str, Any], name: str, map_location: Any) -> Any:
+    """Check one file against the manifest, then unpickle the same open file as plain data."""
+    with open_verified(path, name, manifest["files"][name]) as f:
         try:
-            return torch.load(path / name, map_location=map_location, weights_only=True)
+            return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise VerifyFailure(path, f"{name} refused by weights_only=True ({first})") from None
 
-    shared = load(SHARED_FILE)
-    per_rank = load(rank_file(rank)) if rank < int(manifest["world_size"]) else None
-    return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path)
-
 
 def _try_one(path: Path, rank: int, map_location: Any, expect: dict[str, Any] | None) -> Loaded:
-    """Verify what this rank reads (manifest, shared file, its own file), then load it."""
+    """Verify what this rank reads (manifest, shared file, its own file) and load it.
+
+    Each rank checks only the files it reads: with thousands of ranks, each re-reading every
+    rank's file would be N^2 reads on the shared file system.
+    """
     manifest = read_manifest(path)
     if expect:  # before the files: the manifest is the same for all ranks, so is the verdict
         _check_expect(manifest, path, expect)
-    verify_files(path, manifest, only={SHARED_FILE, rank_file(rank)})
-    return _load_one(path, manifest, rank, map_location)
+    shared = _load_verified(path, manifest, SHARED_FILE, map_location)
+    own = rank_file(rank) if rank < manifest["world_size"] else None
+    per_rank = _load_verified(path, manifest, own, map_location) if own else None
+    return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path)
 
 
 def _choose(

@@ -9,6 +9,7 @@ separate file, because filelock truncates the lock file on every attempt to take
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -19,11 +20,29 @@ from types import TracebackType
 
 import filelock
 
-from .errors import RunDirLockedError
-from .fsutil import raising_io
+from hpc_ddp.regular_file import read_small
+
+from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
+from .fsutil import raising_io, write_bytes_durably
 
 LOCK_FILE = ".run.lock"
 OWNER_FILE = ".run.lock.owner"
+OWNER_MAX_BYTES = 64 << 10  # pid, host, time, argv, job id
+
+
+def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
+    """The run directory cannot hold this run's files (lock, checkpoints, results)."""
+    why = {
+        errno.EACCES: f"not writable by this user (uid {os.getuid()})",
+        errno.EPERM: f"not writable by this user (uid {os.getuid()})",
+        errno.EROFS: "on a read-only file system",
+    }.get(exc.errno or 0, f"unusable ({exc.strerror or exc})")
+    return RunDirUnwritableError(
+        f"run directory {root} is {why}: cannot create {path.name} there",
+        hint="make it writable by this user (chown/chmod, or a writable mount), or give this "
+        "run another run directory (--run-dir): a run writes its lock, checkpoints and results "
+        "there",
+    )
 
 
 class RunDirLock:
@@ -47,6 +66,8 @@ class RunDirLock:
                 f"run directory {self.root} is in use by {self._holder()}",
                 hint="wait for that run to finish, stop it, or give this run another directory",
             ) from None
+        except OSError as exc:  # read-only directory or file system, a planted non-file
+            raise unwritable(self.root, self.root / LOCK_FILE, exc) from None
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -54,14 +75,23 @@ class RunDirLock:
             "argv": sys.argv,
             "job_id": os.environ.get("SLURM_JOB_ID"),
         }
-        with raising_io("write", self.root / OWNER_FILE):
-            (self.root / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+        try:
+            # Replaced, not written in place: a symlink planted under this name is swapped out,
+            # never followed into a file this toolkit did not write.
+            write_bytes_durably(self.root / OWNER_FILE, (json.dumps(owner) + "\n").encode())
+        except BaseException as exc:
+            self._lock.release()
+            if isinstance(exc, CheckpointWriteError) and isinstance(exc.__cause__, OSError):
+                raise unwritable(self.root, self.root / OWNER_FILE, exc.__cause__) from None
+            raise
         return self
 
     def _holder(self) -> str:
         try:
-            owner = json.loads((self.root / OWNER_FILE).read_text())
-        except (OSError, ValueError):
+            owner = json.loads(read_small(self.root / OWNER_FILE, OWNER_MAX_BYTES))
+        except (OSError, ValueError, RecursionError):
+            owner = None
+        if not isinstance(owner, dict):
             return "another process (owner unknown: no readable owner file)"
         job = f", Slurm job {owner['job_id']}" if owner.get("job_id") else ""
         return f"pid {owner.get('pid')} on host {owner.get('host')}{job} since {owner.get('since')}"

@@ -16,14 +16,15 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 import hpc_ddp
+from hpc_ddp.regular_file import open_regular, read_small
 
 from .errors import CheckpointError
-from .fsutil import sha256_file
+from .fsutil import sha256_stream
 
 FORMAT = "hpc-ddp-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -31,7 +32,13 @@ SHARED_FILE = "shared.pt"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-STEP_RE = re.compile(r"^step-(\d{8,})$")
+# ASCII digits only (\d also matches other scripts' digits, which int() accepts), and at most 19:
+# every step fits in 64 bits, and no directory name can make int() work on thousands of digits.
+STEP_RE = re.compile(r"step-([0-9]{8,19})")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# A manifest holds about 140 bytes per rank: 16 MiB is room for 100,000 ranks, and the most a
+# reader parses before it knows whether the manifest verifies.
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -49,7 +56,7 @@ def rank_file(rank: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    m = STEP_RE.match(name)
+    m = STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -120,49 +127,86 @@ class VerifyFailure(Exception):
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest, if it parses, self-verifies and lists every file a checkpoint needs."""
+    """The manifest, if it parses, self-verifies, follows the schema and lists every file a
+    checkpoint needs. Anything else is a :class:`VerifyFailure`: the loader falls back."""
     try:
-        raw = (path / MANIFEST).read_bytes()
+        raw = read_small(path / MANIFEST, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise VerifyFailure(path, f"no {MANIFEST} (the save never finished)") from None
     except OSError as exc:
         raise VerifyFailure(path, f"cannot read {MANIFEST}: {exc.strerror}") from None
     try:
         manifest = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise VerifyFailure(path, f"{MANIFEST} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise VerifyFailure(path, f"{MANIFEST} is not an {FORMAT} manifest")
     if manifest.get("manifest_sha256") != _self_hash(manifest):
         raise VerifyFailure(path, f"{MANIFEST} fails its own checksum (edited or bit-flipped)")
-    if manifest.get("step") != parse_step(path.name):
-        raise VerifyFailure(path, f"manifest says step {manifest.get('step')}, dir says otherwise")
-    files: dict[str, dict[str, Any]] = manifest["files"]
-    expected = {SHARED_FILE} | {rank_file(r) for r in range(int(manifest["world_size"]))}
-    if missing := sorted(expected - files.keys()):
-        raise VerifyFailure(path, f"manifest lists no {', '.join(missing)}")
+    # The checksum only proves the manifest is as someone wrote it: check every field used.
+    if problem := schema_problem(manifest, parse_step(path.name)):
+        raise VerifyFailure(path, f"{MANIFEST} does not verify: {problem}")
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any], only: set[str] | None = None) -> None:
-    """Check sizes and sha256 against the manifest.
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
-    ``only`` limits the byte-for-byte check to the files one rank will read: with thousands of
-    ranks, each re-reading every rank's file would be N^2 reads on the shared file system.
+
+def schema_problem(manifest: dict[str, Any], dir_step: int | None) -> str | None:
+    """Why ``manifest`` is not one this code could have written for step ``dir_step``, or None."""
+    step, world, files = manifest.get("step"), manifest.get("world_size"), manifest.get("files")
+    if not _is_int(step, 0):
+        return f"step is {step!r}, not an integer >= 0"
+    if step != dir_step:
+        return f"it says step {step}, the directory name says otherwise"
+    if not _is_int(world, 1):
+        return f"world_size is {world!r}, not an integer >= 1"
+    if not isinstance(manifest.get("meta"), dict):
+        return "meta is not a JSON object"
+    if not isinstance(files, dict):
+        return "files is not a JSON object"
+    # Counting first keeps the expected-name set as small as the file that was read.
+    if len(files) != world + 1:
+        return f"it lists {len(files)} files for a world of {world} ranks (expected {world + 1})"
+    expected = {SHARED_FILE} | {rank_file(r) for r in range(world)}
+    if missing := sorted(expected - files.keys()):
+        return f"it lists no {', '.join(missing[:3])}"  # so names are only the expected ones
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not _is_int(entry.get("size"), 0):
+            return f"files[{name!r}] has no integer size >= 0"
+        if not (isinstance(entry.get("sha256"), str) and SHA256_RE.fullmatch(entry["sha256"])):
+            return f"files[{name!r}] has no sha256 of 64 hex digits"
+    return None
+
+
+def open_verified(path: Path, name: str, entry: dict[str, Any]) -> BinaryIO:
+    """``path/name`` opened, with its size and sha256 checked against the manifest ``entry``,
+    positioned at its start: the caller reads the very bytes that were checked.
+
+    The size is compared with the open file's before any byte is read, so a manifest or a file
+    of absurd size costs nothing; a symlink, FIFO or device is refused without reading.
     """
-    for name, entry in manifest["files"].items():
-        if only is not None and name not in only:
-            continue
-        fpath = path / name
-        try:
-            size, digest = sha256_file(fpath)
-        except FileNotFoundError:
-            raise VerifyFailure(path, f"{name} is missing") from None
-        except OSError as exc:
-            raise VerifyFailure(path, f"cannot read {name}: {exc.strerror}") from None
-        if size != entry["size"]:
-            raise VerifyFailure(
-                path, f"{name} has {size} bytes, manifest says {entry['size']} (truncated?)"
-            )
+    try:
+        f = open_regular(path / name)
+    except FileNotFoundError:
+        raise VerifyFailure(path, f"{name} is missing") from None
+    except OSError as exc:
+        raise VerifyFailure(path, f"cannot read {name}: {exc.strerror}") from None
+    try:
+        want = entry["size"]
+        size = os.fstat(f.fileno()).st_size
+        if size == want:
+            size, digest = sha256_stream(f, limit=want)
+        if size != want:
+            raise VerifyFailure(path, f"{name} has {size} bytes, manifest says {want} (truncated?)")
         if digest != entry["sha256"]:
             raise VerifyFailure(path, f"{name} sha256 {digest[:12]}... != manifest's")
+        f.seek(0)
+    except OSError as exc:
+        f.close()
+        raise VerifyFailure(path, f"cannot read {name}: {exc.strerror}") from None
+    except BaseException:
+        f.close()
+        raise
+    return f

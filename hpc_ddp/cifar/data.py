@@ -1,8 +1,11 @@
-"""CIFAR-10/100 through torchvision's own dataset classes: staging, sharding, augmentation.
+"""CIFAR-10/100: staging, reading, sharding, augmentation.
 
-torchvision is imported only where its classes are used (the loader path, downloads): importing it
-costs ~3.5 s of start-up (``torchvision.datasets`` pulls in ``torchvision.models`` and
-``torch._dynamo``), and the GPU-resident path reads CIFAR's files itself (``gpu_data``).
+The files are CIFAR's python-format pickles. torchvision's dataset classes read them with plain
+``pickle.load``, which would run any code a file in a shared, writable ``--data-dir`` names, so
+this module reads them itself through ``cifar_pickle``'s restricted unpickler (the arrays come
+out identical, tests/test_gpu_data.py checks). torchvision is imported only to download (its
+classes check the official MD5 sums before they unpickle anything): importing it costs ~3.5 s of
+start-up (``torchvision.datasets`` pulls in ``torchvision.models`` and ``torch._dynamo``).
 
 Staging (download or synthetic write) runs once per node *and* per filesystem: on each node only
 local rank 0 stages, under a file lock in the data dir (so nodes sharing a filesystem take turns
@@ -12,24 +15,26 @@ and the second finds the data present), then every rank waits at a barrier.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hpc_ddp.cifar import synthetic
+from hpc_ddp.cifar import array_cache, safe_pickle, synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.regular_file import open_regular
 from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
 from hpc_ddp.train.config import TrainConfig
 
 if TYPE_CHECKING:
-    import numpy as np
     from torchvision.datasets import CIFAR10
 
 # CIFAR-10's training-set statistics, the values the conventional scripts use for both sets.
@@ -76,12 +81,13 @@ def dataset_class(name: str, *, is_synthetic: bool) -> type[CIFAR10]:
 
 
 def _md5(path: Path) -> str | None:
-    if not path.is_file():
-        return None
     digest = hashlib.md5(usedforsecurity=False)
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
+    try:  # a regular file only: a FIFO or device in its place would block or never end
+        with open_regular(path, follow_symlinks=True) as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
     return digest.hexdigest()
 
 
@@ -155,21 +161,9 @@ class CifarTensors(Dataset):
     same draws batched on the GPU, so both data paths give bit-identical batches.
     """
 
-    def __init__(self, base: CIFAR10, *, augment: bool, seed: int) -> None:
-        images = torch.from_numpy(base.data).permute(0, 3, 1, 2).contiguous()  # uint8 NCHW
-        self._init(images, torch.tensor(base.targets, dtype=torch.int64), augment, seed)
-
-    @classmethod
-    def from_arrays(
-        cls, images: np.ndarray, labels: np.ndarray, *, augment: bool, seed: int
-    ) -> CifarTensors:
-        """From ``gpu_data.load_cifar_arrays``'s (N, 3, 32, 32) uint8 and (N,) int64 arrays
-        (the same values torchvision's class holds, tests/test_gpu_data.py checks)."""
-        out = cls.__new__(cls)
-        out._init(torch.from_numpy(images), torch.from_numpy(labels), augment, seed)
-        return out
-
-    def _init(self, images: torch.Tensor, targets: torch.Tensor, augment: bool, seed: int) -> None:
+    def __init__(
+        self, images: torch.Tensor, targets: torch.Tensor, *, augment: bool, seed: int
+    ) -> None:
         self.images = images.contiguous()  # uint8 NCHW
         self.targets = targets.to(torch.int64)
         self.augment = augment
@@ -237,21 +231,66 @@ def eval_batches(
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def load_datasets(cfg: TrainConfig, root: Path) -> tuple[CifarTensors, CifarTensors, int]:
-    """(train, test, num_classes), read by torchvision's own classes from ``root``."""
-    cls = dataset_class(cfg.dataset, is_synthetic=cfg.synthetic)
+# On-disk layout of the "python version" archives, as torchvision reads them.
+CIFAR_FILES = {
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
+    "cifar100": ("cifar-100-python", ["train"], ["test"]),
+}
+LABEL_KEYS = ("labels", "fine_labels")
+# The class names: (meta file, key), as torchvision's ``_load_meta`` reads them.
+CLASS_NAMES = {"cifar10": ("batches.meta", "label_names"), "cifar100": ("meta", "fine_label_names")}
+SIZE = 32
+
+
+def load_cifar_arrays(
+    data_root: str | Path, dataset: str, *, train: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One split from CIFAR's pickled on-disk format: (N, 3, 32, 32) uint8 and (N,) int64."""
+    if dataset not in CIFAR_FILES:
+        raise ValueError(f"dataset {dataset!r} is not one of {', '.join(CIFAR_FILES)}")
+    folder, train_files, test_files = CIFAR_FILES[dataset]
+    images, labels = [], []
+    for name in train_files if train else test_files:
+        pixels, targets = array_cache.read_batch(Path(data_root) / folder / name, LABEL_KEYS)
+        images.append(pixels.reshape(-1, 3, SIZE, SIZE))
+        labels.append(targets)
+    return np.concatenate(images), np.concatenate(labels)
+
+
+def load_class_names(data_root: str | Path, dataset: str) -> list[str]:
+    """The class names from the split's meta file (``len`` is torchvision's ``len(classes)``)."""
+    name, key = CLASS_NAMES[dataset]
+    path = Path(data_root) / CIFAR_FILES[dataset][0] / name
+    names = safe_pickle.load(path).get(key)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise safe_pickle.NotCifarFileError(f"{path} is not CIFAR's meta file: no {key!r} list")
+    return names
+
+
+Arrays = tuple[torch.Tensor, torch.Tensor]
+
+
+def read_arrays(dataset: str, root: str | Path) -> tuple[tuple[Arrays, Arrays], int]:
+    """((train images, labels), (test images, labels)), num_classes: uint8 NCHW, int64."""
     try:
-        train = cls(str(root), train=True, download=False)
-        test = cls(str(root), train=False, download=False)
-    except RuntimeError as err:
+        splits = [load_cifar_arrays(root, dataset, train=t) for t in (True, False)]
+        classes = load_class_names(root, dataset)
+    except (OSError, pickle.UnpicklingError, ValueError) as err:
         raise DataError(
-            f"cannot read {cls.__name__} from {root}: {err}",
-            hint=f"point --data-dir at the directory holding {cls.base_folder}/",
+            f"cannot read {dataset} from {root}: {type(err).__name__}: {err}",
+            hint=f"point --data-dir at the directory holding {CIFAR_FILES[dataset][0]}/",
         ) from None
+    train, test = ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in splits)
+    return (train, test), len(classes)
+
+
+def load_datasets(cfg: TrainConfig, root: Path) -> tuple[CifarTensors, CifarTensors, int]:
+    """(train, test, num_classes) for the DataLoader path."""
+    (train, test), num_classes = read_arrays(cfg.dataset, root)
     return (
-        CifarTensors(train, augment=cfg.augment, seed=cfg.seed),
-        CifarTensors(test, augment=False, seed=cfg.seed),
-        len(train.classes),
+        CifarTensors(*train, augment=cfg.augment, seed=cfg.seed),
+        CifarTensors(*test, augment=False, seed=cfg.seed),
+        num_classes,
     )
 
 

@@ -15,76 +15,42 @@ never depends on which path ran:
 - augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
   crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
 
-The files are read here (``load_cifar_arrays``: CIFAR's pickled batches, decoded once into a
-.npy cache by ``array_cache``), not through torchvision's dataset classes, so a run on this path
-never imports torchvision (~3.5 s of start-up on an H200 machine, benchmarks/NOTES.md);
-tests/test_gpu_data.py checks both readers give the same arrays.
+Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches through a restricted
+unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
+classes, so a run never imports torchvision to read data (~3.5 s of start-up on an H200 machine,
+benchmarks/NOTES.md); tests/test_gpu_data.py checks this reader gives torchvision's arrays.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from hpc_ddp.cifar import array_cache
 from hpc_ddp.cifar.data import (
     MEAN,
+    SIZE,
     STD,
     CifarTensors,
-    DataError,
     LoaderTrainData,
     TrainData,
     _sample_seed,
     eval_batches,
+    load_cifar_arrays,
     load_datasets,
+    read_arrays,
 )
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.sampler import ShardPlan, eval_indices
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 
-# On-disk layout of the "python version" archives, as torchvision reads them.
-_FILES = {
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
-    "cifar100": ("cifar-100-python", ["train"], ["test"]),
-}
-_LABEL_KEYS = ("labels", "fine_labels")
-# The class names: (meta file, key), as torchvision's ``_load_meta`` reads them.
-_META = {"cifar10": ("batches.meta", "label_names"), "cifar100": ("meta", "fine_label_names")}
 PAD = 4  # RandomCrop(32, padding=4)
-SIZE = 32
-
-
-def load_cifar_arrays(
-    data_root: str | Path, dataset: str, *, train: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """One split from CIFAR's pickled on-disk format: (N, 3, 32, 32) uint8 and (N,) int64."""
-    if dataset not in _FILES:
-        raise ValueError(f"dataset {dataset!r} is not one of {', '.join(_FILES)}")
-    folder, train_files, test_files = _FILES[dataset]
-    images, labels = [], []
-    for name in train_files if train else test_files:
-        pixels, targets = array_cache.read_batch(Path(data_root) / folder / name, _LABEL_KEYS)
-        images.append(pixels.reshape(-1, 3, SIZE, SIZE))
-        labels.append(targets)
-    return np.concatenate(images), np.concatenate(labels)
 
 
 def _as_dataset(split: Split, *, augment: bool, seed: int) -> CifarTensors:
-    images, targets = split.images.numpy(), split.targets.numpy()
-    return CifarTensors.from_arrays(images, targets, augment=augment, seed=seed)
-
-
-def load_class_names(data_root: str | Path, dataset: str) -> list[str]:
-    """The class names from the split's meta file (``len`` is torchvision's ``len(classes)``)."""
-    folder = _FILES[dataset][0]
-    name, key = _META[dataset]
-    with (Path(data_root) / folder / name).open("rb") as fh:
-        return list(pickle.load(fh, encoding="latin1")[key])
+    return CifarTensors(split.images, split.targets, augment=augment, seed=seed)
 
 
 @dataclass
@@ -105,23 +71,14 @@ def load_splits(
     """The trainer's read: (train, test, num_classes).
 
     Where the loader path will run for sure (``data_path=torchvision``, or a device that is not a
-    GPU), torchvision's own classes read the files (``data.load_datasets``); otherwise this
-    module's reader does, so the GPU-resident path never imports torchvision. ``choose`` takes
-    either; if it then falls back to the loader, it wraps these arrays (same values).
+    GPU), the splits come as ``data.CifarTensors``; otherwise as ``Split``, which ``choose`` wraps
+    in the same way if it falls back to the loader. Both hold the arrays ``data.read_arrays``
+    read.
     """
     if cfg.data_path == "torchvision" or not fits_on_device(0, device)[0]:
         return load_datasets(cfg, Path(root))
-    try:
-        splits = [load_cifar_arrays(root, cfg.dataset, train=t) for t in (True, False)]
-        classes = load_class_names(root, cfg.dataset)
-    except (OSError, pickle.UnpicklingError, KeyError, ValueError) as err:
-        folder = _FILES[cfg.dataset][0]
-        raise DataError(
-            f"cannot read {cfg.dataset} from {root}: {type(err).__name__}: {err}",
-            hint=f"point --data-dir at the directory holding {folder}/",
-        ) from None
-    train, test = (Split(torch.from_numpy(x), torch.from_numpy(y)) for x, y in splits)
-    return train, test, len(classes)
+    (train, test), classes = read_arrays(cfg.dataset, root)
+    return Split(*train), Split(*test), classes
 
 
 def normalize(

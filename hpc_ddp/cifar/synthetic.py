@@ -32,6 +32,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from hpc_ddp.regular_file import read_small
+
 FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 MARKER = "hpc-ddp-synthetic.json"
@@ -194,9 +196,9 @@ def is_current(
     root: Path, dataset: str, train_size: int, test_size: int, seed: int, variant: str = "easy"
 ) -> bool:
     marker = Path(root) / FOLDERS[dataset] / MARKER
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
+    try:  # a regular file only: a FIFO planted in a shared data dir would block the read
+        info = json.loads(read_small(marker, 4096))
+    except (OSError, ValueError, RecursionError):
         return False
     return info == _marker(dataset, train_size, test_size, seed, variant)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import hpc_ddp
-from hpc_ddp.checkpoint.lock import LOCK_FILE, OWNER_FILE
+from hpc_ddp.checkpoint.lock import LOCK_FILE, OWNER_FILE, unwritable
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.private_paths import create_file
 from hpc_ddp.train.config import TrainConfig
@@ -80,6 +80,8 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
     except FileExistsError:
         _check_marker(run_dir / MARKER)  # a second start raced this one; the lock decides next
     except OSError as err:
+        if run_dir.is_dir():  # it exists but cannot hold our files: the lock's own error says so
+            raise unwritable(run_dir, run_dir / MARKER, err) from None
         raise ConfigError(
             f"cannot create the run dir {run_dir}: {err.strerror}", hint=_HINT
         ) from None
