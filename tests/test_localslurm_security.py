@@ -27,7 +27,7 @@ from slurm_support import (
 )
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.localslurm import LocalCluster, procs
+from hpc_ddp.localslurm import LocalCluster, munge, procs, wait_for
 
 pytestmark = pytest.mark.slurm
 NOBODY_UID = 65534
@@ -282,3 +282,25 @@ def test_a_cluster_dir_others_could_change_is_refused(root: Path) -> None:
         assert stat.S_IMODE(os.stat(readable).st_mode) == 0o700
     finally:
         cluster.stop()
+
+
+def test_munged_warnings_other_than_the_socket_one_are_caught(tmp_path: Path) -> None:
+    """munged runs with --force, which downgrades its own checks to warnings: the start reads
+    them back. A real munged given an insecure key (0644) warns, and that is flagged; the one
+    expected warning (socket dirs not searchable by all) is not."""
+    require_tools("munged")
+    d = Path(tempfile.mkdtemp(prefix="hpcddp-mw-", dir="/tmp"))
+    try:
+        key = d / "key"
+        key.write_bytes(os.urandom(128))
+        key.chmod(0o644)
+        argv = ["munged", "--force", "--socket", f"{d}/sock", "--key-file", str(key)]
+        argv += ["--pid-file", f"{d}/pid", "--log-file", f"{d}/log", "--seed-file", f"{d}/seed"]
+        subprocess.run(argv, check=True, timeout=30)
+        pid = wait_for(lambda: (d / "pid").exists() and (d / "pid").read_text().strip(), 10)
+        procs.terminate({int(pid)})
+        flagged = munge.unexpected_warnings(d / "log")
+        assert flagged and all("Keyfile is insecure" in line for line in flagged), flagged
+        assert munge.EXPECTED_WARNING in (d / "log").read_text()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
