@@ -14,6 +14,8 @@ extras="[all]"
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 APT_PACKAGES=(slurm-wlm slurm-client munge pdsh clustershell)
+# The tests try to pass as root with fakeroot against the local cluster (and must fail).
+[ -n "$extras" ] && APT_PACKAGES+=(fakeroot)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

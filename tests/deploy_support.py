@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.sbatch import render
+from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import Finished, sbatch, wait_job
 
 

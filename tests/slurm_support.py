@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -64,3 +68,36 @@ class SlurmTestCluster(SlurmClient):
     @property
     def node_names(self) -> tuple[str, ...]:
         return self.cluster.node_names
+
+
+NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+def as_nobody(argv: list[str], env: dict[str, str], cwd: Path | str = "/tmp") -> CompletedProcess:
+    """Run ``argv`` as the unprivileged user nobody (uid 65534, no groups)."""
+    return subprocess.run(
+        [*NOBODY, *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def require_tools(*tools: str) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but {', '.join(missing)} is not installed")
+        pytest.skip(f"not installed: {', '.join(missing)} (scripts/install.sh --test)")
+
+
+def listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(local address, pid) of every listening TCP socket that one of ``pids`` holds, read
+    from the kernel by `ss`."""
+    out = subprocess.run(
+        ["ss", "-H", "-ltnp"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        holders = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        for pid in holders & pids:
+            found.append((fields[3].rsplit(":", 1)[0], pid))
+    return found

@@ -23,7 +23,7 @@ from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, orphans, procs
 from hpc_ddp.localslurm import etc_hosts as hosts
 from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
-from hpc_ddp.localslurm.embedded import configured_slurm, ensure_local_cluster
+from hpc_ddp.localslurm.embedded import ensure_local_cluster, users_slurm
 
 pytestmark = pytest.mark.slurm
 TESTS_DIR = Path(__file__).parent
@@ -46,13 +46,14 @@ def _sleep_job(tmp: Path) -> Path:
 
 def _sleeps(cluster: LocalCluster) -> set[int]:
     """The job tasks of ``cluster`` that run `sleep 300`."""
-    pids = procs.cluster_pids(cluster.root, cluster.conf_path)
+    pids = procs.cluster_pids(cluster.root, cluster.daemon_conf_path)
     return {p for p in pids if [Path(a).name for a in procs.cmdline(p)[:2]] == ["sleep", "300"]}
 
 
 def _assert_nothing_left(cluster: LocalCluster, pids: set[int]) -> None:
     assert not procs.wait_gone(pids, 5), "processes outlived stop()"
-    assert not procs.pids_with_args("-f", str(cluster.conf_path))
+    assert not procs.pids_with_args("-f", str(cluster.daemon_conf_path))
+    assert not procs.pids_with_args("--key-file", str(cluster.root / "munge.key"))
     assert not cluster.root.exists()
     assert not hosts.has_lines(cluster.root)
     assert not cluster.is_running()
@@ -75,10 +76,10 @@ def test_start_stop_leaves_no_processes_or_files(root: Path, tmp_path: Path) -> 
     # A running 2-node job: its slurmstepd and tasks would outlive a bare `scontrol shutdown`.
     client.sbatch(_sleep_job(tmp_path), "-N2", output=tmp_path / "out")
     client.wait_for(lambda: len(_sleeps(cluster)) == 2, 20, "both nodes' tasks to run")
-    job_pids = procs.cluster_pids(root, cluster.conf_path)
+    job_pids = procs.cluster_pids(root, cluster.daemon_conf_path)
     assert any(procs.cmdline(p)[0].startswith("slurmstepd") for p in job_pids)
     daemon_pids = set(cluster._pids().values())
-    assert len(daemon_pids) == 3
+    assert len(daemon_pids) == 4  # munged, slurmctld, 2 x slurmd
 
     started = time.monotonic()
     cluster.stop()
@@ -114,14 +115,15 @@ def test_two_clusters_at_once_do_not_collide(tmp_path: Path) -> None:
 
         script = tmp_path / "job.sh"
         script.write_text("#!/bin/bash\nsrun bash -c 'echo $SLURM_CONF $SLURMD_NODENAME'\n")
+        # Job tasks see the daemons' config (slurmstepd sets SLURM_CONF to it).
         results = []
         for i, c in enumerate(clusters):
             client = SlurmTestCluster(c)
             res = client.sbatch_wait(script, "-N2", timeout_s=30, output=tmp_path / f"{i}.out")
             assert (res.state, res.exit_code) == ("COMPLETED", 0), res.output
             assert sorted(res.output.split("\n")[:-1]) == [
-                f"{c.conf_path} node1",
-                f"{c.conf_path} node2",
+                f"{c.daemon_conf_path} node1",
+                f"{c.daemon_conf_path} node2",
             ]
             results.append(res)
         assert results[0].job_id != results[1].job_id
@@ -213,7 +215,15 @@ def test_bad_shapes_fail_before_anything_starts(tmp_path: Path) -> None:
 def test_config_renders_nodes_ports_and_fake_gpus() -> None:
     cfg = ClusterConfig(Path("/tmp/c"), nodes=3, gpus_per_node=2, node_ports=(7, 8, 9), ctld_port=6)
     conf = render_slurm_conf(cfg)
-    assert "SlurmctldPort=6\n" in conf and "AuthInfo=cred_expire=10\n" in conf
+    assert "SlurmctldPort=6\n" in conf
+    assert "AuthInfo=cred_expire=10,socket=/tmp/c/run/munge.socket\n" in conf
+    assert "AuthType=auth/munge\n" in conf and "CredType=cred/munge\n" in conf
+    assert "InAddrAny" not in conf  # clients: an srun must listen where its steps call back
+    # The daemons' copy differs in one line: bind the host name's address, not every interface.
+    daemons = render_slurm_conf(cfg, for_daemons=True).splitlines()
+    assert [ln for ln in daemons if ln not in conf.splitlines()] == [
+        "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"
+    ]
     assert "NodeName=node3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=9 CPUs=4" in conf
     assert "Gres=gpu:2" in conf and "GresTypes=gpu" in conf
     assert render_gres_conf(cfg) == "Name=gpu File=/tmp/c/dev/nvidia[0-1]\n"
@@ -318,7 +328,8 @@ def test_ensure_local_cluster_starts_once_then_reuses(root: Path) -> None:
         with pytest.raises(ConfigError, match="GPU"):
             ensure_local_cluster(gpus_per_node=2, environ=environ)
         # A configured, answering Slurm is used as it is, whatever the embedded dir says.
-        assert configured_slurm({**environ, "SLURM_CONF": first["SLURM_CONF"]}) == first
+        theirs = users_slurm({**environ, "SLURM_CONF": first["SLURM_CONF"]})
+        assert theirs is not None and theirs.env == first
     finally:
         cluster.stop()
 
@@ -327,7 +338,7 @@ def test_configured_but_dead_slurm_is_an_error_not_a_fallback(tmp_path: Path) ->
     with pytest.raises(HpcDdpError, match="does not exist") as info:
         ensure_local_cluster(environ={"SLURM_CONF": str(tmp_path / "nope.conf")})
     assert "HPC_DDP_SLURM=local" in (info.value.hint or "")
-    assert configured_slurm({"SLURM_CONF": "/x", "HPC_DDP_SLURM": "local"}) is None
+    assert users_slurm({"SLURM_CONF": "/x", "HPC_DDP_SLURM": "local"}) is None
 
 
 def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) -> None:

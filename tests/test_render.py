@@ -17,7 +17,7 @@ import pytest
 from hpc_ddp import __version__
 from hpc_ddp.cli import main
 from hpc_ddp.deploy import JobSpec, build_spec
-from hpc_ddp.deploy.sbatch import render
+from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.errors import ConfigError
 
 PY = sys.executable

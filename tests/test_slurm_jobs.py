@@ -30,7 +30,7 @@ from deploy_support import (
 )
 
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.sbatch import render
+from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
@@ -244,6 +244,7 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
             ["submit", str(_tiny_spec_file(tmp_path)), "--timeout", "120"], tmp_path, env
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"Slurm: the embedded local cluster in {root} (" in proc.stdout  # says where
         assert "hpc-ddp preflight: rank=1/2" in proc.stdout  # the log was followed
         assert "COMPLETED, exit code 0" in proc.stdout
         sha = read_result(tmp_path / "run")["params_sha256"]

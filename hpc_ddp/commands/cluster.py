@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.localslurm import LocalCluster
+from hpc_ddp.localslurm.config import NODE_ADDR
 from hpc_ddp.localslurm.embedded import default_state_dir, dir_lock
 
 
@@ -83,7 +84,8 @@ def _describe(cluster: LocalCluster) -> str:
     gpus = f", {cfg.gpus_per_node} fake GPU(s) each" if cfg.gpus_per_node else ""
     return (
         f"{cfg.nodes} node(s) {cfg.nodelist} with {cfg.cpus_per_node} CPUs{gpus}; "
-        f"slurmctld on port {cfg.ctld_port}, SLURM_CONF={cfg.conf_path}"
+        f"slurmctld on {NODE_ADDR}:{cfg.ctld_port}, SLURM_CONF={cfg.conf_path}; "
+        "only root can use it (munge)"
     )
 
 

@@ -3,7 +3,7 @@
 JOB is a rendered script (``jobs/*.sbatch``) or a spec (``.toml``/``.json``, rendered on the
 fly). Executors: ``sbatch`` (default, real sbatch), ``submitit`` (submitit's AutoExecutor on the
 same Slurm) and ``local`` (submitit's LocalExecutor, no Slurm at all; spec only). With no Slurm
-configured, the embedded local cluster is started (hpc_ddp.localslurm.ensure_local_cluster).
+reachable, the embedded local cluster is started (hpc_ddp.localslurm.embedded.choose_slurm).
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_env(nodes: int, gpus_per_node: int) -> dict[str, str]:
-    from hpc_ddp.localslurm.embedded import ensure_local_cluster
+    from hpc_ddp.localslurm.embedded import choose_slurm
 
-    env = ensure_local_cluster(nodes=max(nodes, 2), gpus_per_node=gpus_per_node)
+    target = choose_slurm(nodes=max(nodes, 2), gpus_per_node=gpus_per_node)
+    print(f"Slurm: {target.description}", flush=True)  # which cluster the job goes to
+    env = dict(target.env)
     # Jobs run `python`: make it this interpreter (the venv's), whatever PATH the user has.
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_sbatch(args: argparse.Namespace, job: Path) -> int:
     from hpc_ddp.deploy import build_spec
-    from hpc_ddp.deploy.sbatch import render
+    from hpc_ddp.deploy.sbatch.render import render
     from hpc_ddp.deploy.sbatch.submit import (
         print_finished,
         result_summary,

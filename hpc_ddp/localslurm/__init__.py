@@ -1,7 +1,8 @@
 """The embedded local Slurm cluster: real slurmctld + slurmd daemons on this machine.
 
-``LocalCluster`` starts and stops one cluster in a dir; ``ensure_local_cluster`` is the
-toolkit's default when no Slurm is configured. See docs/local-cluster.md.
+``LocalCluster`` starts and stops one cluster in a dir (root's alone: munge-authenticated,
+loopback only); ``embedded.choose_slurm`` / ``ensure_local_cluster`` pick the user's Slurm when
+its tools reach one, else this cluster. See docs/local-cluster.md.
 """
 
 from hpc_ddp.localslurm.daemons import ClusterStartError, LocalCluster, check_prerequisites

@@ -1,8 +1,10 @@
-"""Start, stop and inspect one local Slurm cluster: slurmctld + N slurmd on loopback.
+"""Start, stop and inspect one local Slurm cluster: munged, slurmctld + N slurmd on loopback.
 
 Debian's slurm-wlm is built with multiple-slurmd support, so N ``slurmd -N nodeK`` on this one
 machine, each on its own port, are N nodes to Slurm. Everything a cluster writes lives under
-its root dir except one tagged /etc/hosts line (hosts.py); its processes are found by pid.
+its root dir (private to root: private_dir.py) except one tagged /etc/hosts line (hosts.py);
+its processes are found by pid. Clients authenticate through the cluster's own munged
+(munge.py); the daemons listen on loopback only (loopback.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import etc_hosts as hosts
-from hpc_ddp.localslurm import procs
+from hpc_ddp.localslurm import loopback, munge, private_dir, procs
 from hpc_ddp.localslurm.config import (
     NODE_ADDR,
     OWNED_NAMES,
@@ -30,15 +32,17 @@ from hpc_ddp.localslurm.config import (
 from hpc_ddp.localslurm.free_ports import free_ports, port_in_use
 from hpc_ddp.slurm_client import SlurmClient, client_env, wait_for
 
-BINARIES = ("slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun")
+BINARIES = (
+    "munged", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun",
+)  # fmt: skip
 DAEMON_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 PORT_RETRIES = 3
 BIND_ERROR = "Address already in use"
 DAEMONIZE_GRACE_S = 0.5
 # Error lines that appear on every (first) start and explain nothing.
 LOG_NOISE = ("pmix", "state file", "Trying backup state save file", "specified more than once")
-# Where Debian (and other multiarch builds) install the plugin; RHEL-style builds drop it.
-AUTH_NONE_PLUGIN = ("/usr/lib/*/slurm-wlm/auth_none.so", "/usr/lib*/slurm/auth_none.so")
+# Where Debian (and other multiarch builds) and RHEL-style builds install the munge plugin.
+AUTH_MUNGE_PLUGIN = ("/usr/lib/*/slurm-wlm/auth_munge.so", "/usr/lib*/slurm/auth_munge.so")
 
 
 class ClusterStartError(HpcDdpError):
@@ -50,7 +54,8 @@ def check_prerequisites() -> None:
     if missing:
         raise ConfigError(
             f"Slurm is not installed: {', '.join(missing)} not found on PATH",
-            hint="apt-get install slurm-wlm   (Debian/Ubuntu; the local cluster needs the daemons)",
+            hint="apt-get install slurm-wlm munge   (Debian/Ubuntu; the local cluster needs "
+            "the daemons)",
         )
     if os.geteuid() != 0:
         raise ConfigError(
@@ -59,9 +64,10 @@ def check_prerequisites() -> None:
             hint="run it as root (sudo hpc-ddp cluster up), or point SLURM_CONF at an existing "
             "Slurm cluster",
         )
-    if not any(glob.glob(pattern) for pattern in AUTH_NONE_PLUGIN):
+    if not any(glob.glob(pattern) for pattern in AUTH_MUNGE_PLUGIN):
         raise ConfigError(
-            "this Slurm build has no auth/none plugin (auth_none.so), which the local cluster uses",
+            "this Slurm build has no auth/munge plugin (auth_munge.so), which the local "
+            "cluster authenticates with",
             hint="use Debian/Ubuntu's slurm-wlm package, which ships it",
         )
 
@@ -87,6 +93,9 @@ class LocalCluster:
         ephemeral: bool = False,
     ) -> None:
         self.root = Path(root).absolute()
+        # Before anything is read from it: its state names processes to signal and the config
+        # that root's Slurm commands load (plugins included).
+        private_dir.check(self.root)
         self.port = port
         # Ephemeral clusters (test sessions) record the process that started them, so that
         # orphans.reap() can stop them once that process is gone (killed test run, Ctrl-C).
@@ -118,7 +127,13 @@ class LocalCluster:
     # ------------------------------------------------------------------ inspection
     @property
     def conf_path(self) -> Path:
+        """The clients' slurm.conf (what ``env()`` exports)."""
         return self.config.conf_path
+
+    @property
+    def daemon_conf_path(self) -> Path:
+        """The daemons' config; job tasks see it as their SLURM_CONF."""
+        return self.config.daemon_conf_path
 
     @property
     def node_names(self) -> tuple[str, ...]:
@@ -149,11 +164,21 @@ class LocalCluster:
     def _daemon_alive(self, pid: int) -> bool:
         """Alive AND still our daemon: the pid file may be stale and the pid reused."""
         argv = procs.cmdline(pid)
-        return procs.alive(pid) and str(self.conf_path) in argv
+        marks = (str(self.daemon_conf_path), str(self.config.munge_key_path), str(self.conf_path))
+        return procs.alive(pid) and any(mark in argv for mark in marks)
+
+    def _slurm_daemons(self) -> set[int]:
+        """slurmctld and slurmd of this cluster, also those that never wrote a pid file. Those
+        reading slurm.conf are a cluster an older hpc-ddp started (auth/none): stopped too."""
+        confs = (self.daemon_conf_path, self.conf_path)
+        return set().union(*(procs.pids_with_args("-f", str(conf)) for conf in confs))
+
+    def _munged(self) -> set[int]:
+        return procs.pids_with_args("--key-file", str(self.config.munge_key_path))
 
     def is_running(self) -> bool:
         pids = self._pids()
-        if self._load_state() is None or len(pids) != self.config.nodes + 1:
+        if self._load_state() is None or len(pids) != self.config.nodes + 2:  # + ctld, munged
             return False
         return all(self._daemon_alive(p) for p in pids.values()) and self.client().ping()
 
@@ -161,13 +186,15 @@ class LocalCluster:
     def start(self, timeout_s: float = 30) -> None:
         """Start the daemons and wait until every node is idle. Undoes itself on failure."""
         check_prerequisites()
+        private_dir.check(self.root)
         self._check_dir_is_ours()
+        prefix = loopback.daemon_prefix()
         if self.is_running():
             raise HpcDdpError(
                 f"a local cluster is already running in {self.root}",
                 hint="use it (LocalCluster.attach / hpc-ddp cluster env) or stop it first",
             )
-        if self._load_state() is not None or self._pids():
+        if self._load_state() is not None or self._pids() or self._slurm_daemons() | self._munged():
             self.stop()  # leftovers of a crashed cluster: clean them before reusing the dir
         if self.port is not None:
             wanted = range(self.port, self.port + 1 + self._wanted.nodes)
@@ -186,19 +213,23 @@ class LocalCluster:
             else:
                 self.config = self._wanted
             try:
-                self._start_once(timeout_s)
+                self._start_once(timeout_s, prefix)
                 return
             except ClusterStartError as err:
                 if attempt == attempts or BIND_ERROR not in str(err):
                     raise
 
-    def _start_once(self, timeout_s: float) -> None:
+    def _start_once(self, timeout_s: float, prefix: list[str]) -> None:
+        """``prefix``: what each Slurm daemon runs under (loopback.daemon_prefix)."""
         cfg = self.config
         deadline = time.monotonic() + timeout_s
         self._remove_files()  # old state would resurrect old jobs
+        private_dir.prepare(self.root)
         for d in cfg.dirs():
             d.mkdir(parents=True, exist_ok=True)
         cfg.conf_path.write_text(render_slurm_conf(cfg))
+        cfg.daemon_conf_path.write_text(render_slurm_conf(cfg, for_daemons=True))
+        munge.write_key(cfg.munge_key_path)
         if cfg.gpus_per_node:
             cfg.gres_path.write_text(render_gres_conf(cfg))
             for dev in cfg.gpu_devices():
@@ -210,10 +241,14 @@ class LocalCluster:
             hosts.prune(_cluster_exists)
             hosts.add_names(cfg.node_names, self.root, NODE_ADDR)
             hosts.check_resolves(cfg.node_names)
-            self._spawn("slurmctld", ["slurmctld", "-f", str(cfg.conf_path)], deadline)
+            self._spawn("munged", munge.munged_argv(cfg), deadline)
+            warnings = munge.unexpected_warnings(cfg.log_dir / "munged.log")
+            if warnings:
+                raise ClusterStartError("munged: " + "; ".join(warnings[-3:]))
+            conf = str(cfg.daemon_conf_path)
+            self._spawn("slurmctld", ["slurmctld", "-f", conf], deadline, prefix)
             for name in cfg.node_names:
-                argv = ["slurmd", "-f", str(cfg.conf_path), "-N", name]
-                self._spawn(f"slurmd-{name}", argv, deadline)
+                self._spawn(f"slurmd-{name}", ["slurmd", "-f", conf, "-N", name], deadline, prefix)
             self._wait_idle(deadline)
         except BaseException as err:
             detail = self._log_excerpt()
@@ -222,12 +257,19 @@ class LocalCluster:
                 raise ClusterStartError(f"{err.message}\n{detail}", hint=err.hint) from err
             raise
 
-    def _spawn(self, role: str, argv: list[str], deadline: float) -> None:
+    def _spawn(
+        self, role: str, argv: list[str], deadline: float, prefix: list[str] | None = None
+    ) -> None:
         """Run a daemon (it forks itself into the background) and record its pid."""
-        env = {"PATH": DAEMON_PATH, "SLURM_CONF": str(self.conf_path), "LANG": "C"}
+        env = {"PATH": DAEMON_PATH, "SLURM_CONF": str(self.daemon_conf_path), "LANG": "C"}
         with open(self.config.log_dir / f"{role}.stdout", "ab") as out:
             proc = subprocess.run(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=30
+                [*(prefix or []), *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                timeout=30,
             )
         if proc.returncode != 0:
             raise ClusterStartError(f"{role} exited {proc.returncode} while starting")
@@ -281,18 +323,20 @@ class LocalCluster:
         ``graceful=False`` skips the cancel and `scontrol shutdown` round trips (a half-started
         cluster has no jobs, and slurmctld would wait on nodes that never registered).
         """
-        # Recorded pids, plus any daemon of this conf that died before writing its pid file.
-        recorded = {p for p in self._pids().values() if self._daemon_alive(p)}
-        daemons = recorded | procs.pids_with_args("-f", str(self.conf_path))
-        ctld = self._pids().get("slurmctld")
-        if graceful and ctld in recorded and self.conf_path.exists():
+        # Recorded pids, plus any daemon of this dir that died before writing its pid file.
+        # munged goes last: the shutdown requests below need it.
+        recorded = {role: p for role, p in self._pids().items() if self._daemon_alive(p)}
+        munged = self._munged() | {p for role, p in recorded.items() if role == "munged"}
+        daemons = self._slurm_daemons() | {p for r, p in recorded.items() if r != "munged"}
+        # Without munged every request would fail, each after seconds of retries.
+        if graceful and {"slurmctld", "munged"} <= recorded.keys() and self.conf_path.exists():
             self._cancel_jobs(timeout_s / 2)
             # slurmstepd and job tasks outlive `scontrol shutdown`, hence the cancel above.
             self.client().run(["scontrol", "shutdown"], check=False, timeout_s=10)
             daemons = procs.wait_gone(daemons, timeout_s / 4)
         procs.terminate(daemons)
-        stragglers = procs.cluster_pids(self.root, self.conf_path)
-        left = procs.terminate(stragglers, grace_s=2)
+        stragglers = procs.cluster_pids(self.root, self.daemon_conf_path)
+        left = procs.terminate(stragglers, grace_s=2) | procs.terminate(munged)
         hosts.remove_names(self.root)
         if keep_dir:
             for name in ("pids", "cluster.json"):
@@ -341,6 +385,7 @@ class LocalCluster:
 
 
 def _cluster_exists(root: Path) -> bool:
-    """Whether the cluster in ``root`` may still be alive: its conf or any of its daemons."""
-    conf = root / "slurm.conf"
-    return conf.exists() or bool(procs.pids_with_args("-f", str(conf)))
+    """Whether the cluster in ``root`` may still be alive: its conf or any of its daemons.
+    (slurm.conf: every cluster has one, also those an older hpc-ddp started.)"""
+    confs = (root / "slurm.conf", root / "daemons.conf")
+    return any(conf.exists() or procs.pids_with_args("-f", str(conf)) for conf in confs)

@@ -1,11 +1,13 @@
-"""The embedded default: the user's Slurm if one is configured, else the toolkit's own cluster."""
+"""Where submissions go: the user's Slurm if its tools reach one, else the toolkit's own cluster."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -17,8 +19,14 @@ SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
 # Set to "local" to use the embedded cluster even where another Slurm is configured.
 FORCE_VAR = "HPC_DDP_SLURM"
 DIR_VAR = "HPC_DDP_LOCAL_SLURM_DIR"
-# sinfo against a configured but dead controller retries for ~9 s before failing.
-PROBE_TIMEOUT_S = 20.0
+# `scontrol ping` answers in milliseconds, also when the controller is down or no Slurm is
+# configured at all; the bound is for a resolver that does not answer (see PROBE_RES_OPTIONS).
+PROBE_TIMEOUT_S = 10.0
+# With no config file, the tools look for a configless site's DNS SRV record. glibc waits
+# 5 s x 2 tries per query on a resolver that does not answer; a working one answers in ms.
+PROBE_RES_OPTIONS = "timeout:2 attempts:1"
+# What the tools print when they found no config file and no configless server.
+NO_CONFIG = "Could not establish a configuration source"
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -37,63 +45,94 @@ def dir_lock(root: Path, timeout_s: float = 60) -> FileLock:
     return FileLock(str(root.parent / f".{root.name}.lock"), timeout=timeout_s)
 
 
-def configured_slurm(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """The client env of the user's own Slurm, None if there is none.
+@dataclass(frozen=True)
+class SlurmTarget:
+    """Where submissions go: ``env`` for the Slurm clients, ``description`` for people."""
 
-    A Slurm that is configured but does not answer is an error, not a reason to fall back:
-    jobs meant for the user's cluster must never silently run somewhere else.
+    env: dict[str, str]
+    description: str
+
+
+def _ask(argv: list[str], env: Mapping[str, str]) -> tuple[bool, str]:
+    """(answered, text): text is stdout when it answered, else the last line of stderr."""
+    resolver = f"{env.get('RES_OPTIONS', '')} {PROBE_RES_OPTIONS}".strip()
+    probe_env = {**env, "RES_OPTIONS": resolver}
+    try:
+        proc = subprocess.run(
+            argv, env=probe_env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"no answer in {PROBE_TIMEOUT_S:.0f} s"
+    if proc.returncode == 0:
+        return True, proc.stdout
+    said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+    return False, said[-1] if said else f"exit {proc.returncode}"
+
+
+def _describe(scontrol: str, ping: str, env: Mapping[str, str], origin: str) -> str:
+    controller = re.search(r" at (\S+) is UP", ping)
+    ok, config = _ask([scontrol, "show", "config"], env)
+    name = re.search(r"^ClusterName\s*=\s*(\S+)", config, re.M) if ok else None
+    return (
+        f"the Slurm cluster {name.group(1) if name else '(unnamed)'!r}, controller "
+        f"{controller.group(1) if controller else '?'} ({origin})"
+    )
+
+
+def users_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget | None:
+    """The user's own Slurm, asked through its own tools; None if there is none.
+
+    Found however the site set it up: SLURM_CONF, the tools' compiled-in slurm.conf (under
+    /etc/slurm, /opt/slurm/etc, ...: whatever ``scontrol`` on PATH reads), a configless
+    site (DNS SRV records, slurmd's cached config). A Slurm that is configured but does not
+    answer is an error, not a reason to fall back: jobs meant for the user's cluster must never
+    silently run somewhere else.
     """
     env = dict(os.environ if environ is None else environ)
     if env.get(FORCE_VAR) == "local":
         return None
     conf_var = env.get("SLURM_CONF")
-    if conf_var:
-        conf, origin, client_env = Path(conf_var), "SLURM_CONF", {"SLURM_CONF": conf_var}
-    elif SYSTEM_CONF.exists():
-        conf, origin, client_env = SYSTEM_CONF, str(SYSTEM_CONF), {}
-    else:
-        return None
     hint = (
         f"start that cluster, or unset SLURM_CONF / set {FORCE_VAR}=local to use the "
         "toolkit's embedded local cluster instead"
     )
-    if not conf.is_file():  # sinfo would retry a missing file for a whole minute
-        raise ConfigError(f"{origin} names {conf}, which does not exist", hint=hint)
-    if shutil.which("sinfo") is None:
-        raise ConfigError(
-            f"Slurm is configured ({origin}) but sinfo is not installed",
-            hint="apt-get install slurm-client (or slurm-wlm)",
-        )
-    try:
-        proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%P"],
-            env={**env, **client_env},
-            capture_output=True,
-            text=True,
-            timeout=PROBE_TIMEOUT_S,
-        )
-        answer = proc.stderr.strip() if proc.returncode else ""
-    except subprocess.TimeoutExpired:
-        answer = f"no answer in {PROBE_TIMEOUT_S:.0f} s"
-    if answer:
-        raise HpcDdpError(f"the Slurm configured by {origin} does not answer: {answer}", hint=hint)
-    return client_env
+    if conf_var and not Path(conf_var).is_file():  # the tools would retry it for a minute
+        raise ConfigError(f"SLURM_CONF names {conf_var}, which does not exist", hint=hint)
+    configured = f"SLURM_CONF={conf_var}" if conf_var else None
+    if configured is None and SYSTEM_CONF.exists():
+        configured = str(SYSTEM_CONF)
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        if configured:
+            raise ConfigError(
+                f"Slurm is configured ({configured}) but scontrol is not installed",
+                hint="apt-get install slurm-client (or load the site's Slurm module)",
+            )
+        return None
+    origin = configured or f"found by {scontrol}"
+    answered, text = _ask([scontrol, "ping"], env)
+    if answered:
+        client_env = {"SLURM_CONF": conf_var} if conf_var else {}
+        return SlurmTarget(client_env, _describe(scontrol, text, env, origin))
+    if NO_CONFIG in text and not conf_var:
+        return None  # the tools are installed, but no config file and no configless server
+    raise HpcDdpError(f"the Slurm configured by {origin} does not answer: {text}", hint=hint)
 
 
-def ensure_local_cluster(
+def choose_slurm(
     nodes: int = 2,
     cpus_per_node: int = 4,
     gpus_per_node: int = 0,
     *,
     environ: Mapping[str, str] | None = None,
     timeout_s: float = 30,
-) -> dict[str, str]:
-    """The variables Slurm clients need: the user's Slurm, else the embedded cluster.
+) -> SlurmTarget:
+    """The user's Slurm (users_slurm), else the embedded cluster.
 
     The embedded cluster lives in ``default_state_dir()``; it is reused while it runs (by any
     process), started otherwise. A file lock beside its dir makes concurrent callers agree.
     """
-    existing = configured_slurm(environ)
+    existing = users_slurm(environ)
     if existing is not None:
         return existing
     root = default_state_dir(environ)
@@ -111,4 +150,23 @@ def ensure_local_cluster(
         else:
             cluster = LocalCluster(root, nodes, cpus_per_node, gpus_per_node)
             cluster.start(timeout_s)
-        return cluster.env()
+    cfg = cluster.config
+    return SlurmTarget(
+        cluster.env(),
+        f"the embedded local cluster in {root} ({cfg.nodes} nodes, only root can use it; "
+        f"SLURM_CONF={cluster.conf_path})",
+    )
+
+
+def ensure_local_cluster(
+    nodes: int = 2,
+    cpus_per_node: int = 4,
+    gpus_per_node: int = 0,
+    *,
+    environ: Mapping[str, str] | None = None,
+    timeout_s: float = 30,
+) -> dict[str, str]:
+    """The variables Slurm clients need: ``choose_slurm(...).env``."""
+    return choose_slurm(
+        nodes, cpus_per_node, gpus_per_node, environ=environ, timeout_s=timeout_s
+    ).env

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpc_ddp.localslurm import procs
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.localslurm import private_dir, procs
 from hpc_ddp.localslurm.daemons import LocalCluster
 
 
@@ -32,6 +33,10 @@ def reap(parent: Path, prefix: str) -> list[Path]:
     reaped = []
     tops = [d for d in sorted(parent.glob(f"{prefix}*")) if d.is_dir()]
     for root in tops + [sub for top in tops for sub in sorted(top.iterdir()) if sub.is_dir()]:
+        try:
+            private_dir.check(root)  # another user's dir under /tmp is not ours to act on
+        except ConfigError:
+            continue
         if owner_alive(root) is False:
             LocalCluster(root).stop()
             reaped.append(root)
