@@ -8,8 +8,8 @@ Three things users hit on real clusters shape this module:
 * One dead rank leaves the others blocked in a collective. NCCL's async error handling tears the
   communicator down; with Gloo the peers see a closed socket. Either way, bounded.
 * Gloo processes sometimes abort in a C++ destructor at interpreter exit, after all work is done
-  (shared/facts.md: 10-30 % of runs). ``shutdown_and_exit`` destroys the group, flushes and leaves
-  with ``os._exit`` so a finished job can never be turned into a failed one.
+  (10-30 % of runs on this project's machines). ``shutdown_and_exit`` destroys the group,
+  flushes and leaves with ``os._exit`` so a finished job can never be turned into a failed one.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.cluster import DistEnv, detect_env
+from hpc_ddp.cluster.port import bind_failure_hint
 from hpc_ddp.errors import HpcDdpError, LaunchEnvError
 from hpc_ddp.network import choose_backend
 
@@ -122,10 +123,12 @@ def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
             wait_for_workers=False,
         )
     except (RuntimeError, OSError) as err:
-        if env.rank == 0:
+        if env.rank == 0:  # TCPStore's server fails at once (EADDRINUSE) when the port is taken
+            origin = env.master_port_origin or "MASTER_PORT"
             raise LaunchEnvError(
-                f"rank 0 could not listen on {where}: {err}",
-                hint="another job on this node may hold the port; set MASTER_PORT to a free port",
+                f"rank 0 could not listen on port {env.master_port} of {socket.gethostname()} "
+                f"(port source: {origin}): {err}",
+                hint=bind_failure_hint(env.master_port, origin),
             ) from err
         raise LaunchEnvError(
             f"rank {env.rank} on {socket.gethostname()} could not reach rank 0 at {where} "
