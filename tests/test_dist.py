@@ -195,3 +195,20 @@ def test_rank_0_that_cannot_bind_its_port_fails_in_seconds_naming_port_origin_an
     hint = next(line for line in out.splitlines() if line.startswith("HINT:"))
     assert "MASTER_PORT=<a free port>" in hint or "set MASTER_PORT to a free port" in hint, hint
     assert took < 30, f"{took:.1f} s: the failure must not wait for the connect deadline"
+
+
+def test_a_rank_that_reaches_a_stray_listener_instead_of_rank_0_fails_at_its_deadline() -> None:
+    """Rank 0 cannot bind the port a real stray listener holds; rank 1 connects to that
+    listener, which never answers as a store would. TCPStore's client waited there forever,
+    whatever its timeout; now rank 1 gives up at its 5 s connect deadline, saying why."""
+    squatter, port = _held_port()
+    with squatter:
+        started = time.monotonic()
+        results = _finish(_start([0, 1], 2, port, "--connect-timeout-s", "5"), timeout=90)
+        took = time.monotonic() - started
+    (code0, out0), (code1, out1) = results
+    assert code0 == 2 and f"rank 0 could not listen on port {port}" in out0, out0
+    assert code1 == 2, out1
+    assert f"connected to 127.0.0.1:{port}, but no rank-0 store answered" in out1, out1
+    assert "port source: HPC_DDP_MASTER_PORT" in out1 and "HINT: rank 0 could not bind" in out1
+    assert took < 60, f"{took:.1f} s"
