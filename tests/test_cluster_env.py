@@ -215,6 +215,10 @@ ERRORS = [
     ("resv ports backwards", _with(SRUN, SLURM_STEP_RESV_PORTS="12004-12001"), "reserved ports"),
     ("resv ports digits", _with(SRUN, SLURM_STEP_RESV_PORTS="\u0661\u0662"), "reserved ports"),
     ("step id text", _with(SRUN, SLURM_STEP_ID="zero"), "SLURM_STEP_ID='zero' is not a Slurm step"),
+    # Launchers' free-text job ids reach terminals and logs: printable ASCII only.
+    ("mpi job id escape", _with(OMPI, OMPI_MCA_ess_base_jobid="1\x1b[2J"), "is not a job id"),
+    ("torchrun run id space", _with(TORCHRUN, TORCHELASTIC_RUN_ID="a b"), "is not a job id"),
+    ("launcher job id", _with(LAUNCHER, HPC_DDP_JOB_ID="j\u00f6b"), "HPC_DDP_JOB_ID="),
     ("step id digits", _with(SRUN, SLURM_STEP_ID="\u0660"), "is not a Slurm step id"),
 ]
 

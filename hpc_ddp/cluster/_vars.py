@@ -19,6 +19,8 @@ _ASCII_INT = re.compile(r"-?[0-9]{1,18}")
 # A host name (letters, digits, '.', '-', and '_', which /etc/hosts allows) or an IP address
 # (IPv6 adds ':' and a '%zone'); 253 characters is DNS's limit for a whole name.
 _ADDRESS = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
+# A launcher's job id is shown to users and hashed into a port: printable ASCII, no spaces.
+_JOB_ID = re.compile(r"[!-~]{1,256}")
 
 
 def ascii_int(text: str) -> int | None:
@@ -86,6 +88,23 @@ def get_address(environ: Mapping[str, str], name: str) -> str | None:
             f"'_', ':'), or unset it so the launcher's own value is used",
         )
     return value
+
+
+def first_job_id(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` that is set and not empty; an id holding control characters,
+    spaces or non-ASCII text is an error (it would reach terminals and logs as it is)."""
+    for name in names:
+        value = environ.get(name)
+        if not value:
+            continue
+        if not _JOB_ID.fullmatch(value):
+            raise LaunchEnvError(
+                f"{name}={value!r} is not a job id (printable ASCII without spaces, at most "
+                "256 characters)",
+                hint=f"unset {name} or give it a plain id; launchers write numbers or names",
+            )
+        return value
+    return None
 
 
 def check_rank(kind: str, rank: int, size: int, source: str) -> None:

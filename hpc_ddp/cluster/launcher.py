@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpc_ddp.cluster._vars import get_address, get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.port import parse_port
 from hpc_ddp.errors import LaunchEnvError
@@ -63,7 +63,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         num_nodes=num_nodes,
         master_addr=addr,
         master_port=port,
-        job_id=environ.get("HPC_DDP_JOB_ID") or None,
+        job_id=first_job_id(environ, ("HPC_DDP_JOB_ID",)),
         gpus_per_process=gpus_per_process,
         master_port_origin=port_name,
     )

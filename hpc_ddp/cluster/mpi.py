@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpc_ddp.cluster._vars import get_address, get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.port import choose_master_port
 from hpc_ddp.errors import LaunchEnvError
@@ -90,7 +90,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
                 "MASTER_PORT=29511 ...`",
             )
         addr = "127.0.0.1"
-    job_id = next((environ[k] for k in _JOB_IDS if environ.get(k)), None)
+    job_id = first_job_id(environ, _JOB_IDS)
     if job_id is not None or environ.get("MASTER_PORT"):
         port = choose_master_port(environ, job_id)
     else:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpc_ddp.cluster._vars import get_address, get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.port import choose_master_port
+from hpc_ddp.errors import LaunchEnvError
 
 
 def detect(environ: Mapping[str, str]) -> bool:
@@ -19,7 +20,12 @@ def detect(environ: Mapping[str, str]) -> bool:
 def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     tasks_per_node = get_int(environ, "SUBMITIT_LOCAL_NTASKS", minimum=1)
     num_nodes = get_opt_int(environ, "SUBMITIT_LOCAL_JOB_NUM_NODES", minimum=1) or 1
-    job_id = environ["SUBMITIT_LOCAL_JOB_ID"]
+    job_id = first_job_id(environ, ("SUBMITIT_LOCAL_JOB_ID",))
+    if job_id is None:
+        raise LaunchEnvError(
+            "SUBMITIT_LOCAL_JOB_ID is set but empty",
+            hint="submitit's LocalExecutor sets it to the job's id; unset it if it was exported",
+        )
     port = choose_master_port(environ, job_id)
     return DistEnv(
         source="submitit",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpc_ddp.cluster._vars import get_address, get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.env import DistEnv
 from hpc_ddp.cluster.port import TORCHRUN_ORIGIN, parse_port
 from hpc_ddp.errors import LaunchEnvError
@@ -29,7 +29,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             "torchrun variables are present but MASTER_ADDR/MASTER_PORT are not",
             hint="start the script with torchrun itself; do not copy its variables by hand",
         )
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    job_id = first_job_id(environ, ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"))
     return DistEnv(
         source="torchrun",
         rank=rank,
