@@ -19,6 +19,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.cluster import DistEnv, detect_env
+from hpc_ddp.cluster.master_port import bind_failure_hint
 from hpc_ddp.errors import HpcDdpError, LaunchEnvError
 from hpc_ddp.network import choose_backend
 
@@ -114,19 +116,14 @@ def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
     try:
         if env.rank != 0:
             _wait_until_listening(env.master_addr, env.master_port, deadline)
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=env.rank == 0,
-            timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
-            wait_for_workers=False,
-        )
+        store = _open_store(env, deadline)
     except (RuntimeError, OSError) as err:
-        if env.rank == 0:
+        if env.rank == 0:  # TCPStore's server fails at once (EADDRINUSE) when the port is taken
+            origin = env.master_port_origin or "MASTER_PORT"
             raise LaunchEnvError(
-                f"rank 0 could not listen on {where}: {err}",
-                hint="another job on this node may hold the port; set MASTER_PORT to a free port",
+                f"rank 0 could not listen on port {env.master_port} of {socket.gethostname()} "
+                f"(port source: {origin}): {err}",
+                hint=bind_failure_hint(env.master_port, origin),
             ) from err
         raise LaunchEnvError(
             f"rank {env.rank} on {socket.gethostname()} could not reach rank 0 at {where} "
@@ -149,6 +146,56 @@ def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
             " look at the missing ranks' logs first",
         ) from err
     return store
+
+
+def _open_store(env: DistEnv, deadline: float) -> dist.TCPStore:
+    """Rank 0's TCPStore server, or a client of it, within the deadline.
+
+    A client that reaches a process which accepts connections but is no TCPStore (rank 0
+    could not bind the port because that process holds it) waits for an answer forever,
+    whatever its timeout (torch 2.14). So the client is built in a thread (the constructor
+    releases the GIL) and abandoned at the deadline; run_main's os._exit ends the process
+    with the thread still blocked.
+    """
+    timeout = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+
+    def open_store() -> dist.TCPStore:
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+
+    if env.rank == 0:
+        return open_store()
+    result: list[dist.TCPStore | BaseException] = []
+    thread = threading.Thread(
+        target=lambda: result.append(_call(open_store)), name="hpc-ddp-store", daemon=True
+    )
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 1.0))
+    if not result:
+        where = f"{env.master_addr}:{env.master_port}"
+        raise LaunchEnvError(
+            f"rank {env.rank} on {socket.gethostname()} connected to {where}, but no rank-0 "
+            f"store answered there before the connect deadline: another process listens on "
+            f"port {env.master_port} (port source: {env.master_port_origin or 'MASTER_PORT'})",
+            hint="rank 0 could not bind that port, and its log says so; "
+            f"`ss -ltnp 'sport = :{env.master_port}'` on {env.master_addr} names the holder",
+        )
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _call(fn: Callable[[], dist.TCPStore]) -> dist.TCPStore | BaseException:
+    try:
+        return fn()
+    except BaseException as err:  # handed to the waiting thread, which raises it
+        return err
 
 
 def _wait_until_listening(host: str, port: int, deadline: float) -> None:

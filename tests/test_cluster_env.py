@@ -51,6 +51,8 @@ def test_captures_exist() -> None:
         "torchrun_standalone",
         "submitit_local",
         "slurm_srun_torchrun",
+        "slurm_interactive_step",
+        "slurm_srun_resv_ports",
     } <= names
 
 
@@ -303,6 +305,8 @@ def test_derived_port_range_and_determinism() -> None:
             ["GPU-8f6d1c2e-aaaa-bbbb-cccc-1234567890ab", "MIG-1b2c"],
         ),
         (" 2 , 3 ", ["2", "3"]),
+        ("\u00b2", []),  # isdigit() says yes, int() refuses: an invalid entry, as for CUDA
+        ("0,\u0661", ["0"]),
     ],
 )
 def test_visible_devices(value: str, entries: list[str]) -> None:

@@ -5,6 +5,7 @@ the exit path. Ranks get their places from the project's own launcher variables 
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from trainer_helpers import job_env
 
-from hpc_ddp.cluster.master_port import free_port
+from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port, free_port
 
 WORKER = Path(__file__).parent / "workers" / "dist_worker.py"
 
@@ -131,3 +132,83 @@ def test_a_rank_waits_for_rank_0_to_listen_and_returns_once_it_does() -> None:
         assert returned.wait(30), "the waiter did not notice the listener"
     waiter.join(30)
     assert not errors
+
+
+def _held_port(lo: int = 20000, hi: int = 29000) -> tuple[socket.socket, int]:
+    """A real listener on a port of [lo, hi) that nobody else holds (all "nodes" are here)."""
+    start = random.randrange(lo, hi)
+    for offset in range(hi - lo):
+        port = lo + (start - lo + offset) % (hi - lo)
+        try:
+            return socket.create_server(("0.0.0.0", port)), port
+        except OSError:
+            continue
+    raise AssertionError(f"no free port in [{lo}, {hi})")
+
+
+def _bind_failure_env(origin: str, port: int) -> dict[str, str]:
+    """One rank whose MASTER_PORT comes from ``origin``. The Slurm variables are written here
+    for a one-task job (the real srun with reserved ports is in test_slurm_env.py)."""
+    if origin == "MASTER_PORT":
+        return job_env(MASTER_PORT=str(port))
+    job_id = str(port - PORT_BASE + 3 * PORT_SPAN)  # derive_port(job_id) == port
+    if origin == "derived from job id":
+        return job_env(SLURM_JOB_ID=job_id, SLURM_NTASKS="1", SLURM_JOB_NUM_NODES="1")
+    return job_env(
+        SLURM_JOB_ID=job_id,
+        SLURM_STEP_ID="0",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_STEP_NUM_TASKS="1",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_STEP_TASKS_PER_NODE="1",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_STEP_RESV_PORTS=f"{port}-{port + 2}",
+    )
+
+
+@pytest.mark.parametrize("origin", ["MASTER_PORT", "derived from job id", "SLURM_STEP_RESV_PORTS"])
+def test_rank_0_that_cannot_bind_its_port_fails_in_seconds_naming_port_origin_and_fix(
+    origin: str,
+) -> None:
+    """A real listener holds the port; a real one-rank Gloo init through hpc_ddp.dist must end
+    with exit 2 long before its 60 s connect deadline, saying which port, where it came from
+    and what to do about it."""
+    squatter, port = _held_port()
+    with squatter:
+        assert derive_port(str(port - PORT_BASE + 3 * PORT_SPAN)) == port
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, str(WORKER), "--connect-timeout-s", "60"],
+            env=_bind_failure_env(origin, port),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert f"rank 0 could not listen on port {port} of {socket.gethostname()}" in out, out
+    assert f"(port source: {origin}" in out, out
+    assert "EADDRINUSE" in out and f"ss -ltnp 'sport = :{port}'" in out, out
+    hint = next(line for line in out.splitlines() if line.startswith("HINT:"))
+    assert "MASTER_PORT=<a free port>" in hint or "set MASTER_PORT to a free port" in hint, hint
+    assert took < 30, f"{took:.1f} s: the failure must not wait for the connect deadline"
+
+
+def test_a_rank_that_reaches_a_stray_listener_instead_of_rank_0_fails_at_its_deadline() -> None:
+    """Rank 0 cannot bind the port a real stray listener holds; rank 1 connects to that
+    listener, which never answers as a store would. TCPStore's client waited there forever,
+    whatever its timeout; now rank 1 gives up at its 5 s connect deadline, saying why."""
+    squatter, port = _held_port()
+    with squatter:
+        started = time.monotonic()
+        results = _finish(_start([0, 1], 2, port, "--connect-timeout-s", "5"), timeout=90)
+        took = time.monotonic() - started
+    (code0, out0), (code1, out1) = results
+    assert code0 == 2 and f"rank 0 could not listen on port {port}" in out0, out0
+    assert code1 == 2, out1
+    assert f"connected to 127.0.0.1:{port}, but no rank-0 store answered" in out1, out1
+    assert "port source: HPC_DDP_MASTER_PORT" in out1 and "HINT: rank 0 could not bind" in out1
+    assert took < 60, f"{took:.1f} s"

@@ -134,3 +134,22 @@ def test_controller_line_knows_the_embedded_cluster(slurm_cluster, tmp_path: Pat
     present = _doctor("--no-torch", env=_env(HPC_DDP_LOCAL_SLURM_DIR=root))
     line = _line(present.stdout, "slurm controller")
     assert line.startswith("OK") and f"embedded local cluster runs in {root}" in line, line
+
+
+@pytest.mark.slurm
+def test_a_cluster_without_reserved_ports_says_so(slurm_cluster, tmp_path: Path) -> None:
+    """The session cluster's slurm.conf has no MpiParams=ports=... (the cluster that has is in
+    test_slurm_env.py): the port comes from the job id, and the line says what that risks."""
+    proc = _doctor("--no-torch", "--run-dir", str(tmp_path), env=slurm_cluster.env)
+    line = _line(proc.stdout, "reserved ports")
+    assert line.startswith("OK") and "reserves no ports per step" in line, proc.stdout
+    assert "modulo 9000" in line
+
+
+def test_a_bad_number_in_the_environment_is_named_not_a_crash(tmp_path: Path) -> None:
+    """'²' passes str.isdigit() and then int() refuses it: a traceback inside the check."""
+    env = _env(SLURM_JOB_ID="5", SLURM_GPUS_ON_NODE="\u00b2")
+    proc = _doctor("--no-torch", "--run-dir", str(tmp_path), env=env)
+    line = _line(proc.stdout, "gpus")
+    assert line.startswith("FAIL") and "SLURM_GPUS_ON_NODE='\u00b2' is not an integer" in line
+    assert "crashed" not in proc.stdout and "HINT: unset SLURM_GPUS_ON_NODE" in proc.stdout

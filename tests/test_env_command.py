@@ -84,6 +84,11 @@ def test_never_imports_torch_and_is_fast() -> None:
     assert cpu < 0.6  # interpreter start included; importing torch alone would exceed it
 
 
+# A torchrun worker's variables (rank 0 of 2 on one node), to break in the table below.
+TORCHRUN_VARS = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+TORCHRUN_VARS |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -91,13 +96,47 @@ def test_never_imports_torch_and_is_fast() -> None:
         ({"MASTER_PORT": "99999"}, "not a TCP port"),
         ({"RANK": "1", "WORLD_SIZE": "2"}, "no launcher"),
         ({"HPC_DDP_GPUS_PER_PROCESS": "x"}, "not an integer"),
+        # Other scripts' digits: '\u00b3' ended in a traceback, '\u0662' was read as 2.
+        ({"SLURM_JOB_ID": "\u00b3", "SLURM_NTASKS": "1"}, "SLURM_JOB_ID='\u00b3' is not"),
+        ({"MASTER_PORT": "\u0662\u0669\u0665\u0660\u0660"}, "not a TCP port"),
+        ({"HPC_DDP_GPUS_PER_PROCESS": "\u0662"}, "not an integer"),
+        # A launcher's empty MASTER_ADDR was taken as the address ''.
+        ({**TORCHRUN_VARS, "MASTER_ADDR": ""}, "MASTER_ADDR='' is empty"),
+        ({**TORCHRUN_VARS, "LOCAL_WORLD_SIZE": "4"}, "local world size 4 is larger than the"),
+        # Slurm 26.05's batch script: SLURM_STEP_ID=-5 is the batch step, not task 0.
+        (
+            {
+                "SLURM_JOB_ID": "12",
+                "SLURM_NTASKS": "4",
+                "SLURM_PROCID": "0",
+                "SLURM_STEP_ID": "-5",
+                "SLURM_STEPID": "-5",
+            },
+            "srun forgotten",
+        ),
     ],
 )
 def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:
     out = hpc_ddp_env("--json", env=clean_env(**extra))
-    assert out.returncode == 2
+    assert out.returncode == 2, out.stderr
     assert message in out.stderr and "HINT: " in out.stderr
+    assert "Traceback" not in out.stderr
     assert out.stdout == ""
+
+
+def test_an_enormous_host_list_is_refused_in_well_under_a_second() -> None:
+    """10**15 host names in the step's node list: counted from the ranges, never expanded (it
+    ran out of time or memory before). CPU time is bounded; other suites share the cores."""
+    proc = json.loads((ENVS / "slurm_srun_2x2.json").read_text())["processes"][3]
+    environ = clean_env(
+        **{**proc["environ"], "SLURM_STEP_NODELIST": "n[0-99999][0-99999][0-99999]"}
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = hpc_ddp_env("--json", env=environ)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert out.returncode == 2 and "more than 65536 hosts" in out.stderr, out.stderr
+    assert cpu < 0.6  # the whole command, interpreter start included
 
 
 def test_captured_slurm_task_through_the_command() -> None:

@@ -4,17 +4,30 @@ MASTER_ADDR = node1 resolves to loopback (docs/local-cluster.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_support import SlurmTestCluster
+from slurm_support import HPC_DDP, SlurmTestCluster, require_local_slurm
+
+from hpc_ddp.deploy.sbatch.render import preflight_command
+from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.localslurm import LocalCluster
 
 pytestmark = pytest.mark.slurm
 
 WORKER = str(Path(__file__).parent / "workers" / "slurm_allreduce.py")
 PROBE = str(Path(__file__).parent / "workers" / "env_probe.py")
+DIST_WORKER = str(Path(__file__).parent / "workers" / "dist_worker.py")
 
 
 def _json_lines(text: str) -> list[dict]:
@@ -143,3 +156,175 @@ def test_a_failed_rank_ends_the_step_instead_of_hanging(slurm_cluster: SlurmTest
     assert {"rank": 1, "exiting": 3} in _json_lines(proc.stdout)
     assert "exited with exit code 3" in proc.stderr.lower(), proc.stderr
     assert took < 60, f"the step took {took:.1f} s to end"
+
+
+def test_batch_script_of_slurm_26_sees_its_step_id_and_still_forgot_srun(
+    slurm_cluster: SlurmTestCluster, tmp_path: Path
+) -> None:
+    """Slurm 26.05 sets SLURM_STEP_ID in the batch script too: the batch step's id 0xfffffffb
+    printed signed, "-5" (src/common/env.c). Slurm 22.05 here sets none, so the script exports
+    what 26.05 would; everything else is the real batch shell of a 2-node job."""
+    script = tmp_path / "forgot26.sh"
+    script.write_text(
+        f"#!/bin/bash\nexport SLURM_STEP_ID=-5 SLURM_STEPID=-5\n{slurm_cluster.hpc_ddp} env\n"
+    )
+    res = slurm_cluster.sbatch_wait(script, "-N2", timeout_s=60, output=tmp_path / "out")
+    assert (res.state, res.exit_code) == ("FAILED", 2), res.output
+    assert "srun forgotten" in res.output and "Slurm's batch step" in res.output, res.output
+
+
+# ---- a cluster that reserves ports per step ------------------------------------------------
+
+
+def _free_port_block(count: int, lo: int = 30000, hi: int = 32000) -> range:
+    """``count`` consecutive ports free right now, below the ephemeral range (32768+)."""
+    for start in range(lo, hi - count, count):
+        block = range(start, start + count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in block:
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return block
+    raise AssertionError(f"no {count} consecutive free ports in [{lo}, {hi})")
+
+
+@pytest.fixture(scope="module")
+def resv_cluster() -> Iterator[tuple[SlurmTestCluster, range]]:
+    """2 nodes whose slurm.conf reserves ports per step (MpiParams=ports=A-B) and puts
+    salloc's shell in Slurm's interactive step (use_interactive_step), which runs
+    `hpc-ddp env --json` in place of a shell."""
+    require_local_slurm()
+    ports = _free_port_block(10)
+    root = Path(tempfile.mkdtemp(prefix="hpcddp-resv-", dir="/tmp"))
+    step = f"--interactive --preserve-env --mpi=none {HPC_DDP} env --json"
+    extra = {
+        "MpiParams": f"ports={ports[0]}-{ports[-1]}",
+        "LaunchParameters": "use_interactive_step",
+        "InteractiveStepOptions": f'"{step}"',
+    }
+    cluster = LocalCluster(root, ephemeral=True, nodes=2, cpus_per_node=4, extra=extra)
+    cluster.start(timeout_s=30)
+    try:
+        yield SlurmTestCluster(cluster), ports
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _resv_first(task: dict) -> int:
+    origin = task["master_port_origin"]
+    assert origin.startswith("SLURM_STEP_RESV_PORTS="), origin
+    return int(origin.split("=", 1)[1].split(",")[0].split("-")[0])
+
+
+def test_srun_tasks_take_master_port_from_the_steps_reserved_ports(resv_cluster) -> None:
+    cluster, ports = resv_cluster
+    tasks = _srun_env(cluster, "-N2", "-n4")
+    _check_common(tasks, world=4, nodes=2, master="node1")
+    for task in tasks:
+        assert task["master_port"] == _resv_first(task) and task["master_port"] in ports
+
+
+def test_two_steps_sharing_a_node_get_different_ports(resv_cluster) -> None:
+    """Step A holds its ports (it waits on stdin) while step B starts on the same node."""
+    cluster, ports = resv_cluster
+    command = f"{HPC_DDP} env --json; read line"
+    argv = ["srun", "-w", "node1", "-N1", "-n1", "bash", "-c", command]
+    first = subprocess.Popen(
+        argv, env=cluster.env, cwd=cluster.workdir, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert first.stdout is not None
+        line_a = first.stdout.readline()  # returns once A runs (or ends: then it is empty)
+        assert line_a.startswith("{"), line_a + (first.stderr.read() if first.stderr else "")
+        [b] = _srun_env(cluster, "-w", "node1", "-N1", "-n1")
+    finally:
+        _, err = first.communicate(input="\n", timeout=60)
+    a = json.loads(line_a)
+    assert first.returncode == 0, err
+    assert a["master_port"] != b["master_port"], (a, b)
+    assert {a["master_port"], b["master_port"]} <= set(ports)
+
+
+def test_gloo_allreduce_over_a_reserved_port(resv_cluster) -> None:
+    cluster, ports = resv_cluster
+    proc = cluster.srun(["-N2", "-n2", cluster.python, WORKER], timeout_s=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = sorted(_json_lines(proc.stdout), key=lambda r: r["rank"])
+    assert {r["sum"] for r in records} == {3.0} and len(records) == 2
+    assert len({r["master_port"] for r in records}) == 1 and records[0]["master_port"] in ports
+
+
+def test_rank_0_names_the_reserved_port_a_stray_process_holds(resv_cluster) -> None:
+    """Real listeners on every port of the range, then a real one-task Gloo init under srun:
+    rank 0 fails in seconds (not at its 60 s connect deadline) naming port, source and fix."""
+    cluster, ports = resv_cluster
+    with contextlib.ExitStack() as stack:
+        for port in ports:  # SO_REUSEADDR: an earlier test's port may still be in TIME_WAIT
+            stack.enter_context(socket.create_server(("0.0.0.0", port)))
+        started = time.monotonic()
+        argv = ["-N1", "-n1", cluster.python, DIST_WORKER, "--connect-timeout-s", "60"]
+        proc = cluster.srun(argv, timeout_s=90)
+        took = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "rank 0 could not listen on port" in out, out
+    assert "(port source: SLURM_STEP_RESV_PORTS=" in out, out
+    assert "HINT: Slurm reserved" in out and "export MASTER_PORT=<a free port>" in out, out
+    assert took < 45, f"{took:.1f} s"
+
+
+def test_salloc_interactive_step_is_srun_forgotten(resv_cluster) -> None:
+    """Slurm's interactive step (SLURM_STEP_ID=4294967290) is one task of its own inside a job
+    of 4: read as a task it was rank 0 of 1, training alone."""
+    cluster, _ = resv_cluster
+    proc = subprocess.run(
+        ["salloc", "-N2", "-n4"], env=cluster.env, cwd=cluster.workdir, text=True,
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=90,
+    )  # fmt: skip
+    assert "srun forgotten" in proc.stderr and "Slurm's interactive step" in proc.stderr, (
+        proc.stdout + proc.stderr
+    )
+    assert "HINT:" in proc.stderr and not _json_lines(proc.stdout)
+
+
+def test_a_spec_with_resv_ports_renders_srun_lines_that_get_them(
+    resv_cluster, slurm_cluster: SlurmTestCluster
+) -> None:
+    """The rendered preflight step (same srun options as training) run for real: every task
+    reports a reserved port; where the cluster has none, srun refuses the step."""
+    cluster, ports = resv_cluster
+    spec = JobSpec(nodes=2, procs_per_node=2, resv_ports=True, python=sys.executable)
+    command = preflight_command(spec)
+    assert "--resv-ports=1" in shlex.split(command)
+    proc = subprocess.run(
+        ["bash", "-c", command], env=cluster.env, cwd=cluster.workdir, text=True,
+        capture_output=True, timeout=90,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    masters = {w for line in proc.stdout.splitlines() for w in line.split() if "master=" in w}
+    assert len(masters) == 1 and int(masters.pop().rsplit(":", 1)[1]) in ports, proc.stdout
+    plain = subprocess.run(
+        ["bash", "-c", command], env=slurm_cluster.env, cwd=slurm_cluster.workdir, text=True,
+        capture_output=True, timeout=90,
+    )  # fmt: skip
+    assert plain.returncode != 0 and "port" in plain.stderr.lower(), plain.stderr
+
+
+def test_doctor_says_the_cluster_reserves_ports(resv_cluster, tmp_path: Path) -> None:
+    """On the login node it reads slurmctld's config; in a step it shows the step's ports."""
+    cluster, ports = resv_cluster
+    login = cluster.run([HPC_DDP, "doctor", "--no-torch", "--run-dir", str(tmp_path)], 60, False)
+    line = next(x for x in login.stdout.splitlines() if "reserved ports:" in x)
+    assert line.startswith("OK") and f"reserves ports {ports[0]}-{ports[-1]} per step" in line
+    argv = ["-N1", "-n1", HPC_DDP, "doctor", "--no-torch", "--run-dir", str(tmp_path)]
+    step = cluster.srun(argv, timeout_s=60)
+    lines = step.stdout.splitlines()
+    line = next(x for x in lines if "reserved ports:" in x)
+    assert "this step has SLURM_STEP_RESV_PORTS=" in line, step.stdout
+    port_line = next(x for x in lines if "master port:" in x)
+    assert port_line.startswith("OK") and "(SLURM_STEP_RESV_PORTS=" in port_line, port_line

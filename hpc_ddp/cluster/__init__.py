@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from types import ModuleType
 
 from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchrun
-from hpc_ddp.cluster._vars import check_rank, parse_int
+from hpc_ddp.cluster._vars import check_part_of_world, check_rank, parse_int
 from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus
 from hpc_ddp.cluster.distenv import SOURCES, DistEnv
 from hpc_ddp.errors import LaunchEnvError
@@ -82,6 +82,8 @@ def detect_env(
     check_rank("node rank", env.node_rank, env.num_nodes, env.source)
     check_rank("local rank", env.local_rank, env.local_world_size, env.source)
     check_rank("rank", env.rank, env.world_size, env.source)
+    check_part_of_world("local world size", env.local_world_size, env.world_size, env.source)
+    check_part_of_world("node count", env.num_nodes, env.world_size, env.source)
     visible = count_visible_gpus(environ, proc_root) if visible_gpus is None else visible_gpus
     gpus = assign_gpus(
         local_rank=env.local_rank,

@@ -8,9 +8,12 @@ Visible GPUs come from CUDA_VISIBLE_DEVICES when it is set (Slurm sets it per ta
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 from hpc_ddp.errors import LaunchEnvError
+
+_INDEX = re.compile(r"-?[0-9]{1,18}")
 
 
 def parse_visible_devices(value: str) -> list[str]:
@@ -24,7 +27,7 @@ def parse_visible_devices(value: str) -> list[str]:
         item = raw.strip()
         if not item or item == "NoDevFiles":
             break
-        if item.lstrip("-").isdigit():
+        if _INDEX.fullmatch(item):  # not str.isdigit(): it takes '²', which int() refuses
             if int(item) < 0:
                 break
         elif not item.upper().startswith(("GPU-", "MIG-")):

@@ -23,6 +23,7 @@ class DistEnv:
     job_id: str | None
     gpus: tuple[int, ...] = ()  # CUDA ordinals as this process sees them; () = CPU
     gpus_per_process: int = 1  # 1 = one process per GPU; G = one process drives G GPUs
+    master_port_origin: str = ""  # where master_port came from, e.g. 'MASTER_PORT' (messages)
 
     @property
     def layout(self) -> str:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpc_ddp.cluster._vars import get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.distenv import DistEnv
-from hpc_ddp.cluster.master_port import master_port
+from hpc_ddp.cluster.master_port import choose_master_port
 from hpc_ddp.errors import LaunchEnvError
 
 
@@ -80,8 +80,8 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             f"contradictory variables: PMIX_RANK={pmix_rank} but {flavor.rank}={rank}",
             hint="variables from two launches are mixed: check what the job script exports",
         )
-    addr = environ.get("MASTER_ADDR", "").strip()
-    if not addr:
+    addr = get_address(environ, "MASTER_ADDR")
+    if addr is None:
         if world > 1:
             raise LaunchEnvError(
                 f"{flavor.name} started {world} processes but MASTER_ADDR is not set: MPI does "
@@ -90,9 +90,9 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
                 "MASTER_PORT=29511 ...`",
             )
         addr = "127.0.0.1"
-    job_id = next((environ[k] for k in _JOB_IDS if environ.get(k)), None)
+    job_id = first_job_id(environ, _JOB_IDS)
     if job_id is not None or environ.get("MASTER_PORT"):
-        port = master_port(environ, job_id)
+        port = choose_master_port(environ, job_id)
     else:
         raise LaunchEnvError(
             f"{flavor.name}: MASTER_PORT is not set and there is no job id to derive it from",
@@ -107,7 +107,8 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         node_rank=rank // local_world,
         num_nodes=-(-world // local_world),
         master_addr=addr,
-        master_port=port,
+        master_port=port.port,
         job_id=job_id,
         gpus_per_process=gpus_per_process,
+        master_port_origin=port.origin,
     )

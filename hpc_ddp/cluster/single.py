@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from hpc_ddp.cluster._vars import get_address
 from hpc_ddp.cluster.distenv import DistEnv
-from hpc_ddp.cluster.master_port import free_port, parse_port
+from hpc_ddp.cluster.master_port import FREE_PORT_ORIGIN, free_port, parse_port
 from hpc_ddp.errors import LaunchEnvError
 
 
@@ -28,7 +29,12 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     # Nobody has to agree on the port of a one-process group: take any free one.
     port = parse_port(port_text) if port_text else free_port()
     return one_process(
-        environ, source="single", master_port=port, job_id=None, gpus_per_process=gpus_per_process
+        environ,
+        source="single",
+        master_port=port,
+        master_port_origin="MASTER_PORT" if port_text else FREE_PORT_ORIGIN,
+        job_id=None,
+        gpus_per_process=gpus_per_process,
     )
 
 
@@ -37,6 +43,7 @@ def one_process(
     *,
     source: str,
     master_port: int,
+    master_port_origin: str,
     job_id: str | None,
     gpus_per_process: int,
 ) -> DistEnv:
@@ -50,8 +57,9 @@ def one_process(
         local_world_size=1,
         node_rank=0,
         num_nodes=1,
-        master_addr=environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_addr=get_address(environ, "MASTER_ADDR") or "127.0.0.1",
         master_port=master_port,
         job_id=job_id,
         gpus_per_process=gpus_per_process,
+        master_port_origin=master_port_origin,
     )

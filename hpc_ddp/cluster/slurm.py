@@ -1,25 +1,43 @@
 """Slurm, one process per srun task.
 
 Step-level variables come first: a step (``srun -N2 -n2`` inside a 3-node job) can be smaller
-than the allocation, and only SLURM_STEP_* describe the processes that actually run. The batch
-script itself also has SLURM_PROCID=0 (Slurm 22.05) but no SLURM_STEP_ID: that is how a
-forgotten ``srun`` is told apart from task 0.
+than the allocation, and only SLURM_STEP_* describe the processes that actually run.
+
+The batch script itself also has SLURM_PROCID=0, so the step id tells a forgotten ``srun``
+apart from task 0. Slurm 22.05 gives the batch script no SLURM_STEP_ID at all. Its special
+steps have ids near 2**32 (slurm.h: SLURM_BATCH_SCRIPT 0xfffffffb, SLURM_EXTERN_CONT
+0xfffffffc, SLURM_PENDING_STEP 0xfffffffd, SLURM_INTERACTIVE_STEP 0xfffffffa; ordinary steps
+stay below SLURM_MAX_NORMAL_STEP_ID 0xfffffff0). Slurm 26.05 sets SLURM_STEP_ID in the batch
+script too, printed as a signed number ("-5"); srun prints a step's id unsigned
+("4294967290" for the interactive step of ``salloc`` with use_interactive_step); Slurm's own
+tools name them batch/extern/interactive/TBD. All of these are "not an srun task".
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
-from hpc_ddp.cluster._vars import first_int, get_int, get_opt_int
+from hpc_ddp.cluster._vars import first_int, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
-from hpc_ddp.cluster.master_port import master_port
+from hpc_ddp.cluster.master_port import choose_master_port
 from hpc_ddp.cluster.single import one_process
 from hpc_ddp.errors import LaunchEnvError
 
 # Other launchers' sizes that, when present beside an srun step, must describe the same world
 # (srun --mpi=pmix/pmi2 sets them consistently; mpirun inside an allocation does not).
 _MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_JOB_ID = re.compile(r"[0-9]{1,18}")  # Slurm job ids are numbers, array and het jobs included
+_STEP_ID = re.compile(r"-?[0-9]{1,10}")
+_MAX_NORMAL_STEP_ID = 0xFFFFFFF0
+_SPECIAL_STEPS = {
+    0xFFFFFFFA: "interactive",
+    0xFFFFFFFB: "batch",
+    0xFFFFFFFC: "extern",
+    0xFFFFFFFD: "TBD",
+}
+_STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 
 
 def detect(environ: Mapping[str, str]) -> bool:
@@ -27,11 +45,42 @@ def detect(environ: Mapping[str, str]) -> bool:
 
 
 def _job_id(environ: Mapping[str, str]) -> str:
-    return environ.get("SLURM_JOB_ID") or environ["SLURM_JOBID"]
+    name = "SLURM_JOB_ID" if environ.get("SLURM_JOB_ID") else "SLURM_JOBID"
+    value = environ.get(name, "")
+    if not _JOB_ID.fullmatch(value):
+        raise LaunchEnvError(
+            f"{name}={value!r} is not a Slurm job id (ASCII digits)",
+            hint=f"Slurm sets {name} to the job's number; unset it if it was exported by hand",
+        )
+    return value
 
 
-def _in_step(environ: Mapping[str, str]) -> bool:
-    return "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
+def special_step(environ: Mapping[str, str]) -> str | None:
+    """The name of the special step this process belongs to (batch, extern, interactive, TBD),
+    or None for an ordinary step or no step id at all."""
+    for name in _STEP_ID_VARS:
+        value = environ.get(name)
+        if value is None:
+            continue
+        if value in _SPECIAL_STEPS.values():
+            return value
+        if not _STEP_ID.fullmatch(value) or not -(2**31) <= int(value) < 2**32:
+            raise LaunchEnvError(
+                f"{name}={value!r} is not a Slurm step id",
+                hint=f"srun sets {name} to the step's number; unset it if it was exported by hand",
+            )
+        step = int(value) & 0xFFFFFFFF  # "-5" is 0xfffffffb printed signed
+        if step >= _MAX_NORMAL_STEP_ID:
+            return _SPECIAL_STEPS.get(step, f"special step {step:#x}")
+        return None
+    return None
+
+
+def in_srun_task(environ: Mapping[str, str]) -> bool:
+    """True for a task of an ordinary srun step; False for the batch script, an salloc or
+    interactive-step shell, or the extern step (see the module docstring)."""
+    has_id = any(name in environ for name in _STEP_ID_VARS)
+    return has_id and special_step(environ) is None
 
 
 def _outside_step(environ: Mapping[str, str], gpus_per_process: int) -> DistEnv:
@@ -42,17 +91,21 @@ def _outside_step(environ: Mapping[str, str], gpus_per_process: int) -> DistEnv:
     if tasks > 1 or nodes > 1:
         where = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         job = f"a job of {tasks} task(s) on {nodes} node(s)" + (f": {where}" if where else "")
+        step = special_step(environ)
+        why = f"Slurm's {step} step" if step else "no SLURM_STEP_ID"
         raise LaunchEnvError(
             f"srun forgotten: SLURM_JOB_ID={job_id} is set ({job}), but this process is not an "
-            "srun task (no SLURM_STEP_ID): it is the batch script or an salloc shell itself, "
+            f"srun task ({why}): it is the batch script or an salloc shell itself, "
             f"which would run 1 process instead of {tasks}",
             hint="start the processes with `srun <command>` in the batch script "
             "(to inspect what each task sees: `srun hpc-ddp env`)",
         )
+    port = choose_master_port(environ, job_id)
     return one_process(
         environ,
         source="slurm",
-        master_port=master_port(environ, job_id),
+        master_port=port.port,
+        master_port_origin=port.origin,
         job_id=job_id,
         gpus_per_process=gpus_per_process,
     )
@@ -83,7 +136,7 @@ def _check_gpus_per_node(environ: Mapping[str, str], local_world: int, gpp: int)
 
 
 def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
-    if not _in_step(environ):
+    if not in_srun_task(environ):
         return _outside_step(environ, gpus_per_process)
     job_id = _job_id(environ)
     rank = get_int(environ, "SLURM_PROCID")
@@ -128,6 +181,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     for name in _MPI_SIZES:
         _check_same(environ, name, world, "SLURM_STEP_NUM_TASKS")
     _check_gpus_per_node(environ, local_world, gpus_per_process)
+    port = choose_master_port(environ, job_id)
     return DistEnv(
         source="slurm",
         rank=rank,
@@ -138,8 +192,9 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         num_nodes=num_nodes,
         # An exported MASTER_ADDR (e.g. an InfiniBand hostname) is the user's choice; otherwise
         # the first host in Slurm's order, where task 0 runs.
-        master_addr=environ.get("MASTER_ADDR") or hosts[0],
-        master_port=master_port(environ, job_id),
+        master_addr=get_address(environ, "MASTER_ADDR") or hosts[0],
+        master_port=port.port,
         job_id=job_id,
         gpus_per_process=gpus_per_process,
+        master_port_origin=port.origin,
     )

@@ -64,11 +64,15 @@ def check_slurm_tools(o: Options) -> Check:
     )
 
 
+def _slurm_configured(env: Mapping[str, str]) -> bool:
+    # Without a config scontrol spends seconds on DNS SRV lookups before failing.
+    return bool(env.get("SLURM_CONF")) or Path("/etc/slurm/slurm.conf").exists()
+
+
 def check_controller(o: Options) -> Check:
     if shutil.which("scontrol", path=o.env.get("PATH")) is None:
         return Check(WARN, "slurm controller", "scontrol not found: not checked")
-    if not o.env.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
-        # Without a config scontrol spends seconds on DNS SRV lookups before failing.
+    if not _slurm_configured(o.env):
         try:
             embedded: LocalCluster | None = LocalCluster(default_state_dir(o.env))
         except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
@@ -109,8 +113,10 @@ def check_launch_env(o: Options) -> Check:
     env = o.env
     if not in_allocation(env):
         return Check(OK, "allocation", "not inside a Slurm job (login node checks only)")
-    # The batch shell has SLURM_PROCID=0 too (Slurm 22.05); only srun tasks have SLURM_STEP_ID.
-    if "SLURM_STEP_ID" not in env:
+    from hpc_ddp.cluster.slurm import in_srun_task
+
+    # The batch shell has SLURM_PROCID=0 too; the step id tells it from task 0 (cluster/slurm.py).
+    if not in_srun_task(env):
         return Check(
             WARN,
             "allocation",
@@ -162,9 +168,12 @@ def check_gpus(o: Options) -> Check:
     from hpc_ddp.cluster.devices import count_visible_gpus, driver_gpu_count
 
     env = o.env
+    from hpc_ddp.cluster._vars import get_opt_int
+    from hpc_ddp.cluster.slurm import in_srun_task
+
     asked = o.gpus
-    if asked is None and env.get("SLURM_GPUS_ON_NODE"):
-        asked = int(env["SLURM_GPUS_ON_NODE"])
+    if asked is None:
+        asked = get_opt_int(env, "SLURM_GPUS_ON_NODE")
     visible = count_visible_gpus(env)
     driver = driver_gpu_count()
     detail = (
@@ -178,7 +187,7 @@ def check_gpus(o: Options) -> Check:
             detail,
             "GPUs were requested but no NVIDIA driver is loaded here: wrong partition or node?",
         )
-    if asked and visible < asked and "SLURM_STEP_ID" not in env:
+    if asked and visible < asked and not in_srun_task(env):
         return Check(FAIL, "gpus", detail, "ask Slurm for them: --gpus-per-node=N")
     if not asked and visible:
         return Check(
@@ -230,7 +239,9 @@ def check_network(o: Options) -> Check:
         from hpc_ddp.cluster.hostlist import expand_hostlist
 
         master = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])[0]
-    nodes = int(env.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    from hpc_ddp.cluster._vars import get_opt_int
+
+    nodes = get_opt_int(env, "SLURM_JOB_NUM_NODES", minimum=1) or 1
     ifname = env.get("GLOO_SOCKET_IFNAME", "")
     if ifname.startswith("^") or "," in ifname:
         return Check(
@@ -254,18 +265,18 @@ def check_network(o: Options) -> Check:
 
 
 def check_port(o: Options) -> Check:
-    from hpc_ddp.cluster.master_port import master_port
+    from hpc_ddp.cluster.master_port import RESV_PORTS_VAR, choose_master_port
     from hpc_ddp.errors import HpcDdpError
 
     env = o.env
     port, source = o.port, "--port"
     job_id = env.get("SLURM_JOB_ID")
-    if port is None and (env.get("MASTER_PORT") or job_id):
-        source = "MASTER_PORT" if env.get("MASTER_PORT") else f"derived from job {job_id}"
+    if port is None and (env.get("MASTER_PORT") or env.get(RESV_PORTS_VAR) or job_id):
         try:
-            port = master_port(env, job_id)  # the rule every rank of the job will apply
+            choice = choose_master_port(env, job_id)  # the rule every rank of the job applies
         except HpcDdpError as err:
             return Check(FAIL, "master port", err.message, err.hint or "")
+        port, source = choice.port, choice.origin
     if port is None:
         return Check(OK, "master port", "no job and no --port: skipped")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -280,6 +291,48 @@ def check_port(o: Options) -> Check:
                 f"it with `ss -ltnp | grep {port}`",
             )
     return Check(OK, "master port", f"{port} ({source}) is free")
+
+
+def check_reserved_ports(o: Options) -> Check:
+    """Does slurmctld reserve ports per step (slurm.conf ``MpiParams=ports=A-B``)? Then every
+    srun step gets ports no other step on its nodes holds, and MASTER_PORT comes from them."""
+    from hpc_ddp.cluster.master_port import RESV_PORTS_VAR
+
+    name = "reserved ports"
+    step_ports = o.env.get(RESV_PORTS_VAR)
+    if step_ports:
+        return Check(OK, name, f"this step has {RESV_PORTS_VAR}={step_ports}: MASTER_PORT uses it")
+    if shutil.which("scontrol", path=o.env.get("PATH")) is None or not _slurm_configured(o.env):
+        return Check(OK, name, "no Slurm configured: not checked")
+    try:
+        proc = subprocess.run(
+            ["scontrol", "show", "config"], env=dict(o.env), capture_output=True, text=True,
+            timeout=20,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return Check(OK, name, "scontrol show config: no answer in 20 s, not checked")
+    if proc.returncode != 0:
+        return Check(OK, name, "scontrol show config failed (controller down?): not checked")
+    params = next(
+        (line.split("=", 1)[1].strip() for line in proc.stdout.splitlines()
+         if line.split("=", 1)[0].strip() == "MpiParams"),
+        "",
+    )  # fmt: skip
+    ports = next((p.split("=", 1)[1] for p in params.split(",") if p.startswith("ports=")), "")
+    if ports:
+        return Check(
+            OK,
+            name,
+            f"the cluster reserves ports {ports} per step (MpiParams): srun tasks take "
+            f"MASTER_PORT from {RESV_PORTS_VAR}; `resv_ports = true` in a job spec requires them",
+        )
+    return Check(
+        OK,
+        name,
+        "the cluster reserves no ports per step (no MpiParams=ports=...): MASTER_PORT is "
+        "derived from the job id; jobs sharing a node collide only if their ids are equal "
+        "modulo 9000",
+    )
 
 
 def check_run_dir(o: Options) -> Check:
@@ -311,6 +364,7 @@ CHECKS: tuple[Callable[[Options], Check], ...] = (
     check_gpus,
     check_network,
     check_port,
+    check_reserved_ports,
     check_run_dir,
     check_torch,
 )
@@ -321,6 +375,9 @@ def run_checks(o: Options) -> list[Check]:
     for check in CHECKS:
         try:
             out.append(check(o))
+        except HpcDdpError as err:  # a bad value in the environment, named with its fix
+            name = check.__name__.removeprefix("check_")
+            out.append(Check(FAIL, name, err.message, err.hint or ""))
         except Exception as err:  # a broken check is reported, never a crash of the doctor
             out.append(Check(FAIL, check.__name__.removeprefix("check_"), f"check crashed: {err}"))
     return out

@@ -95,6 +95,13 @@ class JobSpec:
         default=120,
         metadata=_doc("srun --wait: end the step this long after the first task exits"),
     )
+    resv_ports: bool = field(
+        default=False,
+        metadata=_doc(
+            "srun launcher: ask Slurm for a reserved port per step (srun --resv-ports=1), used "
+            "as MASTER_PORT; needs MpiParams=ports=... in slurm.conf (`hpc-ddp doctor`)"
+        ),
+    )
     preflight: bool = field(
         default=True,
         metadata=_doc("first run a torch-free step where every task prints its rank and master"),
@@ -225,6 +232,8 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"exit_wait_s must be >= 0, got {s.exit_wait_s}")
     if not s.output:
         p.append("output must name a log file, e.g. '%x-%j.out'")
+    if s.resv_ports and s.launcher != "srun":
+        p.append("resv_ports needs launcher srun (torchrun's port is chosen before any step)")
     if s.per_rank_logs and s.launcher != "srun":
         p.append("per_rank_logs needs launcher srun (torchrun writes its own per-worker logs)")
     gpp_env = s.env.get("HPC_DDP_GPUS_PER_PROCESS")

@@ -117,6 +117,9 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
     if cpt:
         # Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch.
         argv.append(f"--cpus-per-task={cpt}")
+    if spec.resv_ports:
+        # A port no other step on these nodes holds, as MASTER_PORT; bare --resv-ports means 0.
+        argv.append("--resv-ports=1")
     if spec.per_rank_logs and logs:
         argv += [f"--output={spec.output}.rank%t", "--open-mode=append"]
     return argv
