@@ -23,6 +23,7 @@ SCHEDULES = ("cosine", "constant")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
+CUDA_GRAPHS_MODES = ("auto", "on", "off")
 SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.train.synthetic.VARIANTS (no numpy import here)
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
@@ -105,11 +106,15 @@ class TrainConfig:
         default="auto",
         metadata=_opt("auto (GPU-resident when it fits, else torchvision), gpu or torchvision"),
     )
-    cuda_graphs: bool = field(
-        default=False,
+    # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
+    # eager DDP with one log line saying why. True/False (files and code written when this was
+    # a switch) mean on/off.
+    cuda_graphs: str = field(
+        default="auto",
         metadata=_opt(
-            "capture each step (with its all-reduce) as a CUDA graph: adam or sgd, accum 1, "
-            "no fp16 or SyncBN"
+            "capture each step (with its all-reduce) as a CUDA graph: auto (whenever the run "
+            "qualifies: a CUDA GPU per process, adam or sgd, accum 1, no fp16 or SyncBN), "
+            "--cuda-graphs forces it (an error where it cannot), --no-cuda-graphs runs eager DDP"
         ),
     )
     time_allreduce: bool = field(
@@ -123,9 +128,14 @@ class TrainConfig:
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
     )
     keep_checkpoints: int = field(default=2, metadata=_opt("checkpoints to keep (>= 2)"))
+    # On by default: the same files as a synchronous save (tests/test_checkpoint_async.py), and
+    # every wait point (next save, preemption, end of training) waits for the write to commit.
     async_checkpoint: bool = field(
-        default=False,
-        metadata=_opt("copy the state to CPU memory at a save, write it in a background thread"),
+        default=True,
+        metadata=_opt(
+            "copy the state at a save and write it in a background thread "
+            "(--no-async-checkpoint: write before training goes on)"
+        ),
     )
     log_every: int = field(default=20, metadata=_opt("progress line every N steps (rank 0)"))
     requeue: str = field(
@@ -163,7 +173,10 @@ class TrainConfig:
             "requeue": REQUEUE_MODES,
             "data_path": DATA_PATHS,
             "synthetic_variant": SYNTHETIC_VARIANTS,
+            "cuda_graphs": CUDA_GRAPHS_MODES,
         }
+        if isinstance(self.cuda_graphs, bool):
+            self.cuda_graphs = "on" if self.cuda_graphs else "off"
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
@@ -194,6 +207,14 @@ class TrainConfig:
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
+    def identity_changes(self, recorded: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{key: (recorded, ours)} for each identity setting that differs from a recorded
+        config (a run dir's config.json). A key missing from an older file had the default
+        the setting got later."""
+        defaults = TrainConfig().identity()
+        was = {k: recorded.get(k, defaults[k]) for k in IDENTITY_KEYS}
+        return {k: (was[k], getattr(self, k)) for k in IDENTITY_KEYS if was[k] != getattr(self, k)}
+
 
 def parse_signal(name: str | int) -> signal.Signals:
     """'USR1', 'SIGUSR1', 'usr1' or 10 -> signal.SIGUSR1."""
@@ -215,6 +236,8 @@ def field_names() -> list[str]:
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """Check a file/API value against the field's type (from its default); ints may be floats."""
     kind = type(default)
+    if name == "cuda_graphs" and isinstance(value, (bool, str)):
+        return value  # validate() maps true/false to on/off and checks the name
     if name == "backend":
         if value is None or isinstance(value, str):
             return value
@@ -296,7 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} (default: {_default(f)!r})"
-        if f.name == "requeue_signals":
+        if f.name == "cuda_graphs":
+            _add_cuda_graphs_flags(parser, flag, help_text)
+        elif f.name == "requeue_signals":
             parser.add_argument(
                 "--requeue-signal",
                 dest=f.name,
@@ -317,6 +342,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=help_text
             )
+
+
+def _add_cuda_graphs_flags(parser: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    """``--cuda-graphs`` (on), ``--cuda-graphs auto|on|off`` and ``--no-cuda-graphs`` (off)."""
+    parser.add_argument(
+        flag,
+        dest="cuda_graphs",
+        nargs="?",
+        const="on",
+        choices=CUDA_GRAPHS_MODES,
+        default=argparse.SUPPRESS,
+        help=help_text,
+    )
+    parser.add_argument(
+        "--no-" + flag[2:],
+        dest="cuda_graphs",
+        action="store_const",
+        const="off",
+        default=argparse.SUPPRESS,
+        help="run the eager DDP step (same as --cuda-graphs off)",
+    )
 
 
 def _default(f: dataclasses.Field) -> Any:
