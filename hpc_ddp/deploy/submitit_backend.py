@@ -34,10 +34,11 @@ import submitit
 from hpc_ddp.deploy.environ import scrubbed_environ
 from hpc_ddp.deploy.render import job_env
 from hpc_ddp.deploy.spec import JobSpec, build_spec, time_limit_seconds
-from hpc_ddp.deploy.submit import LogFollower, result_lines
+from hpc_ddp.deploy.submit import LogFollower
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.localslurm.client import TERMINAL, SlurmClient
+from hpc_ddp.train.results import result_lines
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
 CHILD_CHECKPOINT_TIMEOUT_S = 120.0

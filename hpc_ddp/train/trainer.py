@@ -25,6 +25,7 @@ from hpc_ddp.train.checkpoint import Checkpointer, RunDirLock
 from hpc_ddp.train.collectives import Comm
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fingerprint import params_sha256
+from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.preemption import PreemptionFlag, requeue
@@ -367,6 +368,7 @@ class Trainer:
                 self.plotting.start()
             self.write_progress(progress, "finished")
             self.log(f"finished: {self.run_dir / results.RESULT}")
+            self.log("\n".join(results.summary_lines(result.to_dict(), self.run_dir)))
         return result
 
     def result(self, progress: Progress, status: str, code: int) -> results.Result:
@@ -466,8 +468,9 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     trainer = Trainer(config, ctx)
     try:
         if not trainer.setup():
-            trainer.log(f"run dir {config.run_dir} already finished (result.json); nothing to do")
-            return _finished_result(config)
+            result = _finished_result(config)
+            trainer.log("\n".join(finished_answer(config.run_dir, result.to_dict())))
+            return result
         result = trainer.run(flag)
     except BaseException:
         trainer.abandon_checkpoint()
