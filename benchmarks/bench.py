@@ -249,15 +249,21 @@ class Bench:
     def suite_ttfs(self) -> None:
         """Time to first step and command-to-exit of the headline run, several times over.
         ``--ttfs-ab``: each repeat also with ``--probe-store-backoff`` (ranks > 0 connect to
-        rank 0's store at once and retry on TCPStore's backoff), the order alternating."""
+        rank 0's store at once and retry on TCPStore's backoff), the order alternating.
+        ``--ttfs-eager``: each repeat also as eager DDP (``--no-cuda-graphs``), with the
+        two-stage torch._dynamo prefetch and with the former one-stage one."""
         top = max(self.gpus)
         for i in range(1, self.args.repeats + 1):
-            runs: list[tuple[str, list[str]]] = [("", [])]
+            runs: list[tuple[str, list[str], list[str]]] = [("", [], [])]
             if self.args.ttfs_ab:
-                runs.append(("_backoff", ["--probe-store-backoff"]))
-                runs = runs[:: 1 if i % 2 else -1]
-            for suffix, probe in runs:
-                flags = self.lenet_flags(f"lenet{top}{suffix}r{i}", None)  # the defaults
+                runs.append(("_backoff", [], ["--probe-store-backoff"]))
+            if self.args.ttfs_eager:
+                eager = ["--no-cuda-graphs"]
+                runs.append(("_eager", eager, []))
+                runs.append(("_eager_onestage", eager, ["--probe-one-stage-prefetch"]))
+            runs = runs[:: 1 if i % 2 else -1]
+            for suffix, step, probe in runs:
+                flags = [*self.lenet_flags(f"lenet{top}{suffix}r{i}", None), *step]  # defaults
                 self.ours(f"ttfs_lenet_{top}gpu_async{suffix}_r{i}", top, flags, probe=probe)
 
     def suite_refx(self) -> None:
@@ -445,6 +451,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="ttfs: runs of the headline")
     parser.add_argument(
         "--ttfs-ab", action="store_true", help="ttfs: each repeat also on TCPStore's backoff"
+    )
+    parser.add_argument(
+        "--ttfs-eager",
+        action="store_true",
+        help="ttfs: each repeat also as eager DDP, with the two-stage and one-stage prefetch",
     )
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
     parser.add_argument("--resnet-epochs", type=int, default=5)
