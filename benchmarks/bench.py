@@ -301,6 +301,8 @@ class Bench:
             self.resnet(f"resnet_{n}gpu_graphs", n, "--cuda-graphs")
         top = max(self.gpus)
         self.resnet(f"resnet_{top}gpu_async", top, "--async-checkpoint")
+        # The default step and checkpoints (captured, background): table d's stall by default.
+        self.resnet(f"resnet_{top}gpu_default", top, "--cuda-graphs", "auto", "--async-checkpoint")
         if top > 1:  # table e: the all-reduce window, timed by the trainer's comm hook
             self.resnet(f"resnet_{top}gpu_timed", top, "--time-allreduce")
         if self.args.resnet_torchrun:  # the same run, one interpreter per worker
