@@ -9,6 +9,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
 SCRIPT = """
 import importlib, sys, time
 import torch
@@ -40,3 +43,17 @@ def test_stage_one_leaves_torch_dynamo_to_stage_two() -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180, check=False
     )
     assert out.returncode == 0 and "PREFETCH_OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
+def test_runs_that_will_import_torch_dynamo_are_the_ones_prefetched() -> None:
+    """On a machine without CUDA: eager DDP, so yes; a run the trainer will refuse (bf16 on a
+    CPU, --cuda-graphs on a CPU) imports nothing, so no."""
+    from hpc_ddp.cluster import detect_env
+    from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.prefetch import needs_dynamo
+
+    env = detect_env({})
+    assert needs_dynamo(TrainConfig(), env)
+    assert not needs_dynamo(TrainConfig(amp="bf16"), env)
+    assert not needs_dynamo(TrainConfig(cuda_graphs="on"), env)  # refused: needs a GPU

@@ -22,9 +22,29 @@ import importlib
 import sys
 import threading
 
+from hpc_ddp.cluster import DistEnv
+from hpc_ddp.dist import process_device
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import cuda_graphs
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.optim import amp_dtype
+
 # About half of torch._dynamo's import time (604 of its ~890 modules on torch 2.14).
 STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
 TARGET = "torch._dynamo"
+
+
+def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
+    """Whether this run will import torch._dynamo: eager DDP or torchvision's reader. A captured
+    step has no DDP wrapper and its optimizer skips the import (optim.py), so on the
+    GPU-resident data path it never pays for it. Settings the trainer will refuse count as not
+    needing it: the refusal comes before any import."""
+    device = process_device(env)
+    try:
+        choice = cuda_graphs.choose(config, device, amp_dtype(config, device), len(env.gpus) or 1)
+    except ConfigError:
+        return False
+    return not choice.captured or config.data_path == "torchvision"
 
 
 class DynamoPrefetch:

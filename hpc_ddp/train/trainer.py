@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.cluster import DistEnv, detect_env
+from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.train import cuda_graphs, data, gpu_data, models, results, rng
@@ -29,7 +29,7 @@ from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Stepper, Times, evaluate, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.preemption import PreemptionFlag, requeue
-from hpc_ddp.train.prefetch import DynamoPrefetch
+from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.sampler import ShardPlan
@@ -425,21 +425,6 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     saved = results.read_json(Path(cfg.run_dir) / results.RESULT)
     saved.update(status="finished", exit_code=0)
     return results.Result(**saved)
-
-
-def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
-    """Whether this run will import torch._dynamo (hpc_ddp/train/prefetch.py says why): eager
-    DDP or torchvision's reader. A captured step has no DDP wrapper and its optimizer skips the
-    import (optim.py), so on the GPU-resident data path it never pays for it. Settings the
-    trainer will refuse count as not needing it: the refusal comes before any import."""
-    from hpc_ddp.dist import process_device
-
-    device = process_device(env)
-    try:
-        choice = cuda_graphs.choose(config, device, amp_dtype(config, device), len(env.gpus) or 1)
-    except ConfigError:
-        return False
-    return not choice.captured or config.data_path == "torchvision"
 
 
 def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
