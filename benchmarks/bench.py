@@ -6,8 +6,11 @@
 
 Suites (see benchmarks/README.md for what each measures and the targets):
   ref      the reference workload (CIFAR-100 LeNet, 10 epochs, batch 64/GPU, Adam 1e-3): the
-           conventional script (reference_ddp.py) against ``hpc-ddp train`` on the same files
-  ttfs     the headline run of ours (4 GPUs, --cuda-graphs --async-checkpoint) --repeats times
+           conventional script (reference_ddp.py) against ``hpc-ddp train --cuda-graphs``
+           (synchronous checkpoints) on the same files, and ``hpc-ddp train`` with default flags
+           on the most GPUs
+  ttfs     the default command of ours (4 GPUs, no step or checkpoint flags: the captured step
+           and background checkpoints) --repeats times
   refx     the slow extras of ref: the conventional script on 1 GPU and with DataParallel,
            and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
@@ -202,12 +205,19 @@ class Bench:
             res.update(json.loads(out.read_text()))
         return self.record(name, {"kind": "ours", "gpus": n, "launcher": launcher, **res})
 
-    def lenet_flags(self, name: str, graphs: bool) -> list[str]:
+    def lenet_flags(self, name: str, graphs: bool | None) -> list[str]:
+        """The reference workload's flags; ``graphs`` True: ``--cuda-graphs`` with synchronous
+        checkpoints (the rows measured before both became defaults), False: eager DDP, also
+        synchronous, None: no step or checkpoint flag at all (the defaults)."""
         flags = self.trainer_flags("lenet", self.args.epochs, 64, self.work / "runs" / name)
         flags += ["--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0"]
         flags += ["--lr-schedule", "constant", "--no-augment", "--amp", "off"]
         flags += ["--eval-batch-size", "1024"]
-        return flags + (["--cuda-graphs"] if graphs else [])
+        if graphs is None:
+            return flags
+        if self.args.smoke:  # a CPU has no step to capture: --cuda-graphs would be refused
+            return [*flags, "--no-async-checkpoint"]
+        return [*flags, "--cuda-graphs" if graphs else "--no-cuda-graphs", "--no-async-checkpoint"]
 
     def suite_ref(self) -> None:
         """Ours on every GPU count; the conventional script on the counts above 1 (``refx``
@@ -225,6 +235,8 @@ class Bench:
             if n > 1:
                 self.reference(f"ref_ddp_{n}gpu", "ddp", n, 64)
             self.ours(f"ours_lenet_{n}gpu", n, self.lenet_flags(f"lenet{n}", graphs=True))
+            if n == max(self.gpus):  # what a user types, beside the explicit --cuda-graphs
+                self.ours(f"ours_lenet_{n}gpu_default", n, self.lenet_flags(f"lenet{n}d", None))
         top = max(self.gpus)
         flags = [*self.lenet_flags(f"lenet{top}a", True), "--async-checkpoint"]
         self.ours(f"ours_lenet_{top}gpu_async", top, flags)
@@ -237,16 +249,21 @@ class Bench:
     def suite_ttfs(self) -> None:
         """Time to first step and command-to-exit of the headline run, several times over.
         ``--ttfs-ab``: each repeat also with ``--probe-store-backoff`` (ranks > 0 connect to
-        rank 0's store at once and retry on TCPStore's backoff), the order alternating."""
+        rank 0's store at once and retry on TCPStore's backoff), the order alternating.
+        ``--ttfs-eager``: each repeat also as eager DDP (``--no-cuda-graphs``), with the
+        two-stage torch._dynamo prefetch and with the former one-stage one."""
         top = max(self.gpus)
         for i in range(1, self.args.repeats + 1):
-            runs: list[tuple[str, list[str]]] = [("", [])]
+            runs: list[tuple[str, list[str], list[str]]] = [("", [], [])]
             if self.args.ttfs_ab:
-                runs.append(("_backoff", ["--probe-store-backoff"]))
-                runs = runs[:: 1 if i % 2 else -1]
-            for suffix, probe in runs:
-                flags = self.lenet_flags(f"lenet{top}{suffix}r{i}", True)
-                flags.append("--async-checkpoint")
+                runs.append(("_backoff", [], ["--probe-store-backoff"]))
+            if self.args.ttfs_eager:
+                eager = ["--no-cuda-graphs"]
+                runs.append(("_eager", eager, []))
+                runs.append(("_eager_onestage", eager, ["--probe-one-stage-prefetch"]))
+            runs = runs[:: 1 if i % 2 else -1]
+            for suffix, step, probe in runs:
+                flags = [*self.lenet_flags(f"lenet{top}{suffix}r{i}", None), *step]  # defaults
                 self.ours(f"ttfs_lenet_{top}gpu_async{suffix}_r{i}", top, flags, probe=probe)
 
     def suite_refx(self) -> None:
@@ -265,6 +282,9 @@ class Bench:
         )
         flags += ["--optimizer", "sgd", "--lr", "0.05"]  # what the 2026-11-26 figures ran
         flags += ["--no-augment", "--eval-batch-size", "1024"]
+        # Eager DDP and synchronous checkpoints unless a row asks otherwise (its flag comes
+        # later and wins): what these rows measured before the defaults changed.
+        flags += ["--no-cuda-graphs", "--no-async-checkpoint"]
         return flags + ([] if self.args.smoke else ["--amp", "bf16"])
 
     def resnet(
@@ -281,6 +301,8 @@ class Bench:
             self.resnet(f"resnet_{n}gpu_graphs", n, "--cuda-graphs")
         top = max(self.gpus)
         self.resnet(f"resnet_{top}gpu_async", top, "--async-checkpoint")
+        # The default step and checkpoints (captured, background): table d's stall by default.
+        self.resnet(f"resnet_{top}gpu_default", top, "--cuda-graphs", "auto", "--async-checkpoint")
         if top > 1:  # table e: the all-reduce window, timed by the trainer's comm hook
             self.resnet(f"resnet_{top}gpu_timed", top, "--time-allreduce")
         if self.args.resnet_torchrun:  # the same run, one interpreter per worker
@@ -431,6 +453,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="ttfs: runs of the headline")
     parser.add_argument(
         "--ttfs-ab", action="store_true", help="ttfs: each repeat also on TCPStore's backoff"
+    )
+    parser.add_argument(
+        "--ttfs-eager",
+        action="store_true",
+        help="ttfs: each repeat also as eager DDP, with the two-stage and one-stage prefetch",
     )
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
     parser.add_argument("--resnet-epochs", type=int, default=5)

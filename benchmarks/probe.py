@@ -20,6 +20,8 @@ first optimizer step) and writes, on rank 0, one JSON object with:
 ``--probe-ddp-defaults`` builds DDP with torch's defaults (not trainer.ddp_options);
 ``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
 ``--probe-store-backoff`` lets ranks > 0 meet a refusal and TCPStore's backoff (no listener wait);
+``--probe-one-stage-prefetch`` imports torch._dynamo whole from the start, as the trainer did
+before hpc_ddp/train/prefetch.py's two stages (init_process_group then waits for it);
 ``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
 """
 
@@ -260,6 +262,11 @@ def main() -> None:
         help="ranks > 0 connect to rank 0's TCPStore at once, retrying on TCPStore's own "
         "backoff (250-750 ms), instead of hpc_ddp.dist waiting until it listens",
     )
+    ours.add_argument(
+        "--probe-one-stage-prefetch",
+        action="store_true",
+        help="the former torch._dynamo prefetch: the whole import on a thread from the start",
+    )
     ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
         "--probe-deterministic",
@@ -282,6 +289,10 @@ def main() -> None:
 
         optim.without_dynamo = lambda base: base  # type: ignore[assignment]
 
+    if pargs.probe_one_stage_prefetch:
+        from hpc_ddp.train import prefetch
+
+        prefetch.STAGE_ONE = (prefetch.TARGET,)  # stage two then finds it imported
     if pargs.probe_store_backoff:
         hdist._wait_until_listening = lambda *_: None  # type: ignore[attr-defined]
     if pargs.probe_no_progress_file:  # what the per-step progress.json write costs

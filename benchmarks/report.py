@@ -92,6 +92,7 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
             _ours_row("hpc-ddp train --cuda-graphs", runs.get(f"ours_lenet_{n}gpu", {}), base)
         )
     for name, label in (
+        ("default", "hpc-ddp train, default flags (captured step, background checkpoints)"),
         ("async", "hpc-ddp train --cuda-graphs --async-checkpoint"),
         ("eager", "hpc-ddp train (eager DDP, no graphs)"),
         ("torchrun", "hpc-ddp train --cuda-graphs, one interpreter per worker (torchrun)"),
@@ -108,7 +109,7 @@ def table_ref(runs: dict, gpus: list[int]) -> list[str]:
         if key.startswith("ttfs_lenet_"):  # bench.py's ttfs suite: the headline run again
             base = runs.get(f"ref_ddp_{run.get('gpus')}gpu", {})
             variant = key.split("gpu_async", 1)[-1].lstrip("_")  # r1, backoff_r1, ...
-            label = f"hpc-ddp train --cuda-graphs --async-checkpoint ({variant})"
+            label = f"hpc-ddp train, default flags ({variant})"
             out.append(_ours_row(label, run, base))
     for key, r in runs.items():
         if key == "ref_single_1gpu":

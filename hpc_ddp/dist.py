@@ -83,14 +83,13 @@ def init_distributed(
     A single process (world size 1) still gets a process group, so the trainer has one code path.
     """
     env = env or detect_env()
-    cuda = torch.cuda.is_available() and bool(env.gpus)
+    device = process_device(env)
+    cuda = device.type == "cuda"
     choice = choose_backend(cuda_available=cuda, requested=backend, env=env)
     for key, value in {**_NCCL_DEFAULTS, **choice.env}.items():
         os.environ.setdefault(key, value)  # a user's explicit setting always wins
 
-    device = torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", env.gpus[0])
         torch.cuda.set_device(device)  # before init: NCCL binds its communicator to this device
 
     store = _rendezvous(env, connect_timeout_s)
@@ -107,6 +106,14 @@ def init_distributed(
         **kwargs,
     )
     return DistContext(env=env, backend=choice.backend, device=device, reason=choice.reason)
+
+
+def process_device(env: DistEnv) -> torch.device:
+    """The device ``init_distributed`` gives this process: its first GPU when CUDA works and
+    the launcher assigned it GPUs, else the CPU. Creates no CUDA context."""
+    if torch.cuda.is_available() and env.gpus:
+        return torch.device("cuda", env.gpus[0])
+    return torch.device("cpu")
 
 
 def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:

@@ -32,7 +32,9 @@ MISSING = dataclasses.MISSING
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta: Any) -> Any:
     """A dataclass field with its help text. ``meta``: ``flag`` (its CLI name), ``split`` (a
-    separator that lets a list field be one string), ``cli=False`` (no flag)."""
+    separator that lets a list field be one string), ``choices`` (the flag's valid values),
+    ``bool_alias`` ((on, off): a former switch that still takes true/false and --no-FLAG),
+    ``cli=False`` (no flag)."""
     metadata = {"help": help, **meta}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -71,8 +73,19 @@ def type_name(kind: Any) -> str:
     return f"{name} or none" if optional else name
 
 
-def coerce(kind: Any, value: Any, *, split: str | None = None) -> Any:
-    """``value`` checked against ``kind``; raises TypeError saying what was expected."""
+def coerce(
+    kind: Any,
+    value: Any,
+    *,
+    split: str | None = None,
+    bool_alias: tuple[str, str] | None = None,
+) -> Any:
+    """``value`` checked against ``kind``; raises TypeError saying what was expected.
+
+    ``bool_alias`` (on, off) lets a str field that used to be a switch take true/false.
+    """
+    if bool_alias and isinstance(value, bool):
+        return bool_alias[0] if value else bool_alias[1]
     kind, optional = _optional(kind)
     if value is None and optional:
         return None
@@ -133,7 +146,12 @@ def from_mapping(
             problems.append(f"unknown key {raw_key!r}{maybe}")
             continue
         try:
-            values[key] = coerce(kinds[key], value, split=meta[key].get("split"))
+            values[key] = coerce(
+                kinds[key],
+                value,
+                split=meta[key].get("split"),
+                bool_alias=meta[key].get("bool_alias"),
+            )
         except TypeError as err:
             problems.append(f"{key}: {err}")
     if problems:
@@ -204,7 +222,17 @@ def add_arguments(
             help_text = help_text.replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         origin = typing.get_origin(kind)
-        if kind is bool:
+        if f.metadata.get("bool_alias"):  # --flag [CHOICE] (bare: on) and --no-flag (off)
+            on, off = f.metadata["bool_alias"]
+            choices = f.metadata.get("choices")
+            parser.add_argument(flag_of(f), nargs="?", const=on, choices=choices, **kw)
+            no_help = f"same as {flag_of(f)} {off}"
+            no_flag = "--no-" + flag_of(f)[2:]
+            parser.add_argument(
+                no_flag, dest=f.name, action="store_const", const=off, default=kw["default"],
+                help=no_help,
+            )  # fmt: skip
+        elif kind is bool:
             parser.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
         elif origin is list and f.metadata.get("split"):
             sep = f.metadata["split"]
@@ -215,6 +243,8 @@ def add_arguments(
             parser.add_argument(flag_of(f), action="append", metavar="VALUE", **kw)
         elif origin is dict:
             parser.add_argument(flag_of(f), action="append", metavar="KEY=VALUE", **kw)
+        elif f.metadata.get("choices"):
+            parser.add_argument(flag_of(f), choices=f.metadata["choices"], **kw)
         else:
             metavar = {int: "N", float: "X"}.get(kind, "VALUE")
             parser.add_argument(flag_of(f), type=kind, metavar=metavar, **kw)

@@ -7,8 +7,10 @@ tests run two real Gloo ranks under torchrun and compare against the synchronous
 from __future__ import annotations
 
 import errno
+import json
 import resource
 import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -239,13 +241,43 @@ def test_a_failing_background_write_fails_the_run_and_keeps_latest(
     assert not (run_dir / "result.json").exists()
 
 
-def test_the_flag_defaults_to_off_and_parses() -> None:
+def test_the_flag_defaults_to_on_and_parses() -> None:
     import argparse
 
     from hpc_ddp.train import config
 
-    assert config.TrainConfig().async_checkpoint is False
+    assert config.TrainConfig().async_checkpoint is True
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)
-    assert config.from_args(parser.parse_args(["--async-checkpoint"])).async_checkpoint is True
-    assert config.from_args(parser.parse_args([])).async_checkpoint is False
+    assert config.from_args(parser.parse_args(["--no-async-checkpoint"])).async_checkpoint is False
+    assert config.from_args(parser.parse_args([])).async_checkpoint is True
+
+
+# ------------------------------------------------ the default run reports only committed saves
+SLOW_COMMIT = str(Path(__file__).parent / "workers" / "slow_commit_train.py")
+
+
+def _reports(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "reports.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_success_and_preemption_are_reported_only_after_the_background_commit(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """Default settings (background saves), 2 forked Gloo ranks, each commit slowed by 1 s
+    (workers/slow_commit_train.py). At the moment the run writes result.json, and at the moment
+    a preempted run requeues (before exit 75), ``latest`` already names the checkpoint of the
+    last step: the report waited for the write."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, SLOW_COMMIT, "--nproc-per-node", "2", *train_args(run_dir, data_dir)]
+    rc, log = interrupt_at([*args, "--debug-hold-at-step", "5"], run_dir, tmp_path / "1.log")
+    assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 5" in log, log
+    assert _reports(run_dir) == [{"event": "requeue", "latest": "step-00000005"}]
+
+    done = run(args)
+    assert done.returncode == 0, done.stderr
+    assert "background save" not in done.stdout + done.stderr  # no save failed
+    reports = _reports(run_dir)[1:]
+    assert reports == [{"event": "result", "latest": "step-00000016"}], reports
+    assert read_result(run_dir)["steps"] == 16

@@ -121,6 +121,49 @@ def test_supported_settings_pass(optimizer: str) -> None:
     cuda_graphs.check_supported(TrainConfig(optimizer=optimizer), torch.bfloat16, 1)
 
 
+GPU = torch.device("cuda", 0)  # a device object only: nothing here touches CUDA
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_auto_captures_every_run_that_qualifies(optimizer: str) -> None:
+    for amp in (torch.bfloat16, None):
+        choice = cuda_graphs.choose(TrainConfig(optimizer=optimizer), GPU, amp, 1)
+        assert choice.captured and choice.line.startswith("CUDA graphs: on (auto"), choice
+    assert cuda_graphs.choose(TrainConfig(cuda_graphs="on"), GPU, None, 1).captured
+
+
+@pytest.mark.parametrize(
+    ("kw", "device", "amp", "devices", "why"),
+    [
+        ({}, CPU, None, 1, "device cpu is not a CUDA GPU"),
+        ({}, GPU, torch.float16, 1, "amp=fp16: its loss scaler checks for inf on the host"),
+        ({"accum_steps": 2}, GPU, None, 1, "accum_steps=2: the captured step takes one"),
+        ({"sync_bn": True}, GPU, None, 1, "sync_bn: SyncBatchNorm is not captured"),
+        ({}, GPU, None, 2, "gpus_per_process=2: the captured step drives one GPU"),
+        ({"time_allreduce": True}, GPU, None, 1, "time_allreduce: it times eager DDP's"),
+        ({"cuda_graphs": "off"}, GPU, None, 1, "--no-cuda-graphs"),
+    ],
+)
+def test_auto_says_why_a_run_takes_the_eager_step(kw, device, amp, devices, why) -> None:
+    choice = cuda_graphs.choose(TrainConfig(**kw), device, amp, devices)
+    assert not choice.captured
+    assert choice.line.startswith("CUDA graphs: off (") and why in choice.line, choice.line
+
+
+@pytest.mark.parametrize(
+    ("kw", "device", "amp", "devices", "word"),
+    [
+        ({}, CPU, None, 1, "needs a CUDA GPU, and this process runs on cpu"),
+        ({"accum_steps": 3}, GPU, None, 1, "accum_steps=3"),
+        ({}, GPU, torch.float16, 1, "amp=fp16"),
+    ],
+)
+def test_forced_on_refuses_what_it_cannot_capture(kw, device, amp, devices, word) -> None:
+    with pytest.raises(ConfigError, match=word) as err:
+        cuda_graphs.choose(TrainConfig(cuda_graphs="on", **kw), device, amp, devices)
+    assert err.value.exit_code == 2 and err.value.hint
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
 def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     model = build_model("lenet", 10)

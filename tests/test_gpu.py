@@ -100,16 +100,16 @@ def test_nccl_allreduce_through_init_distributed(tmp_path) -> None:
 
 @need(2)
 def test_two_gpu_ddp_through_cli(data_dir, tmp_path) -> None:
-    """``hpc-ddp train`` (``python -m hpc_ddp.cli train``) under torchrun on 2 GPUs."""
+    """``hpc-ddp train`` (``python -m hpc_ddp.cli train``) under torchrun on 2 GPUs, eager DDP."""
     rd = tmp_path / "run"
-    out = run(
-        [*torchrun(2), "-m", "hpc_ddp.cli", "train", *flags(data_dir, rd, *lenet("--epochs", "2"))]
-    ).stdout
+    extra = lenet("--epochs", "2", "--no-cuda-graphs")
+    out = run([*torchrun(2), "-m", "hpc_ddp.cli", "train", *flags(data_dir, rd, *extra)]).stdout
     res = result(rd)
     assert res["status"] == "finished" and res["world_size"] == 2
     assert res["test_samples"] == TEST  # exact evaluation: every test sample once
     assert res["test_accuracy"] > 0.3, res  # 100 classes: chance is 0.01
     assert "backend nccl" in out and "GPU-resident" in out
+    assert "CUDA graphs: off (--no-cuda-graphs)" in out and not res["extra"]["cuda_graphs"]
 
 
 @need(1)
@@ -123,10 +123,12 @@ def test_amp_bf16_resnet18(data_dir, tmp_path) -> None:
 @need(2)
 def test_syncbn_two_gpus(data_dir, tmp_path) -> None:
     rd = tmp_path / "run"
-    run(train_cmd(2, data_dir, rd, *RESNET_BF16, "--sync-bn", "--epochs", "1"))
+    out = run(train_cmd(2, data_dir, rd, *RESNET_BF16, "--sync-bn", "--epochs", "1")).stdout
     res = result(rd)
     assert res["status"] == "finished" and res["world_size"] == 2, res
     assert res["test_accuracy"] > 0.02, res
+    # The default (auto) takes eager DDP here, saying why, once.
+    assert out.count("CUDA graphs: off (sync_bn: SyncBatchNorm is not captured") == 1, out
 
 
 def _preempt_when_holding(run_dir: Path, proc: subprocess.Popen, deadline_s: float = 120) -> None:
@@ -153,17 +155,24 @@ def deterministic_probe(launcher: str, n: int) -> list[str]:
     return [*torchrun(n), probe, "--probe-deterministic"]
 
 
+SYNC = "--no-async-checkpoint"
+
+
 @need(2)
 @pytest.mark.parametrize(
-    ("graphs", "launcher"),
-    [(False, "torchrun"), (True, "torchrun"), (True, "spawn"), ("async", "spawn")],
-    ids=["eager", "cuda_graphs", "cuda_graphs_forked", "cuda_graphs_forked_async_checkpoint"],
+    ("step", "launcher"),
+    [
+        (["--no-cuda-graphs", SYNC], "torchrun"),
+        (["--cuda-graphs", SYNC], "torchrun"),
+        (["--cuda-graphs", SYNC], "spawn"),
+        ([], "spawn"),
+    ],
+    ids=["eager", "cuda_graphs", "cuda_graphs_forked", "defaults_forked"],
 )
-def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, graphs, launcher) -> None:
-    """Preempted mid-epoch and resumed == uninterrupted, bit for bit (deterministic kernels)."""
-    extra = lenet("--epochs", "2", *(["--cuda-graphs"] if graphs else []))
-    if graphs == "async":
-        extra.append("--async-checkpoint")
+def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, step, launcher) -> None:
+    """Preempted mid-epoch and resumed == uninterrupted, bit for bit (deterministic kernels).
+    "defaults": what the user types, the captured step (auto) with background checkpoints."""
+    extra = lenet("--epochs", "2", *step)
     probe = deterministic_probe(launcher, 2)
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run(
@@ -213,14 +222,41 @@ def test_forked_workers_equal_torchrun_workers(data_dir, tmp_path) -> None:
 
 @need(2)
 def test_cli_nproc_per_node_on_two_gpus(data_dir, tmp_path) -> None:
-    """What users type: ``python -m hpc_ddp.train --nproc-per-node 2`` on a 2-GPU machine."""
+    """What users type: ``python -m hpc_ddp.train --nproc-per-node 2`` on a 2-GPU machine, no
+    step flags: the step is captured (auto). The same command again answers from the run dir."""
     rd = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpc_ddp.train", "--nproc-per-node", "2"]
-    out = run([*cmd, *flags(data_dir, rd, *lenet("--epochs", "2", "--cuda-graphs"))]).stdout
+    cmd += flags(data_dir, rd, *lenet("--epochs", "2"))
+    out = run(cmd).stdout
     res = result(rd)
     assert res["status"] == "finished" and res["world_size"] == 2 and res["test_samples"] == TEST
     assert res["test_accuracy"] > 0.3, res
     assert "2 process(es)" in out and "backend nccl" in out, out
+    assert out.count("CUDA graphs: on (auto") == 1 and res["extra"]["cuda_graphs"], out
+    again = run(cmd, timeout=30).stdout
+    assert again.startswith(f"run dir {rd} already finished"), again
+    assert f"params_sha256: {res['params_sha256']}" in again
+
+
+@need(2)
+def test_default_step_is_the_explicit_cuda_graphs_step(data_dir, tmp_path) -> None:
+    """No step flag on GPUs = ``--cuda-graphs``: the same weights bit for bit (deterministic
+    kernels, forked workers), and both report the captured step."""
+    for name, step in (("default", []), ("forced", ["--cuda-graphs"])):
+        out = run(
+            [
+                *deterministic_probe("spawn", 2),
+                "--probe-json",
+                str(tmp_path / f"{name}.json"),
+                "--",
+                *flags(data_dir, tmp_path / name, *lenet("--epochs", "2", *step)),
+            ]
+        ).stdout
+        assert out.count("CUDA graphs: on (") == 1, out
+    default, forced = result(tmp_path / "default"), result(tmp_path / "forced")
+    assert default["extra"]["cuda_graphs"] and forced["extra"]["cuda_graphs"]
+    assert default["steps"] == forced["steps"] and default["status"] == "finished"
+    assert default["params_sha256"] == forced["params_sha256"]
 
 
 @need(2)
@@ -229,7 +265,7 @@ def test_resnet_sgd_cuda_graphs_learn_like_eager_ddp(data_dir, tmp_path) -> None
     a device LR, BatchNorm inside the graph; it learns as the eager DDP step does."""
     recipe = (*RESNET_BF16, "--optimizer", "sgd", "--lr", "0.05", "--no-augment", "--epochs", "2")
     eager, graphs = tmp_path / "eager", tmp_path / "graphs"
-    run(train_cmd(2, data_dir, eager, *recipe))
+    run(train_cmd(2, data_dir, eager, *recipe, "--no-cuda-graphs"))
     out = run(train_cmd(2, data_dir, graphs, *recipe, "--cuda-graphs")).stdout
     a, b = result(eager), result(graphs)
     assert b["status"] == "finished" and b["steps"] == a["steps"], b
@@ -242,9 +278,10 @@ def test_resnet_sgd_cuda_graphs_learn_like_eager_ddp(data_dir, tmp_path) -> None
 def test_cuda_graphs_match_eager_ddp(data_dir, tmp_path) -> None:
     """Same run with and without --cuda-graphs on 2 GPUs: same learning, different speed."""
     eager, graphs = tmp_path / "eager", tmp_path / "graphs"
-    run(train_cmd(2, data_dir, eager, *lenet("--epochs", "2")))
+    run(train_cmd(2, data_dir, eager, *lenet("--epochs", "2", "--no-cuda-graphs")))
     run(train_cmd(2, data_dir, graphs, *lenet("--epochs", "2", "--cuda-graphs")))
     a, b = result(eager), result(graphs)
+    assert not a["extra"]["cuda_graphs"] and b["extra"]["cuda_graphs"]
     assert b["steps"] == a["steps"]
     assert abs(a["test_accuracy"] - b["test_accuracy"]) < 0.02, (a, b)
     assert abs(a["train_loss"] - b["train_loss"]) < 0.02 * abs(a["train_loss"]) + 1e-3, (a, b)

@@ -70,8 +70,14 @@ def test_a_run_dir_is_marked_and_an_older_one_recognised(tmp_path: Path, data_di
     assert read_json(run_dir / MARKER)["format"] == FORMAT
     (run_dir / "notes.txt").write_text("the user's own note in the run dir\n")
     (run_dir / MARKER).unlink()  # as an hpc-ddp older than the marker left it
+    # The finished run's answer only reads (before torch): it writes no marker.
     again = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
     assert again.returncode == 0 and "already finished" in again.stdout, again.stderr
+    assert not (run_dir / MARKER).exists()
+    # A run that opens the dir (here: resumes from its checkpoints) recognises and marks it.
+    (run_dir / "result.json").unlink()
+    resumed = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    assert resumed.returncode == 0, resumed.stderr
     assert read_json(run_dir / MARKER)["format"] == FORMAT
     assert (run_dir / "notes.txt").read_text() == "the user's own note in the run dir\n"
 

@@ -100,7 +100,8 @@ def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
     cfg.write_text(json.dumps({"epochs": 1, "momentun": 0.8}))
     done = run(single_cmd(["--config", str(cfg), "--run-dir", str(tmp_path / "r")]))
     assert done.returncode == 2
-    assert "unknown setting(s): momentun" in done.stderr and "valid settings:" in done.stderr
+    assert "unknown key 'momentun' (did you mean 'momentum'?)" in done.stderr
+    assert "valid keys:" in done.stderr
     # A real dataset's missing data dir is a typo to report (a synthetic one is created).
     done = run(single_cmd(train_args(tmp_path / "r", tmp_path / "no-such-dir", synthetic=False)))
     assert done.returncode == 2 and "data dir" in done.stderr and "does not exist" in done.stderr

@@ -76,11 +76,49 @@ def test_config_file_then_flags_win(tmp_path: Path) -> None:
     assert cfg.requeue_signals == ["SIGUSR2", "SIGTERM"]
 
 
+def test_cuda_graphs_setting_flags_and_files(tmp_path: Path) -> None:
+    """auto by default; --cuda-graphs forces it on, --no-cuda-graphs off; config files (and
+    code) written when it was a switch keep their meaning: true is on, false is off."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cfgmod.add_arguments(parser)
+
+    def mode(*argv: str) -> str:
+        return cfgmod.from_args(parser.parse_args(list(argv))).cuda_graphs
+
+    assert TrainConfig().cuda_graphs == mode() == "auto"
+    assert mode("--cuda-graphs") == mode("--cuda-graphs", "on") == "on"
+    assert mode("--no-cuda-graphs") == mode("--cuda-graphs", "off") == "off"
+    assert mode("--cuda-graphs", "--no-cuda-graphs") == "off"  # the last flag wins
+    assert mode("--cuda-graphs", "auto") == "auto"
+    (tmp_path / "old.toml").write_text("cuda_graphs = true\n")
+    (tmp_path / "off.json").write_text('{"cuda-graphs": false}')
+    assert mode("--config", str(tmp_path / "old.toml")) == "on"
+    assert mode("--config", str(tmp_path / "off.json")) == "off"
+    assert mode("--config", str(tmp_path / "off.json"), "--cuda-graphs", "auto") == "auto"
+    assert TrainConfig(cuda_graphs=True).cuda_graphs == "on"  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):  # argparse: exit 2 naming the choices
+        parser.parse_args(["--cuda-graphs", "always"])
+
+
+def test_identity_changes_name_what_differs() -> None:
+    recorded = TrainConfig(epochs=3).to_dict()
+    del recorded["synthetic_variant"]  # a config.json from before that setting existed
+    assert TrainConfig(epochs=3, log_every=7, cuda_graphs="off").identity_changes(recorded) == {}
+    assert TrainConfig(epochs=4, lr=0.5).identity_changes(recorded) == {
+        "epochs": (3, 4),
+        "lr": (1e-3, 0.5),
+    }
+
+
 @pytest.mark.parametrize(
     "values,needle",
     [
         ({"learning_rate": 0.1}, "valid keys: run_dir"),
         ({"bach_size": 8}, "did you mean 'batch_size'"),
+        ({"cuda_graphs": "always"}, "use one of: auto, on, off"),
+        ({"cuda_graphs": 1}, "cuda_graphs: expected a string"),
         ({"model": "vgg"}, "use one of: lenet, resnet18"),
         ({"epochs": "3"}, "epochs: expected an integer"),
         ({"epochs": 3.0}, "epochs: expected an integer"),

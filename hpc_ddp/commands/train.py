@@ -4,9 +4,10 @@ Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clu
 ``--nproc-per-node N`` starts a single machine's N processes itself (hpc_ddp.spawn: forked after
 the imports, so workers start in a fraction of torchrun's time).
 Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpointed after a
-preemption/time-limit signal and requeued (EX_TEMPFAIL). The process always leaves through
-``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can abort in a C++
-destructor after all work is done.
+preemption/time-limit signal and requeued (EX_TEMPFAIL). A run dir that already holds this run's
+result is answered before torch is imported (hpc_ddp/train/finished.py). Otherwise the process
+leaves through ``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can
+abort after the work is done (docs/troubleshooting.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import NoReturn
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.extras import require
 from hpc_ddp.train import config
+from hpc_ddp.train.finished import finished_answer, finished_result, launched_alone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> NoReturn:
     cfg = config.from_args(args)  # bad settings fail here (exit 2), before torch is imported
+    if args.nproc_per_node >= 1 and launched_alone(cfg):
+        result = finished_result(cfg)
+        if result is not None:
+            print("\n".join(finished_answer(cfg.run_dir, result)), flush=True)
+            sys.exit(0)
     require("train", "training")
 
     from hpc_ddp.dist import run_main

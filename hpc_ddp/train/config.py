@@ -22,6 +22,7 @@ SCHEDULES = ("cosine", "constant")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
+CUDA_GRAPHS_MODES = ("auto", "on", "off")
 SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.cifar.synthetic.VARIANTS (no numpy import here)
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
@@ -104,11 +105,17 @@ class TrainConfig:
         default="auto",
         metadata=_opt("auto (GPU-resident when it fits, else torchvision), gpu or torchvision"),
     )
-    cuda_graphs: bool = field(
-        default=False,
+    # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
+    # eager DDP with one log line saying why. True/False (files and code written when this was
+    # a switch) mean on/off.
+    cuda_graphs: str = field(
+        default="auto",
         metadata=_opt(
-            "capture each step (with its all-reduce) as a CUDA graph: adam or sgd, accum 1, "
-            "no fp16 or SyncBN"
+            "capture each step (with its all-reduce) as a CUDA graph: auto (whenever the run "
+            "qualifies: a CUDA GPU per process, adam or sgd, accum 1, no fp16 or SyncBN), "
+            "--cuda-graphs forces it (an error where it cannot), --no-cuda-graphs runs eager DDP",
+            choices=CUDA_GRAPHS_MODES,
+            bool_alias=("on", "off"),
         ),
     )
     time_allreduce: bool = field(
@@ -122,9 +129,14 @@ class TrainConfig:
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
     )
     keep_checkpoints: int = field(default=2, metadata=_opt("checkpoints to keep (>= 2)"))
+    # On by default: the same files as a synchronous save (tests/test_checkpoint_async.py), and
+    # every wait point (next save, preemption, end of training) waits for the write to commit.
     async_checkpoint: bool = field(
-        default=False,
-        metadata=_opt("copy the state to CPU memory at a save, write it in a background thread"),
+        default=True,
+        metadata=_opt(
+            "copy the state at a save and write it in a background thread "
+            "(--no-async-checkpoint: write before training goes on)"
+        ),
     )
     log_every: int = field(default=20, metadata=_opt("progress line every N steps (rank 0)"))
     requeue: str = field(
@@ -166,7 +178,10 @@ class TrainConfig:
             "requeue": REQUEUE_MODES,
             "data_path": DATA_PATHS,
             "synthetic_variant": SYNTHETIC_VARIANTS,
+            "cuda_graphs": CUDA_GRAPHS_MODES,
         }
+        if isinstance(self.cuda_graphs, bool):
+            self.cuda_graphs = "on" if self.cuda_graphs else "off"
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
@@ -196,6 +211,14 @@ class TrainConfig:
 
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
+
+    def identity_changes(self, recorded: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{key: (recorded, ours)} for each identity setting that differs from a recorded
+        config (a run dir's config.json). A key missing from an older file had the default
+        the setting got later."""
+        defaults = TrainConfig().identity()
+        was = {k: recorded.get(k, defaults[k]) for k in IDENTITY_KEYS}
+        return {k: (was[k], getattr(self, k)) for k in IDENTITY_KEYS if was[k] != getattr(self, k)}
 
 
 def parse_signal(name: str | int) -> signal.Signals:

@@ -16,9 +16,11 @@ Same semantics as the eager DDP step, which is what makes it safe as an option:
 - the learning rate becomes a 1-element device tensor (Adam's ``capturable`` mode and SGD's
   fused kernel read it on the GPU), so LR schedulers keep working: they ``fill_`` it in place;
 - autocast (bf16) runs inside the graph with its cast cache off, as PyTorch requires for graphs.
-Limits, refused up front: Adam/AdamW or SGD (SGD through its fused kernel: the multi-tensor one
-reads a tensor LR on the host), no fp16 loss scaling (its inf check syncs with the host), no
-gradient accumulation, no SyncBN.
+Limits: Adam/AdamW or SGD (SGD through its fused kernel: the multi-tensor one reads a tensor LR
+on the host), no fp16 loss scaling (its inf check syncs with the host), no gradient
+accumulation, no SyncBN, one CUDA GPU per process. ``choose`` applies them: by default
+(``cuda_graphs="auto"``) a run that meets them is captured and any other runs eager DDP, saying
+why in one log line; ``--cuda-graphs`` (``on``) refuses such a run up front instead.
 """
 
 from __future__ import annotations
@@ -38,22 +40,70 @@ from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Stepper, Times
 
 
-def check_supported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> None:
-    """Refuse settings the captured step cannot keep exact (see the module docstring)."""
+def unsupported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> list[str]:
+    """The settings the captured step cannot keep exact (see the module docstring), each with
+    the reason; empty when it can capture this run."""
     problems = []
     if amp_dtype == torch.float16:
-        problems.append("amp=fp16 (use bf16 or off)")
+        problems.append("amp=fp16: its loss scaler checks for inf on the host (use bf16 or off)")
     if cfg.accum_steps != 1:
-        problems.append(f"accum_steps={cfg.accum_steps} (use 1)")
+        problems.append(
+            f"accum_steps={cfg.accum_steps}: the captured step takes one micro-batch (use 1)"
+        )
     if cfg.sync_bn:
-        problems.append("sync_bn (turn it off)")
+        problems.append("sync_bn: SyncBatchNorm is not captured (turn it off)")
     if devices != 1:
-        problems.append(f"gpus_per_process={devices} (use 1)")
+        problems.append(f"gpus_per_process={devices}: the captured step drives one GPU (use 1)")
+    return problems
+
+
+def check_supported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> None:
+    """Refuse settings the captured step cannot keep exact (``--cuda-graphs`` forced on)."""
+    problems = unsupported(cfg, amp_dtype, devices)
     if problems:
         raise ConfigError(
             "--cuda-graphs cannot capture this configuration: " + "; ".join(problems),
-            hint="change those settings or drop --cuda-graphs (the eager DDP step handles them)",
+            hint="change those settings, or drop --cuda-graphs: by default the run takes the "
+            "eager DDP step when it cannot be captured",
         )
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """Whether the step is captured, and why: the trainer logs ``line`` once (rank 0)."""
+
+    captured: bool
+    reason: str
+
+    @property
+    def line(self) -> str:
+        return f"CUDA graphs: {'on' if self.captured else 'off'} ({self.reason})"
+
+
+def choose(
+    cfg: TrainConfig, device: torch.device, amp_dtype: torch.dtype | None, devices: int
+) -> StepChoice:
+    """The step this run takes. ``auto`` captures whenever the run qualifies, since the captured
+    step computes what eager DDP computes (up to rounding: tests/test_gpu.py) with one launch
+    per step; ``on`` raises ConfigError where it cannot; ``off`` is eager DDP."""
+    if cfg.cuda_graphs == "off":
+        return StepChoice(False, "--no-cuda-graphs")
+    if device.type != "cuda":
+        if cfg.cuda_graphs == "on":
+            raise ConfigError(
+                f"--cuda-graphs needs a CUDA GPU, and this process runs on {device}",
+                hint="drop --cuda-graphs (CPU runs take the eager DDP step), or run on GPUs",
+            )
+        return StepChoice(False, f"device {device} is not a CUDA GPU")
+    if cfg.cuda_graphs == "on":
+        check_supported(cfg, amp_dtype, devices)
+        return StepChoice(True, "--cuda-graphs")
+    problems = unsupported(cfg, amp_dtype, devices)
+    if cfg.time_allreduce:  # what it times is eager DDP's all-reduce, through a comm hook
+        problems.append("time_allreduce: it times eager DDP's all-reduce")
+    if problems:
+        return StepChoice(False, "; ".join(problems))
+    return StepChoice(True, "auto: this run qualifies; --no-cuda-graphs for eager DDP")
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,19 @@ METRICS = "metrics.jsonl"
 PLOT = "plot.png"
 PROGRESS = "progress.json"
 CONFIG = "config.json"
+
+# What a finished run shows of its result.json: the trainer at its end, a re-run of a finished
+# run's command (hpc_ddp.train.finished) and ``hpc-ddp submit`` print these lines.
+RESULT_KEYS = (
+    "status",
+    "epochs",
+    "steps",
+    "world_size",
+    "test_accuracy",
+    "train_loss",
+    "params_sha256",
+    "wall_seconds",
+)
 
 
 @dataclass
@@ -39,6 +53,15 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def result_lines(result: Mapping[str, Any]) -> list[str]:
+    return [f"  {k}: {result[k]}" for k in RESULT_KEYS if k in result]
+
+
+def summary_lines(result: Mapping[str, Any], run_dir: str | Path) -> list[str]:
+    """``result (<run-dir>/result.json):`` and the RESULT_KEYS lines under it."""
+    return [f"result ({Path(run_dir) / RESULT}):", *result_lines(result)]
 
 
 def write_json(path: Path, data: Any) -> None:

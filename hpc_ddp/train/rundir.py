@@ -17,11 +17,9 @@ from pathlib import Path
 
 from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.config import IDENTITY_KEYS, TrainConfig
+from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
 from hpc_ddp.train.run_marker import claim_run_dir
-
-_DEFAULTS = TrainConfig().to_dict()
 
 
 @dataclass
@@ -44,13 +42,11 @@ def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
                 f"{saved_path} is unreadable ({err})",
                 hint="restore it, or give this run a new --run-dir",
             ) from None
-        # A key missing from an older config.json had the default the setting got later.
-        recorded = {k: saved.get(k, _DEFAULTS[k]) for k in IDENTITY_KEYS}
-        changed = [k for k in IDENTITY_KEYS if recorded[k] != getattr(cfg, k)]
+        changed = cfg.identity_changes(saved)
         # Until a checkpoint or a result exists, nothing of the old settings is at stake.
         started = (run_dir / RESULT).exists() or any((run_dir / "checkpoints").glob("step-*"))
         if changed and started:
-            diffs = ", ".join(f"{k}: {recorded[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
+            diffs = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
             raise ConfigError(
                 f"run dir {run_dir} holds a run with different settings ({diffs})",
                 hint="use a new --run-dir for a new experiment, or the original settings to "

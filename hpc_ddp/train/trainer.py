@@ -7,9 +7,7 @@ that fails alone is reported by name instead of leaving the others in a collecti
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 import threading
 import time
 from dataclasses import asdict
@@ -21,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.checkpoint import Checkpointer, RunDirLock
 from hpc_ddp.cifar import data, gpu_data, models
+from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.runtime import rng
@@ -31,8 +30,10 @@ from hpc_ddp.runtime.sampler import ShardPlan
 from hpc_ddp.train import cuda_graphs, results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fingerprint import params_sha256
+from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Stepper, Times, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
+from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
@@ -103,7 +104,10 @@ class Trainer:
         devices = ctx.devices  # several when one process drives several GPUs
         self.net = models.place_model(net, devices)
         self.in_device, self.out_device = models.input_device(net), models.output_device(net)
-        if self.comm.active and not cfg.cuda_graphs:  # the graphed step all-reduces itself
+        choice = cuda_graphs.choose(cfg, ctx.device, self.amp, len(devices))
+        self.log(choice.line)
+        self.captured = choice.captured
+        if self.comm.active and not self.captured:  # the graphed step all-reduces itself
             ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
             options = ddp_options(self.net, one_device=len(devices) == 1)
             self.model: torch.nn.Module = DDP(self.net, device_ids=ids, **options)
@@ -113,8 +117,7 @@ class Trainer:
         total = self.plan.steps_per_epoch() * cfg.epochs
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
         scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.amp == torch.float16)
-        if cfg.cuda_graphs:
-            cuda_graphs.check_supported(cfg, self.amp, len(devices))
+        if self.captured:
             self.stepper = cuda_graphs.GraphedStepper(
                 self.net, opt, sched, scaler, self.amp, self.out_device
             )
@@ -368,6 +371,7 @@ class Trainer:
                 self.plotting.start()
             self.write_progress(progress, "finished")
             self.log(f"finished: {self.run_dir / results.RESULT}")
+            self.log("\n".join(results.summary_lines(result.to_dict(), self.run_dir)))
         return result
 
     def result(self, progress: Progress, status: str, code: int) -> results.Result:
@@ -387,7 +391,10 @@ class Trainer:
             params_sha256=params_sha256(self.net.state_dict()),
             run_dir=str(self.run_dir),
             interruptions=progress.interruptions,
-            extra={"allreduce_calls": self.stepper.comm_timer.bucket_calls},
+            extra={
+                "allreduce_calls": self.stepper.comm_timer.bucket_calls,
+                "cuda_graphs": self.captured,
+            },
         )
 
 
@@ -423,19 +430,6 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
-def prefetch_imports(config: TrainConfig) -> None:
-    """Import torch._dynamo on a thread when the run will need it: DDP's constructor and
-    torchvision's ops import it (1 s on a laptop-class CPU, 4.5 s on the H200 machines). The
-    thread does it while the process group and the data come up; the overlap is partial, since
-    both need the GIL: 0.9-1.6 s saved on the H200 machines (benchmarks/NOTES.md). A captured
-    step (--cuda-graphs) has no DDP wrapper and its optimizer skips the import (optim.py), so
-    on the GPU-resident data path such a run never pays for it."""
-    if not config.cuda_graphs and "torch._dynamo" not in sys.modules:
-        threading.Thread(
-            target=importlib.import_module, args=("torch._dynamo",), name="prefetch", daemon=True
-        ).start()
-
-
 def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
     """Train in this process (one rank of the job); returns the Result on every rank.
 
@@ -447,22 +441,24 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     from hpc_ddp.dist import init_distributed
 
     own_group = ctx is None and not dist.is_initialized()
-    prefetch_imports(config)
+    env = ctx.env if ctx else detect_env(gpus_per_process=config.gpus_per_process or None)
+    prefetch = DynamoPrefetch.start() if needs_dynamo(config, env) else None
     if ctx is None:
-        from hpc_ddp.cluster import detect_env
-
         ctx = init_distributed(
-            detect_env(gpus_per_process=config.gpus_per_process or None),
+            env,
             backend=config.backend,
             timeout_s=config.timeout_s,
             connect_timeout_s=config.connect_timeout_s,
         )
+    if prefetch is not None:
+        prefetch.process_group_ready()
     flag = PreemptionFlag.install(config.requeue_signals)
     trainer = Trainer(config, ctx)
     try:
         if not trainer.setup():
-            trainer.log(f"run dir {config.run_dir} already finished (result.json); nothing to do")
-            return _finished_result(config)
+            result = _finished_result(config)
+            trainer.log("\n".join(finished_answer(config.run_dir, result.to_dict())))
+            return result
         result = trainer.run(flag)
     except BaseException:
         trainer.abandon_checkpoint()

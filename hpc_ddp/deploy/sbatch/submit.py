@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm_client import TERMINAL, SlurmClient
+from hpc_ddp.train.results import summary_lines
 
 _OUTPUT = re.compile(r"^#SBATCH\s+(?:--output|-o)[= ]\s*(\S+)", re.M)
 _JOBNAME = re.compile(r"^#SBATCH\s+(?:--job-name|-J)[= ]\s*(\S+)", re.M)
@@ -163,23 +164,6 @@ def wait_job(
     )
 
 
-# What `hpc-ddp submit` shows of the trainer's result.json (sbatch and submitit alike).
-RESULT_KEYS = (
-    "status",
-    "epochs",
-    "steps",
-    "world_size",
-    "test_accuracy",
-    "train_loss",
-    "params_sha256",
-    "wall_seconds",
-)
-
-
-def result_lines(result: Mapping[str, Any]) -> list[str]:
-    return [f"  {k}: {result[k]}" for k in RESULT_KEYS if k in result]
-
-
 def result_summary(run_dir: Path | None) -> str:
     """A few lines from the trainer's result.json, or why there are none."""
     if run_dir is None:
@@ -187,7 +171,7 @@ def result_summary(run_dir: Path | None) -> str:
     path = run_dir / "result.json"
     if not path.exists():
         return f"{path} was not written"
-    return "\n".join([f"result ({path}):", *result_lines(json.loads(path.read_text()))])
+    return "\n".join(summary_lines(json.loads(path.read_text()), run_dir))
 
 
 def print_finished(done: Finished, sink: TextIO = sys.stdout) -> None:

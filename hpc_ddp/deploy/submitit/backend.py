@@ -33,12 +33,13 @@ from typing import Any, TextIO
 import submitit
 
 from hpc_ddp.deploy.sbatch.render import job_env
-from hpc_ddp.deploy.sbatch.submit import LogFollower, result_lines
+from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec, build_spec, time_limit_seconds
 from hpc_ddp.deploy.submission_env import scrubbed_environ
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.slurm_client import TERMINAL, SlurmClient
+from hpc_ddp.train.results import result_lines
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
 CHILD_CHECKPOINT_TIMEOUT_S = 120.0

@@ -1,0 +1,57 @@
+"""The answer to a finished run's command, run again: its result, without torch or workers.
+
+``hpc-ddp train`` (alone or with ``--nproc-per-node``) asks :func:`finished_result` before it
+imports torch. A run dir whose ``result.json`` belongs to a run with this command's identity
+settings (``config.IDENTITY_KEYS``, the rule ``rundir.open_run_dir`` applies) is finished:
+``result.json`` is written once, after the last checkpoint committed, and never again, and the
+run dir rules never let another run train there. So the command prints what the trainer
+printed at the end and exits 0, in a fraction of a second instead of an interpreter that
+imports torch, starts the workers and the process group only to find nothing to do.
+
+Anything else goes to the trainer as before: no result, other identity settings (refused there
+with the differences named), an unreadable file. So does a process that is one rank of a launch
+of several (srun, torchrun, ...): those ranks decide together, through the process group, since
+one of them alone could read a file system the others do not see the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.results import CONFIG, RESULT, read_json, summary_lines
+
+
+def launched_alone(cfg: TrainConfig) -> bool:
+    """True when no launcher started this process as one of several (the command then starts
+    every process of the run itself, or is the only one)."""
+    from hpc_ddp.cluster import detect_env
+
+    try:
+        return detect_env(gpus_per_process=cfg.gpus_per_process or None).world_size == 1
+    except HpcDdpError:  # a broken launch environment: the trainer reports it
+        return False
+
+
+def finished_result(cfg: TrainConfig) -> dict[str, Any] | None:
+    """``result.json`` of ``cfg.run_dir`` when it holds a finished run of ``cfg``'s identity."""
+    run_dir = Path(cfg.run_dir)
+    try:
+        result, recorded = read_json(run_dir / RESULT), read_json(run_dir / CONFIG)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or not isinstance(recorded, dict):
+        return None
+    if result.get("status") != "finished" or cfg.identity_changes(recorded):
+        return None
+    return result
+
+
+def finished_answer(run_dir: str | Path, result: dict[str, Any]) -> list[str]:
+    """What a finished run's command prints (rank 0), with or without the trainer."""
+    return [
+        f"run dir {run_dir} already finished (result.json); nothing to do",
+        *summary_lines(result, run_dir),
+    ]

@@ -1,0 +1,76 @@
+"""torch._dynamo imported on a thread, for the runs that need it, around the process group.
+
+Why: DDP's constructor reads torch._dynamo's settings and its forward enters a
+``torch._disable_dynamo`` wrapper, and torchvision's reader imports torchvision.ops, which
+imports torch._dynamo too. The trainer never compiles, but torch offers no way around the
+import, and it is slow: 1.2-1.9 s on this project's 2-core CPU, 4.5 s on the H200 machines
+(benchmarks/NOTES.md). On a thread it overlaps the start of the process group and the data.
+
+Two stages, because ``dist.init_process_group`` reads ``torch._dynamo`` whenever that module is
+in ``sys.modules``: a half-done import there makes it wait for the whole import (found in stack
+dumps of the workers: the former one-stage prefetch hid only what ran before that point).
+Stage one imports the heaviest of torch._dynamo's dependencies, which do not import
+torch._dynamo themselves (tests/test_prefetch.py checks that against the installed torch),
+while the CUDA context and the rendezvous come up; stage two imports torch._dynamo itself once
+the process group exists, while the data is read and the model built. Both stages hold the GIL
+most of the time, so the overlap is with waits and C++ work, not with the main thread's Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+
+from hpc_ddp.cluster import DistEnv
+from hpc_ddp.dist import process_device
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import cuda_graphs
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.optim import amp_dtype
+
+# About half of torch._dynamo's import time (604 of its ~890 modules on torch 2.14).
+STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
+TARGET = "torch._dynamo"
+
+
+def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
+    """Whether this run will import torch._dynamo: eager DDP or torchvision's reader. A captured
+    step has no DDP wrapper and its optimizer skips the import (optim.py), so on the
+    GPU-resident data path it never pays for it. Settings the trainer will refuse count as not
+    needing it: the refusal comes before any import."""
+    device = process_device(env)
+    try:
+        choice = cuda_graphs.choose(config, device, amp_dtype(config, device), len(env.gpus) or 1)
+    except ConfigError:
+        return False
+    return not choice.captured or config.data_path == "torchvision"
+
+
+class DynamoPrefetch:
+    """``start()`` before the process group, ``process_group_ready()`` once it is up."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+
+    @classmethod
+    def start(cls) -> DynamoPrefetch | None:
+        """Start the thread (None when torch._dynamo is already imported)."""
+        if TARGET in sys.modules:
+            return None
+        prefetch = cls()
+        prefetch._thread.start()
+        return prefetch
+
+    def process_group_ready(self) -> None:
+        self._ready.set()
+
+    def _run(self) -> None:
+        try:
+            for name in STAGE_ONE:
+                importlib.import_module(name)
+            self._ready.wait()
+            importlib.import_module(TARGET)
+        except Exception:
+            pass
