@@ -17,15 +17,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_ddp.deploy.shell.spec import (
-    MODES,
-    RCMDS,
-    TOOLS,
-    forwarded_env,
-    launch_command,
-    make_spec,
-    stop_command,
-)
+from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, forwarded_env, make_spec
+from hpc_ddp.deploy.shell.tool_argv import launch_command, stop_command
 from hpc_ddp.errors import ConfigError
 
 ACTIONS = (*TOOLS, "stop")
@@ -174,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         gpus_per_process=args.gpus_per_process,
         mode=args.mode,
-        setup=tuple(args.setup),
+        setup=args.setup,
         timeout_s=args.timeout,
         rendezvous_timeout_s=args.rendezvous_timeout,
         stop_grace_s=args.stop_grace,

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import IO
 
 from hpc_ddp.cluster.hostlist import expand_hostlist
-from hpc_ddp.deploy.shell.spec import LaunchSpec, ToolCommand, launch_command, stop_command
+from hpc_ddp.deploy.shell.spec import LaunchSpec
+from hpc_ddp.deploy.shell.tool_argv import ToolCommand, launch_command, stop_command
 from hpc_ddp.errors import ConfigError, HpcDdpError
 
 TAG = "hpc-ddp launch:"

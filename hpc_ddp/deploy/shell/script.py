@@ -1,7 +1,7 @@
 """Render a scheduler-less launch as a plain bash script a user can keep (``--render-script``).
 
-The script carries the very argv ``hpc-ddp launch`` would run (built by ``shell_launch``, quoted
-once with ``shlex``), a ``stop`` action, and the same fail-fast watch as ``launch_runner``: at the
+The script carries the very argv ``hpc-ddp launch`` would run (built by ``tool_argv``, quoted
+once with ``shlex``), a ``stop`` action, and the same fail-fast watch as ``runner``: at the
 first failed host it stops every host. It needs bash, pdsh or clush, nothing from hpc-ddp.
 """
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from hpc_ddp import __version__
 from hpc_ddp.deploy.script_file import write_atomic
-from hpc_ddp.deploy.shell.spec import LaunchSpec, launch_command, stop_command
+from hpc_ddp.deploy.shell.spec import LaunchSpec
+from hpc_ddp.deploy.shell.tool_argv import launch_command, stop_command
 from hpc_ddp.deploy.templating import get_template
 
 TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}
