@@ -17,8 +17,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, forwarded_env, make_spec
-from hpc_ddp.deploy.shell.tool_argv import launch_command, stop_command
+from hpc_ddp.deploy.script_file import write_atomic
+from hpc_ddp.deploy.shell.backend import ShellBackend
+from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, LaunchSpec, forwarded_env, make_spec
+from hpc_ddp.deploy.shell.tool_argv import stop_command
 from hpc_ddp.errors import ConfigError
 
 ACTIONS = (*TOOLS, "stop")
@@ -180,26 +182,32 @@ def run(args: argparse.Namespace) -> int:
             print(stop_command(spec).shell())
             return 0
         return stop_all(spec, out=sys.stdout)
-    if args.render_script:
-        from hpc_ddp.deploy.shell.script import write_launch_script
+    if args.render_script or args.dry_run:
+        return _describe(args, spec)
+    from hpc_ddp.deploy.shell.runner import run_launch
 
-        invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
-        produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
-        write_launch_script(spec, args.render_script, produced_by=produced_by, force=args.force)
+    return run_launch(spec)
+
+
+def _describe(args: argparse.Namespace, spec: LaunchSpec) -> int:
+    """--render-script writes the launch script, --dry-run prints its one command line: both
+    are the backend's description of the launch, and nothing runs."""
+    invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
+    produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
+    script_name = args.render_script.name if args.render_script else "launch.sh"
+    plan = ShellBackend(produced_by=produced_by, script_name=script_name).describe(spec)
+    if args.render_script:
+        write_atomic(args.render_script, plan.text, force=args.force, mode=0o755)
         print(
             f"wrote {args.render_script} (launch {spec.launch_id}); run: bash "
             f"{args.render_script}; stop: bash {args.render_script} stop",
             file=sys.stderr,
         )
         return 0
-    if args.dry_run:
-        print(
-            f"# launch {spec.launch_id}: hosts in node-rank order {','.join(spec.hosts)}; "
-            f"master {spec.master_addr}:{spec.master_port}",
-            file=sys.stderr,
-        )
-        print(launch_command(spec).shell())
-        return 0
-    from hpc_ddp.deploy.shell.runner import run_launch
-
-    return run_launch(spec)
+    print(
+        f"# launch {spec.launch_id}: hosts in node-rank order {','.join(spec.hosts)}; "
+        f"master {spec.master_addr}:{spec.master_port}",
+        file=sys.stderr,
+    )
+    print(plan.command)
+    return 0

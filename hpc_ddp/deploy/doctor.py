@@ -14,16 +14,25 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.localslurm import LocalCluster, default_state_dir
+Status = Literal["OK", "WARN", "FAIL"]
+OK: Status = "OK"
+WARN: Status = "WARN"
+FAIL: Status = "FAIL"
 
-OK, WARN, FAIL = "OK", "WARN", "FAIL"
+
+@dataclass(frozen=True)
+class EmbeddedCluster:
+    """The toolkit's own Slurm cluster, found running (hpc_ddp.localslurm knows where)."""
+
+    root: Path
+    nodes: int
 
 
 @dataclass(frozen=True)
 class Check:
-    status: str
+    status: Status
     name: str
     detail: str
     hint: str = ""
@@ -40,6 +49,9 @@ class Options:
     port: int | None = None
     torch: bool = True
     environ: Mapping[str, str] | None = None
+    # The embedded cluster running for this environment, if any. Asked by the caller (the CLI
+    # asks hpc_ddp.localslurm): the deploy layer never imports the embedded cluster itself.
+    embedded_cluster: Callable[[Mapping[str, str]], EmbeddedCluster | None] | None = None
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -69,16 +81,13 @@ def check_controller(o: Options) -> Check:
         return Check(WARN, "slurm controller", "scontrol not found: not checked")
     if not o.env.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
         # Without a config scontrol spends seconds on DNS SRV lookups before failing.
-        try:
-            embedded: LocalCluster | None = LocalCluster(default_state_dir(o.env))
-        except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
-            embedded = None
-        if embedded is not None and embedded.is_running():
+        embedded = o.embedded_cluster(o.env) if o.embedded_cluster else None
+        if embedded is not None:
             return Check(
                 OK,
                 "slurm controller",
                 f"no Slurm configured; the embedded local cluster runs in {embedded.root} "
-                f"({embedded.config.nodes} nodes), which `hpc-ddp submit` uses "
+                f"({embedded.nodes} nodes), which `hpc-ddp submit` uses "
                 "(`eval $(hpc-ddp cluster env)` points sbatch/srun at it)",
             )
         return Check(
