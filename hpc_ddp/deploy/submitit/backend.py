@@ -171,6 +171,7 @@ class SubmititJob(Job):
             {**submission_env(), **cluster_env}
         )  # fmt: skip
         self._finished: Finished | None = None
+        self._cancelled = False  # the local executor has no scheduler to remember it
 
     def _info(self) -> dict[str, str]:
         return self._client.job_info(self.job_id) if self._client is not None else {}
@@ -182,7 +183,12 @@ class SubmititJob(Job):
             return self._info().get("JobState", "UNKNOWN")
         if not self.job.done():
             return "RUNNING"
-        return "COMPLETED" if self.job.paths.result_pickle.exists() else "FAILED"
+        if self._cancelled:
+            return "CANCELLED"
+        # submitit pickles ("success", value) or ("error", traceback) when the task ends.
+        pickle = self.job.paths.result_pickle
+        ok = pickle.exists() and submitit.core.utils.pickle_load(pickle)[0] == "success"
+        return "COMPLETED" if ok else "FAILED"
 
     def wait(self, timeout_s: float | None = None) -> Finished:
         if self._finished is not None:
@@ -214,6 +220,7 @@ class SubmititJob(Job):
     def cancel(self) -> None:
         if self._finished is not None:
             return
+        self._cancelled = True
         if self._client is not None:
             self._client.cancel(self.job_id)
         else:

@@ -69,8 +69,11 @@ class TrainTask(submitit.helpers.Checkpointable):
         self._child = subprocess.Popen(self.trainer_argv(), env={**os.environ, **self.env})
         # Poll rather than wait(): checkpoint() runs inside a signal handler, and a handler that
         # interrupts Popen.wait() could never take the Popen's wait lock itself.
-        while (code := self._child.poll()) is None:
-            time.sleep(0.05)
+        try:
+            while (code := self._child.poll()) is None:
+                time.sleep(0.05)
+        finally:
+            self._end_child()
         if code == EXIT_REQUEUE and env.global_rank == 0 and callable(previous):
             # The trainer was told to stop by a signal submitit did not see (e.g. SIGTERM at the
             # time limit): go through submitit's requeue path ourselves. It exits the process.
@@ -78,6 +81,18 @@ class TrainTask(submitit.helpers.Checkpointable):
         if code not in (0, EXIT_REQUEUE):
             raise HpcDdpError(f"trainer (rank {env.global_rank}) exited with code {code}")
         return self.summary(code)
+
+    def _end_child(self) -> None:
+        """A task leaving early (cancelled: submitit's SIGINT, a KeyboardInterrupt here) must
+        not leave its trainer running: SIGTERM, on which it checkpoints and exits 75, then
+        SIGKILL if it has not exited by the checkpoint deadline."""
+        child = self._child
+        if child is None or child.poll() is not None:
+            return
+        child.terminate()
+        if not _exited(child.pid, CHILD_CHECKPOINT_TIMEOUT_S):
+            child.kill()
+        child.poll()  # reap it
 
     def summary(self, code: int) -> dict[str, Any]:
         """The exit code and the trainer's result.json: rank 0's return value, which
