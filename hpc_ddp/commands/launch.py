@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.shell.backend import ShellBackend
+from hpc_ddp.deploy.shell.runner import TAG
 from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, LaunchSpec, forwarded_env, make_spec
 from hpc_ddp.deploy.shell.tool_argv import stop_command
 from hpc_ddp.errors import ConfigError
@@ -184,9 +186,35 @@ def run(args: argparse.Namespace) -> int:
         return stop_all(spec, out=sys.stdout)
     if args.render_script or args.dry_run:
         return _describe(args, spec)
-    from hpc_ddp.deploy.shell.runner import run_launch
+    return _run(spec)
 
-    return run_launch(spec)
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _run(spec: LaunchSpec) -> int:
+    """The launch, its tools' output on ours; Ctrl-C / SIGTERM stop every host (a second one
+    during the stop is ignored). 0 only if every host's command exited 0."""
+    backend = ShellBackend(stdout=sys.stdout, stderr=sys.stderr)
+    job = backend.submit(backend.describe(spec))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not job.settling:
+            raise _Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            return job.wait().exit_code
+        except _Interrupted as sig:
+            print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
+            job.cancel(signum=sig.signum)
+            return job.wait().exit_code
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _describe(args: argparse.Namespace, spec: LaunchSpec) -> int:

@@ -12,12 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpc_ddp.deploy.api import as_spec, get_backend
+from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job, result_lines
 from hpc_ddp.deploy.spec import JobSpec
 
-# "slurm" is another name for "submitit" (submitit's AutoExecutor on the Slurm cluster).
-EXECUTORS = ("sbatch", "submitit", "slurm", "local")
+# The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
+EXECUTORS = tuple(name for name in EXECUTOR_NAMES if name not in ("pdsh", "clush"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

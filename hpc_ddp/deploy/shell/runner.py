@@ -5,7 +5,7 @@ others blocked (torchrun's exit barrier alone waits 300 s), and ``pdsh -S`` repo
 host's command was killed by a signal. So ``ShellJob`` reads the tools' output as it streams,
 and at the first host failure it runs the stop command on every host (which ends each host's
 recorded process group), waits a bounded time for the tool to return, and ends non-zero naming
-the host. ``run_launch`` (the CLI) does the same on Ctrl-C / SIGTERM.
+the host; ``cancel`` (the CLI's Ctrl-C / SIGTERM) does the same.
 """
 
 from __future__ import annotations
@@ -172,11 +172,6 @@ def _stop_until_done(
             continue
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-
-
 class _Deadline(Exception):
     pass
 
@@ -340,25 +335,3 @@ class ShellJob(Job):
             return tool_rc
         self._say(f"all {self.spec.num_nodes} host(s) finished with exit code 0")
         return 0
-
-
-def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
-    """The CLI's launch: the tool's output on ours; Ctrl-C / SIGTERM stop every host (a second
-    one during the stop is ignored). Returns 0 only if every host's command exited 0."""
-    job = ShellJob(spec, stdout=sys.stdout, stderr=sys.stderr, settle_s=settle_s)
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not job.settling:
-            raise _Interrupted(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        try:
-            return job.wait().exit_code
-        except _Interrupted as sig:
-            print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
-            job.cancel(signum=sig.signum)
-            return job.wait().exit_code
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
