@@ -8,7 +8,9 @@ API (``from_mapping``), TOML/JSON loading (``load_file``) and the argparse flags
 Coercion rules (the same for every class): an int field takes an integer (not a bool, not a
 float); a float field takes an int or a float; a bool field takes true/false only; a str field a
 string; ``list[str]`` a list of strings (or, for fields marked ``split=","``, one comma-separated
-string); ``dict[str, str]`` a table whose values are strings or numbers; ``X | None`` also None.
+string); ``dict[str, str]`` a table whose values are strings or numbers; ``X | None`` also None;
+a ``Literal`` of strings takes a string (the class itself says which ones are valid, so that all
+of its problems are reported together, with its own field names).
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def default_of(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
+def literal_choices(kind: Any) -> tuple[str, ...] | None:
+    """The strings of a ``Literal["a", "b"]`` annotation, None for any other type."""
+    if typing.get_origin(kind) is typing.Literal:
+        return tuple(str(choice) for choice in typing.get_args(kind))
+    return None
+
+
 def _optional(kind: Any) -> tuple[Any, bool]:
     """(the type without None, whether None is allowed)."""
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
@@ -90,6 +99,8 @@ def coerce(
     if value is None and optional:
         return None
     origin = typing.get_origin(kind)
+    if literal_choices(kind) is not None:
+        kind = str
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -245,6 +256,9 @@ def add_arguments(
             parser.add_argument(flag_of(f), action="append", metavar="KEY=VALUE", **kw)
         elif f.metadata.get("choices"):
             parser.add_argument(flag_of(f), choices=f.metadata["choices"], **kw)
+        elif (choices := literal_choices(kind)) is not None:
+            # No argparse choices: the class reports a wrong value with its other problems.
+            parser.add_argument(flag_of(f), metavar="{" + ",".join(choices) + "}", **kw)
         else:
             metavar = {int: "N", float: "X"}.get(kind, "VALUE")
             parser.add_argument(flag_of(f), type=kind, metavar=metavar, **kw)

@@ -1,4 +1,8 @@
-"""A thin client for one Slurm cluster: sbatch, job states, waiting with deadlines.
+"""A thin client for one Slurm cluster: sbatch, scancel, job states, waiting with deadlines.
+
+The one module that knows Slurm's client commands and what they print (``sbatch --parsable``,
+``scontrol show job -o``, ``ExitCode=CODE:SIGNAL``, the terminal job states). The deploy layer
+and the embedded cluster (hpc_ddp.localslurm) both use it; it imports neither.
 
 No accounting runs on the local cluster (no sacct), so a job's end is read from
 ``scontrol show job`` while slurmctld keeps it (MinJobAge). Polling that is faster than
@@ -65,6 +69,23 @@ class JobResult:
         return self.output_path.read_text(errors="replace")
 
 
+def exit_status(info: Mapping[str, str]) -> tuple[int, int]:
+    """(exit code, signal) of a finished job, from ``scontrol show job``'s ExitCode=CODE:SIGNAL."""
+    code, _, sig = info.get("ExitCode", "0:0").partition(":")
+    return int(code or 0), int(sig or 0)
+
+
+def shell_exit_code(info: Mapping[str, str]) -> int:
+    """The job's exit code as a shell reports it: the code, else 128 + the signal, else 0."""
+    code, sig = exit_status(info)
+    return code if code else (128 + sig if sig else 0)
+
+
+def restarts(info: Mapping[str, str]) -> int:
+    """How often Slurm has requeued the job (0 for a first run)."""
+    return int(info.get("Restarts", "0") or 0)
+
+
 def parse_show_job(text: str) -> dict[str, str]:
     """``scontrol show job -o`` prints one line of Key=Value pairs; values never hold spaces
     except in a few trailing fields (Command, WorkDir...) we only read up to the next key."""
@@ -103,6 +124,21 @@ class SlurmClient:
             )
         return proc
 
+    def submit(
+        self,
+        script: Path | str,
+        *args: str,
+        cwd: Path | str | None = None,
+        script_args: Sequence[str] = (),
+    ) -> str:
+        """``sbatch --parsable``; the new job's id. ``args`` are sbatch options (before the
+        script), ``script_args`` the script's own arguments."""
+        proc = self.run(["sbatch", "--parsable", *args, str(script), *script_args], cwd=cwd)
+        job_id = proc.stdout.strip().split(";")[0]  # "id;cluster" on a federation
+        if not job_id.isdigit():
+            raise HpcDdpError(f"sbatch printed {proc.stdout!r}, not a job id")
+        return job_id
+
     def sbatch(
         self,
         script: Path | str,
@@ -111,13 +147,15 @@ class SlurmClient:
         cwd: Path | None = None,
         script_args: Sequence[str] = (),
     ) -> tuple[str, Path]:
-        """Submit; returns (job id, output file). ``args`` are sbatch options (before the
-        script), ``script_args`` the script's own arguments."""
+        """Submit with the log at ``output`` (default: the workdir's slurm-%j.out); returns
+        (job id, output file)."""
         out = output or (self.workdir or Path.cwd()) / "slurm-%j.out"
-        argv = ["sbatch", "--parsable", f"--output={out}", *args, str(script), *script_args]
-        proc = self.run(argv, cwd=cwd)
-        job_id = proc.stdout.strip().split(";")[0]
+        job_id = self.submit(script, f"--output={out}", *args, cwd=cwd, script_args=script_args)
         return job_id, Path(str(out).replace("%j", job_id))
+
+    def cancel(self, job_id: str) -> None:
+        """``scancel``: end the job whatever its state; a job already gone is no error."""
+        self.run(["scancel", job_id], check=False)
 
     def job_info(self, job_id: str) -> dict[str, str]:
         proc = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
@@ -137,14 +175,14 @@ class SlurmClient:
             )
         except TimeoutError as err:
             state = self.job_state(job_id)
-            self.run(["scancel", job_id], check=False)
+            self.cancel(job_id)
             tail = ""
             if output_path and output_path.exists():
                 tail = "\n".join(output_path.read_text(errors="replace").splitlines()[-20:])
             msg = f"{err} (state {state}); cancelled it. Output tail:\n{tail}"
             raise TimeoutError(msg) from err
-        code, _, sig = info.get("ExitCode", "0:0").partition(":")
-        return JobResult(job_id, info["JobState"], int(code), int(sig or 0), output_path)
+        code, sig = exit_status(info)
+        return JobResult(job_id, info["JobState"], code, sig, output_path)
 
     def sbatch_wait(
         self,

@@ -14,11 +14,8 @@ from hpc_ddp.deploy.shell.host_order import canonical_hosts
 from hpc_ddp.deploy.shell.host_scripts import host_script, payload_argv
 from hpc_ddp.deploy.shell.runner import parse_failure
 from hpc_ddp.deploy.shell.script import render_launch_script
-from hpc_ddp.deploy.shell.spec import (
-    forwarded_env,
-    launch_command,
-    make_spec,
-)
+from hpc_ddp.deploy.shell.spec import forwarded_env, make_spec
+from hpc_ddp.deploy.shell.tool_argv import launch_command
 from hpc_ddp.errors import ConfigError
 
 

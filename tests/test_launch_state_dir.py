@@ -93,10 +93,10 @@ def test_the_default_state_dir_is_private_per_user(tmp_path: Path, launches: lis
         "modes = {oct(p.stat().st_mode & 0o777) for p in (state.parent, state, pid_file.parent)}\n"
         "print('pid file', pid_file.read_text().strip(), 'dir modes', sorted(modes))\n"
     )
-    res = hpc_ddp(
-        [*base, "--", "python3", "-c", wait_for_own_pid_file],
-        env={"XDG_RUNTIME_DIR": str(runtime)},
-    )
+    # A file, not `python3 -c TEXT`: a command argument is data and may hold no line break.
+    worker = tmp_path / "wait_for_own_pid_file.py"
+    worker.write_text(wait_for_own_pid_file)
+    res = hpc_ddp([*base, "--", "python3", str(worker)], env={"XDG_RUNTIME_DIR": str(runtime)})
     assert res.returncode == 0, res.stderr
     lines = sorted(res.stdout.splitlines())
     assert len(lines) == 2 and all("dir modes ['0o700']" in line for line in lines), lines

@@ -271,7 +271,8 @@ def test_ctrl_c_on_the_launcher_stops_every_host(tmp_path: Path, launches: list[
 def test_wrong_node_order_is_refused(tmp_path: Path, launches: list[Launch]) -> None:
     """A tool numbering hosts differently from the canonical order must fail loudly: simulate it
     by giving pdsh the hosts reversed (pdsh keeps -w order)."""
-    from hpc_ddp.deploy.shell.spec import launch_command, make_spec
+    from hpc_ddp.deploy.shell.spec import make_spec
+    from hpc_ddp.deploy.shell.tool_argv import launch_command
 
     spec = make_spec(tool="pdsh", hosts="node[0-1]", command=["true"], rcmd="exec",
                      launch_id="wrongorder", state_dir=str(tmp_path))  # fmt: skip

@@ -17,8 +17,8 @@ from deploy_support import (
     train_args,
 )
 
+import hpc_ddp
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.submitit.backend import submit_train, wait_submitit
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
 
@@ -31,15 +31,17 @@ def _args(tmp: Path, *extra: str) -> list[str]:
 
 def test_local_executor_trains_two_tasks(tmp_path: Path) -> None:
     spec = JobSpec(name="sl", nodes=1, procs_per_node=2, time="5", args=_args(tmp_path))
-    job = submit_train(spec, kind="local", folder=tmp_path / "submitit")
-    state, code, result = wait_submitit(job, timeout_s=180)
-    assert (state, code) == ("COMPLETED", 0), (result, job.stderr())
-    assert result["status"] == "finished" and result["world_size"] == 2
+    job = hpc_ddp.submit(spec, "local", folder=tmp_path / "submitit", wait=False)
+    done = job.wait(timeout_s=180)
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), (done.error, job.job.stderr())
+    assert done.result["status"] == "finished" and done.result["world_size"] == 2
+    assert job.run_paths == hpc_ddp.RunPaths(tmp_path / "run")
+    assert job.read_result() == done.result  # rank 0 returned what the trainer wrote
 
 
 def test_local_executor_needs_one_node(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="one machine"):
-        submit_train(JobSpec(nodes=2), kind="local", folder=tmp_path)
+        hpc_ddp.submit(JobSpec(nodes=2), "local", folder=tmp_path)
     assert not any(tmp_path.iterdir())
 
 
@@ -53,16 +55,18 @@ def test_auto_executor_preempted_requeues_and_resumes_exactly(
     env = slurm_cluster.env
     args = _args(tmp_path, "--debug-hold-at-step", "3")
     spec = JobSpec(name="ss-pre", nodes=2, procs_per_node=2, time="30", args=args)
-    job = submit_train(spec, kind="submitit", folder=tmp_path / "submitit", cluster_env=env)
+    job = hpc_ddp.submit(
+        spec, "submitit", folder=tmp_path / "submitit", cluster_env=env, wait=False
+    )
     wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
-    slurm_cluster.run(["scancel", "--signal=USR2", str(job.job_id)])
-    state, code, result = wait_submitit(job, timeout_s=180, cluster_env=env)
-    info = slurm_cluster.job_info(str(job.job_id))
-    assert (state, code) == ("COMPLETED", 0), (result, job.stderr())
-    assert info.get("Restarts") == "1", info
+    slurm_cluster.run(["scancel", "--signal=USR2", job.job_id])
+    done = job.wait(timeout_s=180)
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), (done.error, job.job.stderr())
+    assert done.restarts == 1, slurm_cluster.job_info(job.job_id)
+    result = done.result
     assert (result["interruptions"], result["world_size"]) == (1, 4)  # the reference's world
     assert result["params_sha256"] == read_result(reference_run[0] / "run")["params_sha256"]
     # submitit's own path ran: preempted (not timed out: 30 min asked), checkpoint(), requeue.
-    err, out = Path(job.paths.stderr).read_text(), Path(job.paths.stdout).read_text()
+    err, out = Path(job.job.paths.stderr).read_text(), Path(job.job.paths.stdout).read_text()
     assert "this job is preempted" in err, err
     assert "Calling checkpoint method" in out, out

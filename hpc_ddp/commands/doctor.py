@@ -7,9 +7,11 @@ Run it on the login node before submitting, or as `srun hpc-ddp doctor` inside t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_ddp.deploy.doctor import FAIL, WARN, Options, run_checks
+from hpc_ddp.deploy.doctor import FAIL, WARN, EmbeddedCluster, Options, run_checks
+from hpc_ddp.errors import HpcDdpError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     checks = run_checks(
-        Options(run_dir=args.run_dir, gpus=args.gpus, port=args.port, torch=not args.no_torch)
+        Options(
+            run_dir=args.run_dir,
+            gpus=args.gpus,
+            port=args.port,
+            torch=not args.no_torch,
+            embedded_cluster=embedded_cluster,
+        )
     )
     for check in checks:
         print(check.line())
@@ -29,3 +37,14 @@ def run(args: argparse.Namespace) -> int:
     warns = sum(c.status == WARN for c in checks)
     print(f"{len(checks)} checks: {fails} failed, {warns} warnings")
     return 1 if fails else 0
+
+
+def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:
+    """The embedded local cluster `hpc-ddp submit` would use here, if it is running."""
+    from hpc_ddp.localslurm import LocalCluster, default_state_dir
+
+    try:
+        cluster = LocalCluster(default_state_dir(environ))
+    except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
+        return None
+    return EmbeddedCluster(cluster.root, cluster.config.nodes) if cluster.is_running() else None

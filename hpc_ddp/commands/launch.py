@@ -13,19 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_ddp.deploy.shell.spec import (
-    MODES,
-    RCMDS,
-    TOOLS,
-    forwarded_env,
-    launch_command,
-    make_spec,
-    stop_command,
-)
+from hpc_ddp.deploy.script_file import write_atomic
+from hpc_ddp.deploy.shell.backend import ShellBackend
+from hpc_ddp.deploy.shell.runner import TAG
+from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, LaunchSpec, forwarded_env, make_spec
+from hpc_ddp.deploy.shell.tool_argv import stop_command
 from hpc_ddp.errors import ConfigError
 
 ACTIONS = (*TOOLS, "stop")
@@ -174,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         gpus_per_process=args.gpus_per_process,
         mode=args.mode,
-        setup=tuple(args.setup),
+        setup=args.setup,
         timeout_s=args.timeout,
         rendezvous_timeout_s=args.rendezvous_timeout,
         stop_grace_s=args.stop_grace,
@@ -187,26 +184,58 @@ def run(args: argparse.Namespace) -> int:
             print(stop_command(spec).shell())
             return 0
         return stop_all(spec, out=sys.stdout)
-    if args.render_script:
-        from hpc_ddp.deploy.shell.script import write_launch_script
+    if args.render_script or args.dry_run:
+        return _describe(args, spec)
+    return _run(spec)
 
-        invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
-        produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
-        write_launch_script(spec, args.render_script, produced_by=produced_by, force=args.force)
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _run(spec: LaunchSpec) -> int:
+    """The launch, its tools' output on ours; Ctrl-C / SIGTERM stop every host (a second one
+    during the stop is ignored). 0 only if every host's command exited 0."""
+    backend = ShellBackend(stdout=sys.stdout, stderr=sys.stderr)
+    job = backend.submit(backend.describe(spec))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not job.settling:
+            raise _Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            return job.wait().exit_code
+        except _Interrupted as sig:
+            print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
+            job.cancel(signum=sig.signum)
+            return job.wait().exit_code
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _describe(args: argparse.Namespace, spec: LaunchSpec) -> int:
+    """--render-script writes the launch script, --dry-run prints its one command line: both
+    are the backend's description of the launch, and nothing runs."""
+    invoked = sys.argv[1:2] == ["launch"]  # else we were called as a library (tests)
+    produced_by = "hpc-ddp " + shlex.join(sys.argv[1:] if invoked else ["launch", args.action])
+    script_name = args.render_script.name if args.render_script else "launch.sh"
+    plan = ShellBackend(produced_by=produced_by, script_name=script_name).describe(spec)
+    if args.render_script:
+        write_atomic(args.render_script, plan.text, force=args.force, mode=0o755)
         print(
             f"wrote {args.render_script} (launch {spec.launch_id}); run: bash "
             f"{args.render_script}; stop: bash {args.render_script} stop",
             file=sys.stderr,
         )
         return 0
-    if args.dry_run:
-        print(
-            f"# launch {spec.launch_id}: hosts in node-rank order {','.join(spec.hosts)}; "
-            f"master {spec.master_addr}:{spec.master_port}",
-            file=sys.stderr,
-        )
-        print(launch_command(spec).shell())
-        return 0
-    from hpc_ddp.deploy.shell.runner import run_launch
-
-    return run_launch(spec)
+    print(
+        f"# launch {spec.launch_id}: hosts in node-rank order {','.join(spec.hosts)}; "
+        f"master {spec.master_addr}:{spec.master_port}",
+        file=sys.stderr,
+    )
+    print(plan.command)
+    return 0

@@ -97,7 +97,8 @@ def _all_examples(args: argparse.Namespace) -> int:
         )
     spec = importlib.util.spec_from_file_location("hpc_ddp_render_examples", tool)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    # Registered before it runs: its dataclasses look their module up in sys.modules.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     argv = ["--check"] if args.check or args.dry_run else []
     if args.jobs_dir:

@@ -9,16 +9,16 @@ reachable, the embedded local cluster is started (hpc_ddp.localslurm.embedded.ch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.extras import require
+from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
+from hpc_ddp.deploy.backend import Finished, Job
+from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.train.results import result_lines
 
-# "slurm" is another name for "submitit" (submitit's AutoExecutor on the Slurm cluster).
-EXECUTORS = ("sbatch", "submitit", "slurm", "local")
+# The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
+EXECUTORS = tuple(name for name in EXECUTOR_NAMES if name not in ("pdsh", "clush"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,82 +44,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_env(nodes: int, gpus_per_node: int) -> dict[str, str]:
+    """The user's Slurm if one answers, else the embedded cluster (started if need be); says
+    which one the job goes to."""
     from hpc_ddp.localslurm.embedded import choose_slurm
 
     target = choose_slurm(nodes=max(nodes, 2), gpus_per_node=gpus_per_node)
-    print(f"Slurm: {target.description}", flush=True)  # which cluster the job goes to
-    env = dict(target.env)
-    # Jobs run `python`: make it this interpreter (the venv's), whatever PATH the user has.
-    bindir = str(Path(sys.executable).parent)
-    env["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    return env
+    print(f"Slurm: {target.description}", flush=True)
+    return dict(target.env)
 
 
 def run(args: argparse.Namespace) -> int:
-    job: Path = args.job
-    if not job.is_file():
-        raise ConfigError(f"{job} does not exist", hint="give a jobs/*.sbatch file or a spec")
-    if args.executor == "sbatch":
-        return _run_sbatch(args, job)
-    if job.suffix not in (".toml", ".json"):
-        raise ConfigError(
-            f"--executor {args.executor} needs a job spec (.toml/.json), got {job}",
-            hint="use the spec in jobs/specs/, or --executor sbatch for a rendered script",
-        )
-    require("submitit", f"--executor {args.executor}")
-    from hpc_ddp.deploy.submitit.backend import run_spec
-
     executor = "submitit" if args.executor == "slurm" else args.executor
-    return run_spec(
-        job,
-        executor=executor,
-        folder=args.folder,
-        timeout_s=args.timeout,
-        wait=not args.no_wait,
-        follow=None if args.quiet else sys.stdout,
-        cluster_env=None if executor == "local" else _cluster_env(2, 0),
-    )
-
-
-def _run_sbatch(args: argparse.Namespace, job: Path) -> int:
-    from hpc_ddp.deploy import build_spec
-    from hpc_ddp.deploy.sbatch.render import render
-    from hpc_ddp.deploy.sbatch.submit import (
-        print_finished,
-        result_summary,
-        run_dir_of,
-        sbatch,
-        wait_job,
-    )
-
-    cwd = Path.cwd()
-    nodes, gpus = 2, 0
-    if job.suffix in (".toml", ".json"):
-        spec = build_spec(job)
+    spec, executor = as_spec(args.job, executor)
+    options = dict(folder=args.folder, produced_by=f"hpc-ddp submit {args.job}")
+    # Described before a cluster is started: whatever is wrong with the job fails first.
+    plan = get_backend(executor, **options).describe(spec)
+    nodes, gpus = (2, 0)
+    if executor == "sbatch" and isinstance(spec, JobSpec):
         nodes, gpus = spec.nodes, spec.gpus_per_node
-        text = render(spec, command=f"hpc-ddp submit {job}")
-        fd, tmp = tempfile.mkstemp(prefix=f"{spec.name}-", suffix=".sbatch")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        script = Path(tmp)
+    cluster_env = None if executor == "local" else _cluster_env(nodes, gpus)
+    follow = None if args.quiet else sys.stdout
+    job = get_backend(executor, cluster_env=cluster_env, follow=follow, **options).submit(plan)
+    if executor == "sbatch":
+        print(f"submitted job {job.job_id}; log: {job.output}", flush=True)
     else:
-        script, text = job, job.read_text()
-    env = _cluster_env(nodes, gpus)
-    try:
-        sub = sbatch(script, env, cwd=cwd)
-    finally:
-        if script != job:
-            script.unlink(missing_ok=True)
-    print(f"submitted job {sub.job_id}; log: {sub.output}", flush=True)
+        folder = getattr(job, "folder", None)  # a SubmititJob's: its logs and pickles
+        print(f"submitted {executor} job {job.job_id}; logs in {folder}", flush=True)
     if args.no_wait:
         return 0
-    done = wait_job(
-        sub.job_id,
-        env,
-        timeout_s=args.timeout,
-        output=sub.output,
-        follow=None if args.quiet else sys.stdout,
-    )
-    print_finished(done)
-    print(result_summary(run_dir_of(text, cwd)))
+    done = job.wait(args.timeout)
+    print(_report(executor, job, done))
     return done.exit_code
+
+
+def _report(executor: str, job: Job, done: Finished) -> str:
+    """How the job ended, and what the trainer's result.json says."""
+    if executor != "sbatch":  # submitit: rank 0's return value carries the result
+        lines = [f"job {done.job_id}: {done.state}, exit code {done.exit_code}"]
+        if done.error:
+            return "\n".join([*lines, f"  error: {done.error}"])
+        return "\n".join([*lines, *result_lines(done.result or {})])
+    head = f"job {done.job_id}: {done.state}, exit code {done.exit_code}, restarts {done.restarts}"
+    if job.run_paths is None:
+        return f"{head}\nno --run-dir in the job: no result.json to show"
+    if done.result is None:
+        return f"{head}\n{job.run_paths.result} was not written"
+    return "\n".join([head, f"result ({job.run_paths.result}):", *result_lines(done.result)])

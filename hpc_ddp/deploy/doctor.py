@@ -14,16 +14,27 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.localslurm import LocalCluster, default_state_dir
 
-OK, WARN, FAIL = "OK", "WARN", "FAIL"
+Status = Literal["OK", "WARN", "FAIL"]
+OK: Status = "OK"
+WARN: Status = "WARN"
+FAIL: Status = "FAIL"
+
+
+@dataclass(frozen=True)
+class EmbeddedCluster:
+    """The toolkit's own Slurm cluster, found running (hpc_ddp.localslurm knows where)."""
+
+    root: Path
+    nodes: int
 
 
 @dataclass(frozen=True)
 class Check:
-    status: str
+    status: Status
     name: str
     detail: str
     hint: str = ""
@@ -40,6 +51,9 @@ class Options:
     port: int | None = None
     torch: bool = True
     environ: Mapping[str, str] | None = None
+    # The embedded cluster running for this environment, if any. Asked by the caller (the CLI
+    # asks hpc_ddp.localslurm): the deploy layer never imports the embedded cluster itself.
+    embedded_cluster: Callable[[Mapping[str, str]], EmbeddedCluster | None] | None = None
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -73,16 +87,13 @@ def check_controller(o: Options) -> Check:
     if shutil.which("scontrol", path=o.env.get("PATH")) is None:
         return Check(WARN, "slurm controller", "scontrol not found: not checked")
     if not _slurm_configured(o.env):
-        try:
-            embedded: LocalCluster | None = LocalCluster(default_state_dir(o.env))
-        except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
-            embedded = None
-        if embedded is not None and embedded.is_running():
+        embedded = o.embedded_cluster(o.env) if o.embedded_cluster else None
+        if embedded is not None:
             return Check(
                 OK,
                 "slurm controller",
                 f"no Slurm configured; the embedded local cluster runs in {embedded.root} "
-                f"({embedded.config.nodes} nodes), which `hpc-ddp submit` uses "
+                f"({embedded.nodes} nodes), which `hpc-ddp submit` uses "
                 "(`eval $(hpc-ddp cluster env)` points sbatch/srun at it)",
             )
         return Check(
@@ -125,7 +136,6 @@ def check_launch_env(o: Options) -> Check:
             "srun + torchrun; a bare `python train.py` runs one process and waits for the rest",
         )
     from hpc_ddp.cluster import detect_env
-    from hpc_ddp.errors import HpcDdpError
 
     try:
         d = detect_env(env)
@@ -250,7 +260,6 @@ def check_network(o: Options) -> Check:
             f"GLOO_SOCKET_IFNAME={ifname!r}",
             "Gloo takes one interface name; the '^lo,docker0' syntax is NCCL's only",
         )
-    from hpc_ddp.errors import HpcDdpError
 
     try:
         choice = choose_backend(
@@ -266,7 +275,6 @@ def check_network(o: Options) -> Check:
 
 def check_port(o: Options) -> Check:
     from hpc_ddp.cluster.master_port import RESV_PORTS_VAR, choose_master_port
-    from hpc_ddp.errors import HpcDdpError
 
     env = o.env
     port, source = o.port, "--port"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 SCRUB_PREFIXES = (
     "SLURM_",
@@ -77,3 +79,15 @@ def scrubbed_environ(extra: Mapping[str, str] | None = None) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def with_this_python(cluster_env: Mapping[str, str]) -> dict[str, str]:
+    """``cluster_env`` with this interpreter's bin directory first on PATH.
+
+    Slurm copies the submitter's environment into the job, and the rendered scripts run
+    ``python``: so the job's ``python`` is the one submitting it (its venv, where hpc-ddp is
+    installed), whatever PATH the user's shell has. The bin directory is not resolved: a venv's
+    python is a link to the base interpreter, whose directory lacks the venv's packages.
+    """
+    path = cluster_env.get("PATH", os.environ.get("PATH", ""))
+    return {**cluster_env, "PATH": str(Path(sys.executable).parent) + os.pathsep + path}

@@ -1,25 +1,25 @@
-"""Submit a rendered script with real sbatch, follow its log, wait for it, report its result.
+"""Submit a rendered script with real sbatch, follow its log, wait for it.
 
 Waiting reads ``scontrol show job`` (works without accounting, as on the local cluster); a
-requeued job goes back to PENDING and is followed through its restart. Never imports torch.
+requeued job goes back to PENDING and is followed through its restart. What a script's
+``#SBATCH`` lines say about its log is read here; everything about Slurm's commands and what
+they print is hpc_ddp.slurm_client's. Never imports torch.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from hpc_ddp.deploy.backend import Finished
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm_client import TERMINAL, SlurmClient
-from hpc_ddp.train.results import summary_lines
+from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts, shell_exit_code
 
 _OUTPUT = re.compile(r"^#SBATCH\s+(?:--output|-o)[= ]\s*(\S+)", re.M)
 _JOBNAME = re.compile(r"^#SBATCH\s+(?:--job-name|-J)[= ]\s*(\S+)", re.M)
@@ -32,25 +32,21 @@ class Submitted:
     output: Path | None  # the batch log, once %j/%x are known
 
 
-@dataclass(frozen=True)
-class Finished:
-    job_id: str
-    state: str
-    exit_code: int
-    restarts: int
-    output: Path | None
-
-
 def _expand(pattern: str, job_id: str, name: str) -> str:
     return pattern.replace("%j", job_id).replace("%x", name).replace("%%", "%")
 
 
-def script_output(text: str, job_id: str, cwd: Path) -> Path | None:
-    """Where the batch log of ``text`` goes once it has an id (None: Slurm's default name)."""
+def script_workdir(text: str, cwd: Path) -> Path:
+    """Where the job of ``text`` runs: its ``#SBATCH --chdir``, else the submission directory."""
+    chdir = _CHDIR.search(text)
+    return cwd / shlex.split(chdir.group(1))[0] if chdir else cwd
+
+
+def script_output(text: str, job_id: str, cwd: Path) -> Path:
+    """Where the batch log of ``text`` goes once it has an id."""
     out = _OUTPUT.search(text)
     name_m = _JOBNAME.search(text)
-    chdir = _CHDIR.search(text)
-    base = Path(shlex.split(chdir.group(1))[0]) if chdir else cwd
+    base = script_workdir(text, cwd)
     if out is None:
         return base / f"slurm-{job_id}.out"
     name = shlex.split(name_m.group(1))[0] if name_m else "sbatch"
@@ -65,17 +61,7 @@ def prepare_output_dir(text: str, cwd: Path) -> None:
     pattern = shlex.split(out.group(1))[0]
     parent = Path(pattern).parent
     if "%" not in str(parent):
-        chdir = _CHDIR.search(text)
-        base = Path(shlex.split(chdir.group(1))[0]) if chdir else cwd
-        (base / parent).mkdir(parents=True, exist_ok=True)
-
-
-def run_dir_of(text: str, cwd: Path) -> Path | None:
-    """The trainer's --run-dir in a rendered script, if it names one."""
-    m = re.search(r"--run-dir[= ](?:\\\n\s*)?(\S+)", text)
-    if not m:
-        return None
-    return cwd / shlex.split(m.group(1))[0]
+        (script_workdir(text, cwd) / parent).mkdir(parents=True, exist_ok=True)
 
 
 def sbatch(
@@ -91,11 +77,7 @@ def sbatch(
     prepare_output_dir(text, cwd)
     env = submission_env(environ)
     env.update(cluster_env)
-    client = SlurmClient(env)
-    proc = client.run(["sbatch", "--parsable", *extra_args, str(script.resolve())], cwd=cwd)
-    job_id = proc.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise HpcDdpError(f"sbatch printed {proc.stdout!r}, not a job id")
+    job_id = SlurmClient(env).submit(script.resolve(), *extra_args, cwd=cwd)
     return Submitted(job_id, script_output(text, job_id, cwd))
 
 
@@ -123,15 +105,16 @@ def wait_job(
     job_id: str,
     cluster_env: Mapping[str, str],
     *,
-    timeout_s: float,
+    timeout_s: float | None,
     output: Path | None = None,
     follow: TextIO | None = None,
     on_poll: Callable[[dict[str, str]], None] | None = None,
 ) -> Finished:
-    """Until the job is in a terminal state (requeues are followed); cancel it at the deadline."""
+    """Until the job is in a terminal state (requeues are followed); cancel it at the deadline
+    (None: no deadline)."""
     client = SlurmClient({**submission_env(), **cluster_env})
     follower = LogFollower(output, follow)
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     info: dict[str, str] = {}
     unknown_since: float | None = None
     while True:
@@ -148,8 +131,8 @@ def wait_job(
             unknown_since = time.monotonic()
         elif time.monotonic() - unknown_since > 15:
             raise HpcDdpError(f"Slurm no longer knows job {job_id}", hint="check squeue/sacct")
-        if time.monotonic() > deadline:
-            client.run(["scancel", job_id], check=False)
+        if deadline is not None and time.monotonic() > deadline:
+            client.cancel(job_id)
             raise HpcDdpError(
                 f"job {job_id} still {info.get('JobState')} after {timeout_s:.0f} s: cancelled it",
                 hint="raise --timeout, or look at the job log",
@@ -157,24 +140,4 @@ def wait_job(
         time.sleep(0.2)
     time.sleep(0.1)
     follower.poll()
-    code, _, sig = info.get("ExitCode", "0:0").partition(":")
-    exit_code = int(code) if int(code or 0) else (128 + int(sig) if int(sig or 0) else 0)
-    return Finished(
-        job_id, info["JobState"], exit_code, int(info.get("Restarts", "0") or 0), output
-    )
-
-
-def result_summary(run_dir: Path | None) -> str:
-    """A few lines from the trainer's result.json, or why there are none."""
-    if run_dir is None:
-        return "no --run-dir in the job: no result.json to show"
-    path = run_dir / "result.json"
-    if not path.exists():
-        return f"{path} was not written"
-    return "\n".join(summary_lines(json.loads(path.read_text()), run_dir))
-
-
-def print_finished(done: Finished, sink: TextIO = sys.stdout) -> None:
-    sink.write(
-        f"job {done.job_id}: {done.state}, exit code {done.exit_code}, restarts {done.restarts}\n"
-    )
+    return Finished(job_id, info["JobState"], shell_exit_code(info), restarts(info), output)

@@ -8,12 +8,9 @@ only bash, coreutils, grep and sed on the hosts (and python for the payload).
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
 
+from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.private_paths import SHELL_FUNCTIONS
-
-if TYPE_CHECKING:
-    from hpc_ddp.deploy.shell.spec import LaunchSpec
 
 # Exit codes of the host script itself (the payload's own codes pass through unchanged).
 EXIT_WRONG_RANK = 97  # %n does not name the host the canonical order puts there
@@ -118,7 +115,7 @@ def host_script(spec: LaunchSpec) -> str:
         f'cd {q(spec.workdir)} || {{ echo "{tag} $host: cannot cd to" {q(spec.workdir)} >&2;'
         f" exit {EXIT_NO_WORKDIR}; }}",
     ]
-    lines += [f"export {k}={q(v)}" for k, v in spec.env]
+    lines += [f"export {k}={q(v)}" for k, v in spec.env.items()]
     for step in spec.setup:
         lines.append(
             f'{{ {step}\n}} || {{ echo "{tag} $host: setup step failed:" {q(step)} >&2;'

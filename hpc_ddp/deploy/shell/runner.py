@@ -2,10 +2,10 @@
 
 pdsh and clush alone are not enough: they wait for *all* hosts, so one failed host leaves the
 others blocked (torchrun's exit barrier alone waits 300 s), and ``pdsh -S`` reports 0 when a
-host's command was killed by a signal. So the runner reads the tools' output as it streams,
+host's command was killed by a signal. So ``ShellJob`` reads the tools' output as it streams,
 and at the first host failure it runs the stop command on every host (which ends each host's
-recorded process group), waits a bounded time for the tool to return, and exits non-zero
-naming the host. Ctrl-C / SIGTERM on the runner do the same.
+recorded process group), waits a bounded time for the tool to return, and ends non-zero naming
+the host; ``cancel`` (the CLI's Ctrl-C / SIGTERM) does the same.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from typing import IO
 
 from hpc_ddp.cluster.hostlist import expand_hostlist
-from hpc_ddp.deploy.shell.spec import LaunchSpec, ToolCommand, launch_command, stop_command
+from hpc_ddp.deploy.backend import Finished, Job
+from hpc_ddp.deploy.shell.spec import LaunchSpec
+from hpc_ddp.deploy.shell.tool_argv import ToolCommand, launch_command, stop_command
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.runtime.run_paths import RunPaths
 
 TAG = "hpc-ddp launch:"
 # The tools' own per-host failure lines (pdsh on stderr, clush on stderr; clush may fold hosts
@@ -93,31 +96,6 @@ def _pump(stream: IO[str], sink: IO[str], events: queue.Queue[HostFailure | None
         events.put(None)
 
 
-def _first_failure(
-    proc: subprocess.Popen[str], events: queue.Queue[HostFailure | None], streams: int
-) -> HostFailure | None:
-    """Block until a host fails (return it) or the tool is done (None).
-
-    "Done" is both streams at EOF, or the tool exited and its pipes stayed open
-    ``EOF_GRACE_S`` longer (a process it started still holds them; stop_all ends those).
-    """
-    exited_at: float | None = None
-    while streams:
-        try:
-            event = events.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                exited_at = exited_at or time.monotonic()
-                if time.monotonic() - exited_at > EOF_GRACE_S:
-                    return None
-            continue
-        if event is None:
-            streams -= 1
-        else:
-            return event
-    return None
-
-
 def require_tool(spec: LaunchSpec) -> None:
     if shutil.which(spec.tool_exe) is None:
         raise ConfigError(
@@ -156,23 +134,29 @@ def _kill_tree(proc: subprocess.Popen[str], grace_s: float) -> None:
 
 
 def stop_all(spec: LaunchSpec, out: IO[str] | None = None) -> int:
-    """Run the stop script on every host (bounded by the tool's -u); its exit code."""
-    out = out or sys.stderr
+    """Run the stop script on every host (bounded by the tool's -u); its exit code. What the
+    hosts print goes to ``out`` (default: stderr) once the stop has ended."""
     require_tool(spec)
     cmd = stop_command(spec)
     proc = subprocess.run(
         list(cmd.argv),
         env={**os.environ, **dict(cmd.env)},
         stdin=subprocess.DEVNULL,
-        stdout=out,
-        stderr=out,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         timeout=spec.stop_grace_s + 60,  # the tool's -u bounds it already; this is a backstop
         check=False,
     )
+    with contextlib.suppress(OSError, ValueError):  # our own output may be gone (| head)
+        (out or sys.stderr).write(proc.stdout)
+        (out or sys.stderr).flush()
     return proc.returncode
 
 
-def _stop_until_done(spec: LaunchSpec, proc: subprocess.Popen[str], deadline: float) -> None:
+def _stop_until_done(
+    spec: LaunchSpec, proc: subprocess.Popen[str], deadline: float, out: IO[str] | None = None
+) -> None:
     """Stop every host, again every few seconds while the tool still runs, until the deadline.
 
     One pass is not enough: a host whose ssh connection was slower than the failure report may
@@ -180,7 +164,7 @@ def _stop_until_done(spec: LaunchSpec, proc: subprocess.Popen[str], deadline: fl
     launch's tag, so the next pass ends them.
     """
     while time.monotonic() < deadline:
-        stop_all(spec)
+        stop_all(spec, out)
         try:
             proc.wait(timeout=min(STOP_REPEAT_S, max(0.0, deadline - time.monotonic())))
             return
@@ -188,9 +172,8 @@ def _stop_until_done(spec: LaunchSpec, proc: subprocess.Popen[str], deadline: fl
             continue
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
+class _Deadline(Exception):
+    pass
 
 
 def stop_hint(spec: LaunchSpec) -> str:
@@ -202,96 +185,153 @@ def stop_hint(spec: LaunchSpec) -> str:
     )  # fmt: skip
 
 
-def run_launch(spec: LaunchSpec, *, settle_s: float = 30.0) -> int:
-    """Start the launch; return 0 only if every host's command exited 0."""
-    require_tool(spec)
-    cmd = launch_command(spec)
-    print(
-        f"{TAG} {spec.launch_id}: {spec.num_nodes} host(s) {','.join(spec.hosts)} x "
-        f"{spec.nproc_per_node} process(es), {spec.mode}, master "
-        f"{spec.master_addr}:{spec.master_port}\n{TAG} to stop it: {stop_hint(spec)}",
-        file=sys.stderr,
-        flush=True,
-    )
-    events: queue.Queue[HostFailure | None] = queue.Queue()
-    proc = _start(cmd)
-    assert proc.stdout is not None and proc.stderr is not None
-    pumps = [
-        threading.Thread(target=_pump, args=(s, sink, events), daemon=True)
-        for s, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
-    ]
-    for pump in pumps:
-        pump.start()
+class ShellJob(Job):
+    """A running pdsh/clush launch: the tool's output is copied to ``stdout``/``stderr`` as it
+    streams (None: dropped), and read for failed hosts. ``job_id`` is the launch id."""
 
-    def on_signal(signum: int, _frame: object) -> None:
-        raise _Interrupted(signum)
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        *,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+        settle_s: float = 30.0,
+        run_paths: RunPaths | None = None,
+    ) -> None:
+        require_tool(spec)
+        self.spec, self.executor, self.job_id = spec, spec.tool, spec.launch_id
+        self.run_paths = run_paths
+        self.settle_s = settle_s
+        self.settling = False  # True once the launch is being stopped or collected
+        # The pipes are always drained (a full pipe would block the tool): None = dropped.
+        self._devnull = open(os.devnull, "w") if None in (stdout, stderr) else None  # noqa: SIM115
+        self._out = stdout or self._devnull
+        self._err = stderr or self._devnull
+        self._say(
+            f"{spec.launch_id}: {spec.num_nodes} host(s) {','.join(spec.hosts)} x "
+            f"{spec.nproc_per_node} process(es), {spec.mode}, master "
+            f"{spec.master_addr}:{spec.master_port}\n{TAG} to stop it: {stop_hint(spec)}"
+        )
+        self._events: queue.Queue[HostFailure | None] = queue.Queue()
+        self._failures: list[HostFailure] = []
+        self._finished: Finished | None = None
+        self._proc = _start(launch_command(spec))
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._pumps = [
+            threading.Thread(target=_pump, args=(stream, sink, self._events), daemon=True)
+            for stream, sink in ((self._proc.stdout, self._out), (self._proc.stderr, self._err))
+        ]
+        self._open_streams = len(self._pumps)
+        for pump in self._pumps:
+            pump.start()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failures: list[HostFailure] = []
-    interrupted: int | None = None
-    try:
-        first = _first_failure(proc, events, len(pumps))
-        if first:
-            failures.append(first)
-            print(
-                f"{TAG} host {','.join(first.hosts)} failed (exit code {first.code}); "
-                "stopping the job on every host",
-                file=sys.stderr,
-                flush=True,
+    def _say(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"{TAG} {text}", file=self._err, flush=True)
+
+    def status(self) -> str:
+        if self._finished is not None:
+            return self._finished.state
+        return "RUNNING" if self._proc.poll() is None else "COMPLETING"
+
+    def wait(self, timeout_s: float | None = None) -> Finished:
+        if self._finished is not None:
+            return self._finished
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            first = self._first_failure(deadline)
+        except _Deadline:
+            self._say(f"still running after {timeout_s:.0f} s; stopping the job on every host")
+            self._end(stop=True, state="TIMEOUT", code=TIMEOUT_CODE)
+            raise HpcDdpError(
+                f"launch {self.job_id} still running after {timeout_s:.0f} s: stopped it",
+                hint="wait longer, or bound each host's command with --timeout",
+            ) from None
+        if first is not None:
+            self._failures.append(first)
+            self._say(
+                f"host {','.join(first.hosts)} failed (exit code {first.code}); "
+                "stopping the job on every host"
             )
-    except _Interrupted as sig:
-        interrupted = sig.signum
-        print(f"{TAG} got signal {sig.signum}; stopping the job on every host", file=sys.stderr)
-    finally:
-        # A second Ctrl-C during the stop must not leave hosts running: ignore it.
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-    try:
-        deadline = time.monotonic() + settle_s
-        if failures or interrupted:
-            _stop_until_done(spec, proc, deadline)
-        elif any(pump.is_alive() for pump in pumps):
-            print(f"{TAG} {spec.tool} exited but processes it started still hold its output; "
-                  "stopping them", file=sys.stderr)  # fmt: skip
-            stop_all(spec)
+        return self._end(stop=first is not None)
+
+    def cancel(self, *, signum: int | None = None) -> None:
+        """Stop every host; ``signum``: the signal that asked for it (the exit code is 128+N)."""
+        if self._finished is None:
+            code = 128 + signum if signum else 128 + signal.SIGTERM
+            self._end(stop=True, state="CANCELLED", code=code)
+
+    def _first_failure(self, deadline: float | None) -> HostFailure | None:
+        """Block until a host fails (return it) or the tool is done (None).
+
+        "Done" is both streams at EOF, or the tool exited and its pipes stayed open
+        ``EOF_GRACE_S`` longer (a process it started still holds them; stop_all ends those).
+        """
+        exited_at: float | None = None
+        while self._open_streams:
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Deadline
+            try:
+                event = self._events.get(timeout=0.5)
+            except queue.Empty:
+                if self._proc.poll() is not None:
+                    exited_at = exited_at or time.monotonic()
+                    if time.monotonic() - exited_at > EOF_GRACE_S:
+                        return None
+                continue
+            if event is None:
+                self._open_streams -= 1
+            else:
+                return event
+        return None
+
+    def _end(self, *, stop: bool, state: str | None = None, code: int | None = None) -> Finished:
+        """Stop the hosts if asked, collect the tool and its late failure lines, summarize."""
+        self.settling = True
+        proc, deadline = self._proc, time.monotonic() + self.settle_s
+        if stop:
+            _stop_until_done(self.spec, proc, deadline, self._err)
+        elif any(pump.is_alive() for pump in self._pumps):
+            self._say(f"{self.spec.tool} exited but processes it started still hold its output; "
+                      "stopping them")  # fmt: skip
+            stop_all(self.spec, self._err)
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(
-                f"{TAG} {spec.tool} still running {settle_s:.0f} s after stop; killing it",
-                file=sys.stderr,
-            )
+            tool, grace = self.spec.tool, self.settle_s
+            self._say(f"{tool} still running {grace:.0f} s after stop; killing it")
             _kill_tree(proc, 5.0)
-        for pump in pumps:
+        for pump in self._pumps:
             pump.join(timeout=max(0.1, deadline - time.monotonic()))
         while True:  # failure lines that arrived after the first one
             try:
-                event = events.get_nowait()
+                event = self._events.get_nowait()
             except queue.Empty:
                 break
             if event is not None:
-                failures.append(event)
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    return _summarize(spec, proc.returncode, failures, interrupted)
+                self._failures.append(event)
+        if code is None:
+            code = self._summarize(proc.returncode)
+        state = state or ("COMPLETED" if code == 0 else "FAILED")
+        failed = sorted({host for failure in self._failures for host in failure.hosts})
+        error = f"failed on {', '.join(failed)}" if failed else ""
+        self._finished = Finished(self.job_id, state, code, error=error)
+        if self._devnull is not None:
+            self._devnull.close()
+        return self._finished
 
-
-def _summarize(
-    spec: LaunchSpec, tool_rc: int | None, failures: list[HostFailure], interrupted: int | None
-) -> int:
-    if interrupted:
-        return 128 + interrupted
-    if failures:
-        by_host: dict[str, int] = {}
-        for failure in failures:
-            for host in failure.hosts:
-                by_host.setdefault(host, failure.code)
-        listing = ", ".join(f"{h} (exit {c})" for h, c in by_host.items())
-        print(f"{TAG} FAILED on {listing}; first: {failures[0].line}", file=sys.stderr)
-        return failures[0].code if 0 < failures[0].code < 256 else 1
-    if tool_rc:
-        print(f"{TAG} {spec.tool} exited with code {tool_rc}", file=sys.stderr)
-        return tool_rc
-    print(f"{TAG} all {spec.num_nodes} host(s) finished with exit code 0", file=sys.stderr)
-    return 0
+    def _summarize(self, tool_rc: int | None) -> int:
+        if self._failures:
+            by_host: dict[str, int] = {}
+            for failure in self._failures:
+                for host in failure.hosts:
+                    by_host.setdefault(host, failure.code)
+            listing = ", ".join(f"{h} (exit {c})" for h, c in by_host.items())
+            self._say(f"FAILED on {listing}; first: {self._failures[0].line}")
+            first = self._failures[0].code
+            return first if 0 < first < 256 else 1
+        if tool_rc:
+            self._say(f"{self.spec.tool} exited with code {tool_rc}")
+            return tool_rc
+        self._say(f"all {self.spec.num_nodes} host(s) finished with exit code 0")
+        return 0

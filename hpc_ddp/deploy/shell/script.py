@@ -1,17 +1,15 @@
 """Render a scheduler-less launch as a plain bash script a user can keep (``--render-script``).
 
-The script carries the very argv ``hpc-ddp launch`` would run (built by ``shell_launch``, quoted
-once with ``shlex``), a ``stop`` action, and the same fail-fast watch as ``launch_runner``: at the
+The script carries the very argv ``hpc-ddp launch`` would run (built by ``tool_argv``, quoted
+once with ``shlex``), a ``stop`` action, and the same fail-fast watch as ``runner``: at the
 first failed host it stops every host. It needs bash, pdsh or clush, nothing from hpc-ddp.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hpc_ddp import __version__
-from hpc_ddp.deploy.script_file import write_atomic
-from hpc_ddp.deploy.shell.spec import LaunchSpec, launch_command, stop_command
+from hpc_ddp.deploy.shell.spec import LaunchSpec
+from hpc_ddp.deploy.shell.tool_argv import launch_command, stop_command
 from hpc_ddp.deploy.templating import get_template
 
 TEMPLATES = {"pdsh": "pdsh_launch.sh.j2", "clush": "clush_launch.sh.j2"}
@@ -37,11 +35,3 @@ def render_launch_script(
         launch_argv=list(launch.argv),
         stop_argv=list(stop.argv),
     )
-
-
-def write_launch_script(
-    spec: LaunchSpec, path: Path, *, produced_by: str, force: bool = False
-) -> None:
-    """Write atomically; an existing file is replaced only with ``force`` (never lost silently)."""
-    text = render_launch_script(spec, produced_by=produced_by, script_name=path.name)
-    write_atomic(path, text, force=force, mode=0o755)

@@ -1,19 +1,12 @@
-"""Scheduler-less launch: the pdsh/clush command lines that start one job on every host.
+"""``LaunchSpec``: one scheduler-less launch (pdsh/clush), validated at construction.
 
-Layers, each quoted exactly once by the shell that will parse it:
+The shared core (GPUs and processes per host, env, setup, workdir, program) and its rules are
+``hpc_ddp.deploy.core.ProcessSpec``; a launch adds its hosts (one node each, in canonical order),
+the tool and remote command, the rendezvous address, and how it is stopped. Problems name the
+``hpc-ddp launch`` flags. ``make_spec`` resolves the defaults the CLI leaves open.
 
-1. the *host script*: bash text run once per host. ``%h``/``%n`` (host, node rank) are the only
-   placeholders; every other ``%`` is doubled, because pdsh and clush both substitute ``%``.
-2. the *host argv*: ``bash -c SCRIPT``.
-3. the *tool argv*: pdsh or clush with their flags, then layer 2 as the tool needs it: pdsh's
-   exec worker runs an argv (no shell); pdsh's ssh module and clush join it into one string that
-   a shell parses, so they get ``shlex.join(host argv)``.
-
-Why ``clush -R exec ... ssh %h`` instead of clush's ssh worker: that worker does not substitute
-``%n`` (pdsh's ssh module does), so the node rank would be lost. The exec worker substitutes both,
-and running ``ssh`` from it keeps every ssh option visible in ``--dry-run``.
-
-This module builds and renders; ``launch_runner`` runs. Neither imports torch.
+How the spec becomes command lines: ``host_scripts`` (the bash each host runs) and ``tool_argv``
+(the pdsh/clush argv around it). This module imports neither. Never imports torch.
 """
 
 from __future__ import annotations
@@ -21,20 +14,26 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shlex
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from hpc_ddp.cluster.master_port import derive_port
-from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
+from hpc_ddp.deploy.core import TRAIN_MODULE, ProcessSpec, problem_list
+from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address, is_host_name
-from hpc_ddp.deploy.shell.host_scripts import host_script, stop_script
 from hpc_ddp.errors import ConfigError
 
-TOOLS = ("pdsh", "clush")
-MODES = ("torchrun", "processes")
-RCMDS = ("ssh", "exec")
+Tool = Literal["pdsh", "clush"]
+TOOLS: tuple[Tool, ...] = get_args(Tool)
+# torchrun: one torchrun per host; processes: the project's node agent starts them itself.
+Mode = Literal["torchrun", "processes"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+# ssh: real hosts; exec: every "host" is this machine (pdsh's/clush's exec worker).
+Rcmd = Literal["ssh", "exec"]
+RCMDS: tuple[Rcmd, ...] = get_args(Rcmd)
 
 # Never prompt (a prompt on one of 64 hosts is a hang), fail a dead host in seconds, no X11.
 SSH_OPTIONS = ("-oBatchMode=yes", "-oConnectTimeout=10", "-oForwardX11=no")
@@ -47,6 +46,10 @@ FORWARD_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_
 _LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline
 _STATE_DIR = re.compile(r"/[^\x00-\x1f\x7f]*")
 DEFAULT_STATE_DIR_SHOWN = "${XDG_RUNTIME_DIR:-~/.local/state}/hpc-ddp/launch"
+_COMMAND_HINT = (
+    "e.g. hpc-ddp launch pdsh --hosts 'n[1-2]' -- --epochs 1  (trainer args) or"
+    " -- python3 my_worker.py"
+)
 
 
 def new_launch_id() -> str:
@@ -54,7 +57,7 @@ def new_launch_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The local variables that must be exported on the remote side (see FORWARD_*)."""
     return {
         k: v
@@ -63,26 +66,28 @@ def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     }
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything a scheduler-less launch needs; validated at construction."""
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec(ProcessSpec):
+    """Everything a scheduler-less launch needs. One node per host: ``nodes`` = len(hosts).
 
-    tool: str
+    ``gpus_per_node`` counts process slots on CPU-only hosts. With neither ``module`` nor
+    ``script``, ``args`` is the whole command each process runs (``command``).
+    """
+
+    tool: Tool
     hosts: tuple[str, ...]  # canonical (sorted, de-duplicated) order: index = node rank
-    command: tuple[str, ...]  # what each training process runs
     master_addr: str
     master_port: int
     launch_id: str
+    nodes: int = 0  # 0: derived from hosts
     gpus_per_node: int = 1
-    gpus_per_process: int = 1
-    mode: str = "torchrun"
-    rcmd: str = "ssh"
-    env: tuple[tuple[str, str], ...] = ()
-    setup: tuple[str, ...] = ()
-    workdir: str = "."
+    module: str = ""
     # The interpreter running hpc-ddp: on the shared file system that --workdir already assumes,
     # the same path (venv included) exists on every host, so no --setup is needed to find torch.
     python: str = field(default_factory=lambda: sys.executable)
+    workdir: str = field(default_factory=os.getcwd)  # where the launch starts, on every host
+    mode: Mode = "torchrun"
+    rcmd: Rcmd = "ssh"
     # Where each host keeps the launch's pid files; "" = the host's private state dir
     # (host_scripts resolves it there: hpc_ddp.private_paths' rules).
     state_dir: str = ""
@@ -90,97 +95,90 @@ class LaunchSpec:
     rendezvous_timeout_s: int = 120
     stop_grace_s: int = 10
     tool_path: str | None = None
-    ssh_options: tuple[str, ...] = field(default=SSH_OPTIONS)
+    ssh_options: tuple[str, ...] = SSH_OPTIONS
 
     def __post_init__(self) -> None:
+        if not self.nodes:
+            object.__setattr__(self, "nodes", len(self.hosts))  # frozen: set once, here
+        problems = self.core_problems() + self._launch_problems()
+        if problems:
+            raise ConfigError(
+                "invalid launch:" + problem_list(problems),
+                hint="fix the values above (`hpc-ddp launch --help` lists every flag); values "
+                "are data: no line breaks or other control characters, and that holds for the "
+                "variables forwarded from this shell too (--no-forward-env skips them)",
+            )
+
+    def label(self, name: str, item: str | int | None = None) -> str:
+        """Problems name the ``hpc-ddp launch`` flag (``--gpus-per-node``, ``--env K``)."""
+        if name == "args" and isinstance(item, int):  # its index in the whole command
+            return f"command argument {item + len(self.argv) - len(self.args)}"
+        if name == "env":
+            return f"env {item}"
+        if name == "env key":
+            return f"--env {item!r}"
+        flag = "--" + name.replace("_", "-")
+        return flag if item is None else f"{flag}[{item}]"
+
+    def _launch_problems(self) -> list[str]:
+        p: list[str] = []
         for name, value, valid in (
             ("tool", self.tool, TOOLS),
             ("mode", self.mode, MODES),
             ("rcmd", self.rcmd, RCMDS),
         ):
             if value not in valid:
-                raise ConfigError(
-                    f"{name} {value!r} is not supported", hint=f"valid: {', '.join(valid)}"
-                )
+                p.append(f"{name} {value!r} is not supported; valid: {', '.join(valid)}")
         if not self.hosts:
-            raise ConfigError("no hosts to launch on", hint="pass --hosts 'node[01-02]'")
-        if not self.command:
-            raise ConfigError(
-                "no command to run after '--'",
-                hint="e.g. hpc-ddp launch pdsh --hosts 'n[1-2]' -- --epochs 1  (trainer args) or"
-                " -- python3 my_worker.py",
-            )
-        if self.gpus_per_node < 1 or self.gpus_per_process < 1:
-            raise ConfigError(
-                f"--gpus-per-node {self.gpus_per_node} / --gpus-per-process "
-                f"{self.gpus_per_process}: both must be >= 1",
-                hint="on CPU-only hosts --gpus-per-node counts process slots per host",
-            )
-        if self.gpus_per_node % self.gpus_per_process:
-            raise ConfigError(
-                f"--gpus-per-node {self.gpus_per_node} is not a multiple of --gpus-per-process "
-                f"{self.gpus_per_process}",
-                hint="every process drives the same number of GPUs; pick a divisor",
+            p.append("no hosts to launch on: pass --hosts 'node[01-02]'")
+        elif self.nodes != len(self.hosts):
+            p.append(f"nodes={self.nodes} but {len(self.hosts)} host(s): one node per host")
+        if not self.argv:
+            p.append(f"no command to run after '--' ({_COMMAND_HINT})")
+        if self.gpus_per_node < 1:
+            p.append(
+                f"--gpus-per-node {self.gpus_per_node}: must be >= 1 (on CPU-only hosts it "
+                "counts process slots per host)"
             )
         if not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"master port {self.master_port} is not a TCP port", hint="1..65535")
+            p.append(f"master port {self.master_port} is not a TCP port (1..65535)")
         if not _LAUNCH_ID.fullmatch(self.launch_id):
-            raise ConfigError(
-                f"--launch-id {self.launch_id!r} is not a plain name",
-                hint="letters, digits, '.', '-', '_' (it names pid files on every host)",
+            p.append(
+                f"--launch-id {self.launch_id!r} is not a plain name: letters, digits, '.', '-',"
+                " '_' (it names pid files on every host)"
             )
         if self.state_dir and not _STATE_DIR.fullmatch(self.state_dir):
-            raise ConfigError(
+            p.append(
                 f"--state-dir {self.state_dir!r} is not an absolute path without control "
-                "characters",
-                hint="pass an absolute directory only you can write, or leave --state-dir out",
+                "characters: pass an absolute directory only you can write, or leave it out"
             )
-        for key, _ in self.env:
-            if not ENV_NAME.fullmatch(key):
-                raise ConfigError(f"--env {key!r} is not a variable name", hint="use --env K=V")
         bad_hosts = [h for h in self.hosts if not is_host_name(h)]
         if bad_hosts:
-            raise ConfigError(
-                f"host name(s) {bad_hosts[:5]} cannot be passed through ssh and pdsh/clush safely",
-                hint="use plain host names (letters, digits, '.', '-', '_'), as in /etc/hosts",
+            p.append(
+                f"host name(s) {bad_hosts[:5]} cannot be passed through ssh and pdsh/clush "
+                "safely: use plain host names (letters, digits, '.', '-', '_')"
             )
-        check_address("--master-addr", self.master_addr)
-        problems = self._text_problems()
-        if problems:
-            raise ConfigError(
-                "launch values with control characters:\n  - " + "\n  - ".join(problems),
-                hint="values are data: no line breaks or other control characters (variables "
-                "forwarded from this shell count too; --no-forward-env skips them)",
-            )
+        try:
+            check_address("--master-addr", self.master_addr)
+        except ConfigError as err:
+            p.append(f"{err.message}: {err.hint}")
+        p += [control_problem("--state-dir", self.state_dir)]
+        p += [control_problem("--tool-path", self.tool_path or "")]
+        p += [control_problem("ssh option", option) for option in self.ssh_options]
+        return [problem for problem in p if problem]
 
-    def _text_problems(self) -> list[str]:
-        """Free-text values are shell-quoted where they land; like every data field they may
-        still hold no control character (hpc_ddp.deploy.safe_text says why)."""
-        found = [control_problem(f"env {key}", value) for key, value in self.env]
-        found += [control_problem(f"command argument {i}", a) for i, a in enumerate(self.command)]
-        for i, line in enumerate(self.setup):  # shell by design, but one line per entry
-            found.append(control_problem(f"--setup[{i}]", line, allow_tab=True))
-        for flag, value in (
-            ("--workdir", self.workdir),
-            ("--python", self.python),
-            ("--state-dir", self.state_dir),
-            ("--tool-path", self.tool_path or ""),
-            *(("ssh option", option) for option in self.ssh_options),
-        ):
-            found.append(control_problem(flag, value))
-        return [problem for problem in found if problem]
+    @property
+    def command(self) -> tuple[str, ...]:
+        """What each training process runs (after torchrun's ``--no-python`` / the node agent)."""
+        return tuple(self.argv)
 
     @property
     def num_nodes(self) -> int:
-        return len(self.hosts)
+        return self.nodes
 
     @property
     def nproc_per_node(self) -> int:
-        return self.gpus_per_node // self.gpus_per_process
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.nproc_per_node
+        return self.ppn
 
     @property
     def tool_exe(self) -> str:
@@ -201,7 +199,8 @@ def make_spec(
     master_addr: str | None = None,
     master_port: int | None = None,
     launch_id: str | None = None,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    setup: list[str] | tuple[str, ...] = (),
     python: str | None = None,
     workdir: str | None = None,
     state_dir: str | None = None,
@@ -222,71 +221,22 @@ def make_spec(
     if master_addr is None:
         master_addr = "127.0.0.1" if rcmd == "exec" else host_list[0]
     port = master_port if master_port is not None else derive_port(launch_id)
-    if command and command[0].startswith("-"):
-        command = [python, "-m", "hpc_ddp.train", *command]
+    trainer = bool(command) and command[0].startswith("-")
     env = dict(env or {})
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does; N processes share the cores
     return LaunchSpec(
-        tool=tool,
+        tool=tool,  # type: ignore[arg-type]  # checked by LaunchSpec, with every other value
         hosts=tuple(host_list),
-        command=tuple(command),
-        rcmd=rcmd,
+        module=TRAIN_MODULE if trainer else "",
+        args=list(command),
+        setup=list(setup),
+        rcmd=rcmd,  # type: ignore[arg-type]
         master_addr=master_addr,
         master_port=port,
         launch_id=launch_id,
-        env=tuple(sorted(env.items())),
+        env=dict(sorted(env.items())),
         python=python,
         workdir=workdir or os.getcwd(),
         state_dir=os.path.abspath(state_dir) if state_dir else "",
         **kwargs,  # type: ignore[arg-type]
     )
-
-
-# ----------------------------------------------------------------------------- tool argv
-
-
-@dataclass(frozen=True)
-class ToolCommand:
-    """An argv plus the variables the *local* tool process needs (pdsh's ssh arguments)."""
-
-    argv: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-
-    def shell(self) -> str:
-        """The exact command, pasteable into a shell."""
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
-        return f"{prefix} {shlex.join(self.argv)}" if prefix else shlex.join(self.argv)
-
-
-def tool_command(spec: LaunchSpec, script: str, *, timeout_s: int | None = None) -> ToolCommand:
-    """pdsh/clush argv that runs ``bash -c script`` once on every host, in canonical order."""
-    hosts = ",".join(spec.hosts)
-    host_argv = ["bash", "-c", script]
-    # Fanout below the host count would start the last hosts only after the first ones finish:
-    # a distributed job would wait forever for them. So fanout >= number of hosts, always.
-    fanout = str(max(spec.num_nodes, 32))
-    if spec.tool == "pdsh":
-        argv = [spec.tool_exe, "-S", "-R", spec.rcmd, "-f", fanout, "-w", hosts]
-        if timeout_s:
-            argv += ["-u", str(timeout_s)]
-        if spec.rcmd == "exec":
-            return ToolCommand((*argv, *host_argv))
-        # pdsh's ssh module joins the command into one string for the remote shell.
-        ssh_env = (("PDSH_SSH_ARGS_APPEND", " ".join(spec.ssh_options)),)
-        return ToolCommand((*argv, shlex.join(host_argv)), ssh_env)
-    argv = [spec.tool_exe, "-R", "exec", "-f", fanout, "-w", hosts, "--maxrc", "--nostdin"]
-    if timeout_s:
-        argv += ["-u", str(timeout_s)]
-    remote = shlex.join(host_argv)
-    if spec.rcmd == "ssh":  # see the module docstring: clush's ssh worker drops %n
-        remote = shlex.join(["ssh", *spec.ssh_options, "%h", remote])
-    return ToolCommand((*argv, remote))
-
-
-def launch_command(spec: LaunchSpec) -> ToolCommand:
-    return tool_command(spec, host_script(spec), timeout_s=spec.timeout_s)
-
-
-def stop_command(spec: LaunchSpec) -> ToolCommand:
-    # Bounded: a stop must never be what hangs. Grace + ssh connect + slack.
-    return tool_command(spec, stop_script(spec), timeout_s=spec.stop_grace_s + 30)

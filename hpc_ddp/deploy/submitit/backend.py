@@ -1,179 +1,76 @@
-"""The trainer through submitit: ``AutoExecutor`` on Slurm, ``LocalExecutor`` on this machine.
+"""``SubmititBackend``: the trainer through submitit, on Slurm (``AutoExecutor``, executor
+"submitit") or on this machine (``LocalExecutor``, executor "local").
 
-``TrainTask`` is a ``submitit.helpers.Checkpointable``. Each submitit task runs the trainer as a
-child process (``python -m hpc_ddp.train``), for two reasons:
-
-* the trainer leaves through ``os._exit`` (Gloo can abort in a C++ destructor at interpreter
-  teardown, after the work is done), which would skip submitit's result pickle if it ran in
-  submitit's process;
-* the trainer checkpoints at a step boundary when its ranks agree, never inside a signal handler.
-
-Preemption/time limit: Slurm (or the local controller) sends USR2 to every process. Our handler
-forwards it to the trainer child and then calls submitit's own handler. On rank 0 that calls
-``checkpoint()``, which waits for the child to finish its checkpoint and exit 75, then returns a
-``DelayedSubmission`` of the same task; submitit requeues the job, and the new run resumes from
-the run dir's newest checkpoint. Only this module's parent process is submitit's; it never
-imports torch.
+describe: the executor's parameters and the command every task runs (``TrainTask``), checked
+and written out without creating anything. submit: the executor (made only then, in ``folder``)
+submits the task. ``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because
+submitit's own watcher asks sacct, which clusters without accounting (like the local one) do not
+answer: a job that died before writing its result would be waited on forever.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
+import shlex
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import submitit
 
+from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.sbatch.submit import LogFollower
-from hpc_ddp.deploy.spec import JobSpec, build_spec, time_limit_seconds
-from hpc_ddp.deploy.submission_env import scrubbed_environ
+from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
+from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
+from hpc_ddp.deploy.submitit.task import TrainTask
+from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.slurm_client import TERMINAL, SlurmClient
-from hpc_ddp.train.results import result_lines
+from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
 
-PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
-CHILD_CHECKPOINT_TIMEOUT_S = 120.0
+Kind = Literal["submitit", "local"]
 
 
-def _run_dir(argv: list[str]) -> Path | None:
-    for i, arg in enumerate(argv):
-        if arg == "--run-dir" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--run-dir="):
-            return Path(arg.split("=", 1)[1])
-    return None
+@dataclass(frozen=True)
+class _Request:
+    kind: Kind
+    folder: Path
+    parameters: dict[str, Any]
+    task: TrainTask
 
 
-@dataclass
-class TrainTask(submitit.helpers.Checkpointable):
-    """Run ``python -m hpc_ddp.train ARGV`` in every submitit task; resumable."""
-
-    argv: list[str]
-    python: str = sys.executable
-    env: dict[str, str] = field(default_factory=dict)
-    _child: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
-
-    def trainer_argv(self) -> list[str]:
-        # submitit owns the requeue (its checkpoint path); the trainer checkpoints and exits 75.
-        return [
-            self.python, "-u", "-m", "hpc_ddp.train", *self.argv,
-            "--requeue", "none", "--requeue-signal", f"{PREEMPT_SIGNAL.name},SIGTERM",
-        ]  # fmt: skip
-
-    def __call__(self) -> dict[str, Any]:
-        env = submitit.JobEnvironment()
-        previous = signal.getsignal(PREEMPT_SIGNAL)
-
-        def forward(signum: int, frame: FrameType | None) -> None:
-            if self._child is not None and self._child.poll() is None:
-                self._child.send_signal(signum)
-            if callable(previous):
-                previous(signum, frame)  # submitit: rank 0 calls checkpoint() and requeues
-
-        signal.signal(PREEMPT_SIGNAL, forward)
-        self._child = subprocess.Popen(self.trainer_argv(), env={**os.environ, **self.env})
-        # Poll rather than wait(): checkpoint() runs inside a signal handler, and a handler that
-        # interrupts Popen.wait() could never take the Popen's wait lock itself.
-        while (code := self._child.poll()) is None:
-            time.sleep(0.05)
-        if code == EXIT_REQUEUE and env.global_rank == 0 and callable(previous):
-            # The trainer was told to stop by a signal submitit did not see (e.g. SIGTERM at the
-            # time limit): go through submitit's requeue path ourselves. It exits the process.
-            previous(PREEMPT_SIGNAL, None)
-        if code not in (0, EXIT_REQUEUE):
-            raise HpcDdpError(f"trainer (rank {env.global_rank}) exited with code {code}")
-        return self.summary(code)
-
-    def summary(self, code: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"exit_code": code}
-        run_dir = _run_dir(self.argv)
-        if run_dir is not None and (run_dir / "result.json").exists():
-            out.update(json.loads((run_dir / "result.json").read_text()))
-        return out
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """Called by submitit on rank 0 when preempted: let the trainer finish its checkpoint."""
-        child = self._child
-        if child is not None and not _exited(child.pid, CHILD_CHECKPOINT_TIMEOUT_S):
-            child.kill()
-        # The trainer resumes from the run dir's newest checkpoint: same task, same arguments.
-        return submitit.helpers.DelayedSubmission(TrainTask(self.argv, self.python, self.env))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_child"] = None  # a process handle does not travel in a pickle
-        return state
-
-
-def _exited(pid: int, timeout_s: float) -> bool:
-    """Wait until ``pid`` has exited (zombie or gone), reading /proc: no Popen lock involved."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return True
-        if stat[stat.rfind(")") + 2 :].split()[0] in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def make_executor(
-    spec: JobSpec,
-    *,
-    kind: str,
-    folder: Path,
-    cluster_env: Mapping[str, str] | None = None,
-) -> submitit.Executor:
-    """``kind`` "submitit" -> Slurm through AutoExecutor; "local" -> LocalExecutor."""
+def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
+    """submitit's ``update_parameters`` for ``spec``; ConfigError for what submitit cannot run."""
     if spec.launcher != "srun":
         raise ConfigError(
             "submitit starts one task per process itself: launcher must be srun",
             hint="drop launcher = 'torchrun' from the spec for --executor submitit/local",
         )
     minutes = max(1, _minutes(spec.time))
-    common: dict[str, Any] = dict(
-        timeout_min=minutes, tasks_per_node=spec.ppn, nodes=spec.nodes,
-    )  # fmt: skip
     if kind == "local":
         if spec.nodes != 1:
             raise ConfigError(
                 f"the local executor runs on one machine; the spec asks for {spec.nodes} nodes",
                 hint="set nodes = 1 (and procs_per_node) or use --executor submitit",
             )
-        ex = submitit.LocalExecutor(folder=str(folder))
-        ex.update_parameters(
-            timeout_min=minutes,
-            tasks_per_node=spec.ppn,
-            signal_delay_s=spec.signal_lead_s or 30,
+        return dict(
+            timeout_min=minutes, tasks_per_node=spec.ppn, signal_delay_s=spec.signal_lead_s or 30
         )
-        return ex
-    with scrubbed_environ(dict(cluster_env or {})):
-        ex = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
-    params: dict[str, Any] = dict(common, name=spec.name)
+    params: dict[str, Any] = dict(
+        timeout_min=minutes, tasks_per_node=spec.ppn, nodes=spec.nodes, name=spec.name
+    )
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
     if spec.cpus_per_task:
         params["cpus_per_task"] = spec.cpus_per_task
     if spec.partition:
         params["slurm_partition"] = spec.partition
-    slurm_extra = {"signal_delay_s": spec.signal_lead_s or 90}
+    params["slurm_signal_delay_s"] = spec.signal_lead_s or 90
     if spec.account:
-        slurm_extra["account"] = spec.account  # type: ignore[assignment]
-    params.update({f"slurm_{k}": v for k, v in slurm_extra.items()})
-    ex.update_parameters(**params)
-    return ex
+        params["slurm_account"] = spec.account
+    return params
 
 
 def _minutes(limit: str) -> int:
@@ -181,86 +78,150 @@ def _minutes(limit: str) -> int:
     return 60 * 24 * 365 if secs is None else (secs + 59) // 60
 
 
-def submit_train(
-    spec: JobSpec,
-    *,
-    kind: str,
-    folder: Path,
-    cluster_env: Mapping[str, str] | None = None,
-) -> submitit.Job[Any]:
-    """Submit the trainer described by ``spec`` (its ``args`` are the trainer's flags)."""
-    if spec.module != "hpc_ddp.train" or spec.script:
-        raise ConfigError("the submitit backend runs the hpc_ddp trainer (module hpc_ddp.train)")
-    folder.mkdir(parents=True, exist_ok=True)
-    ex = make_executor(spec, kind=kind, folder=folder, cluster_env=cluster_env)
-    # Same environment as the sbatch templates give (OMP_NUM_THREADS, HPC_DDP_GPUS_PER_PROCESS...).
-    task = TrainTask(list(spec.args), env=dict(job_env(spec)))
-    # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF kept).
-    with scrubbed_environ(dict(cluster_env or {})):
-        return ex.submit(task)
+class SubmititBackend(Backend):
+    """submitit on Slurm (``kind="submitit"``) or on this machine (``kind="local"``)."""
+
+    def __init__(
+        self,
+        kind: Kind = "submitit",
+        *,
+        folder: str | Path | None = None,
+        cluster_env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        follow: TextIO | None = None,
+    ) -> None:
+        if kind not in ("submitit", "local"):
+            raise ConfigError(f"submitit executor {kind!r} is not one of submitit, local")
+        self.kind: Kind = kind
+        self.folder = Path(folder) if folder is not None else None  # default: runs/submitit/NAME
+        # The local executor talks to no Slurm; on Slurm, jobs run this interpreter's python.
+        self.cluster_env = None if kind == "local" else with_this_python(cluster_env or {})
+        self.cwd = Path(cwd) if cwd is not None else None
+        self.follow = follow
+
+    @property
+    def executor(self) -> str:  # type: ignore[override]  # per instance: submitit or local
+        return self.kind
+
+    def describe(self, spec: JobSpec) -> DryRun:
+        if not spec.runs_trainer:
+            raise ConfigError(
+                "the submitit backend runs the hpc_ddp trainer (module hpc_ddp.train)",
+                hint="use --executor sbatch for another program",
+            )
+        parameters = executor_parameters(spec, self.kind)
+        folder = self.folder or Path("runs") / "submitit" / spec.name
+        cwd = (self.cwd or Path.cwd()).absolute()
+        # Same environment as the sbatch templates give (OMP_NUM_THREADS, HPC_DDP_GPUS_PER_...).
+        task = TrainTask(list(spec.args), env=dict(job_env(spec)))
+        where = "LocalExecutor, this machine" if self.kind == "local" else "AutoExecutor, Slurm"
+        text = "\n".join(
+            [
+                f"# submitit ({where}); logs and pickles in {folder}",
+                "# executor parameters: "
+                + " ".join(f"{k}={v}" for k, v in sorted(parameters.items())),
+                "# every task runs, with "
+                + " ".join(f"{k}={shlex.quote(v)}" for k, v in task.env.items()) + ":",
+                shlex.join(task.trainer_argv()),
+                "",
+            ]
+        )  # fmt: skip
+        return DryRun(
+            self.kind,
+            text,
+            f"submitit {self.kind} job in {folder}",
+            _Request(self.kind, folder, parameters, task),
+            trainer_run_paths(spec.args, cwd),
+        )
+
+    def submit(self, plan: DryRun) -> SubmititJob:
+        request: _Request = plan.request
+        request.folder.mkdir(parents=True, exist_ok=True)
+        # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF
+        # kept); submitit reads os.environ itself, hence the temporary scrub.
+        with scrubbed_environ(self.cluster_env):
+            if request.kind == "local":
+                ex: submitit.Executor = submitit.LocalExecutor(folder=str(request.folder))
+            else:
+                ex = submitit.AutoExecutor(folder=str(request.folder), cluster="slurm")
+            ex.update_parameters(**request.parameters)
+            job = ex.submit(request.task)
+        return SubmititJob(job, self.cluster_env, plan.run_paths, self.follow, request.folder)
 
 
-def wait_submitit(
-    job: submitit.Job[Any],
-    *,
-    timeout_s: float,
-    cluster_env: Mapping[str, str] | None = None,
-    follow: TextIO | None = None,
-) -> tuple[str, int, Any]:
-    """(state, exit code, rank 0's result) without sacct: result pickle or scontrol terminal state.
+class SubmititJob(Job):
+    """A submitit job; ``job`` is submitit's own handle (logs, pickles, results)."""
 
-    submitit's own watcher asks sacct, which clusters without accounting (like the local one)
-    do not answer, so a job that died before writing its result would be waited on forever.
-    """
-    client = SlurmClient({**os.environ, **(cluster_env or {})}) if cluster_env else None
-    follower = LogFollower(Path(job.paths.stdout), follow)
-    deadline = time.monotonic() + timeout_s
-    state = "UNKNOWN"
-    while True:
+    def __init__(
+        self,
+        job: submitit.Job[Any],
+        cluster_env: Mapping[str, str] | None,
+        run_paths: RunPaths | None = None,
+        follow: TextIO | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        self.job = job
+        self.folder = folder  # submitit's logs and pickles
+        self.job_id = str(job.job_id)
+        self.executor = "local" if cluster_env is None else "submitit"
+        self.output = Path(job.paths.stdout)  # rank 0's log
+        self.run_paths = run_paths
+        self.follow = follow
+        self._client = None if cluster_env is None else SlurmClient(
+            {**submission_env(), **cluster_env}
+        )  # fmt: skip
+        self._finished: Finished | None = None
+        self._cancelled = False  # the local executor has no scheduler to remember it
+
+    def _info(self) -> dict[str, str]:
+        return self._client.job_info(self.job_id) if self._client is not None else {}
+
+    def status(self) -> str:
+        if self._finished is not None:
+            return self._finished.state
+        if self._client is not None:
+            return self._info().get("JobState", "UNKNOWN")
+        if not self.job.done():
+            return "RUNNING"
+        if self._cancelled:
+            return "CANCELLED"
+        # submitit pickles ("success", value) or ("error", traceback) when the task ends.
+        pickle = self.job.paths.result_pickle
+        ok = pickle.exists() and submitit.core.utils.pickle_load(pickle)[0] == "success"
+        return "COMPLETED" if ok else "FAILED"
+
+    def wait(self, timeout_s: float | None = None) -> Finished:
+        if self._finished is not None:
+            return self._finished
+        follower = LogFollower(self.output, self.follow)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (state := self.status()) not in TERMINAL:
+            follower.poll()
+            if deadline is not None and time.monotonic() > deadline:
+                self.cancel()
+                raise HpcDdpError(
+                    f"submitit job {self.job_id} not done after {timeout_s:.0f} s: cancelled it",
+                    hint="raise --timeout, or look at the job's logs in its folder",
+                )
+            time.sleep(0.2)
         follower.poll()
-        if client is not None:
-            info = client.job_info(str(job.job_id))
-            state = info.get("JobState", state)
-            if state in TERMINAL:
-                break
-        elif job.done():
-            state = "COMPLETED" if job.paths.result_pickle.exists() else "FAILED"
-            break
-        if time.monotonic() > deadline:
-            job.cancel(check=False)
-            raise HpcDdpError(f"submitit job {job.job_id} not done after {timeout_s:.0f} s")
-        time.sleep(0.2)
-    follower.poll()
-    try:
-        result = job.results()[0]  # rank 0's: the trainer writes result.json there
-    except Exception as err:  # submitit re-raises the task's error, with its traceback
-        return state, 1, err
-    code = int(result.get("exit_code", 0)) if isinstance(result, dict) else 0
-    return state, code, result
+        count = restarts(self._info())
+        try:
+            result = self.job.results()[0]  # rank 0's: the trainer writes result.json there
+        except Exception as err:  # submitit re-raises the task's error, with its traceback
+            done = Finished(self.job_id, state, 1, count, self.output, error=str(err))
+        else:
+            summary = result if isinstance(result, dict) else {}
+            code = int(summary.get("exit_code", 0))
+            done = Finished(self.job_id, state, code, count, self.output, summary or None)
+        self._finished = done
+        return done
 
-
-def run_spec(
-    spec_path: Path,
-    *,
-    executor: str,
-    folder: Path | None,
-    timeout_s: float,
-    wait: bool,
-    follow: TextIO | None,
-    cluster_env: Mapping[str, str] | None,
-) -> int:
-    spec = build_spec(spec_path)
-    folder = folder or Path("runs") / "submitit" / spec.name
-    job = submit_train(spec, kind=executor, folder=folder, cluster_env=cluster_env)
-    print(f"submitted {executor} job {job.job_id}; logs in {folder}", flush=True)
-    if not wait:
-        return 0
-    state, code, result = wait_submitit(
-        job, timeout_s=timeout_s, cluster_env=cluster_env, follow=follow
-    )
-    print(f"job {job.job_id}: {state}, exit code {code}")
-    if isinstance(result, dict):
-        print("\n".join(result_lines(result)))
-    else:
-        print(f"  error: {result}")
-    return code
+    def cancel(self) -> None:
+        if self._finished is not None:
+            return
+        self._cancelled = True
+        if self._client is not None:
+            self._client.cancel(self.job_id)
+        else:
+            self.job.cancel(check=False)

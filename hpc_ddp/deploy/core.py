@@ -1,0 +1,162 @@
+"""``ProcessSpec``: what every backend's spec shares. How many processes run where, and what each
+of them runs, with the rules that hold whichever backend starts them.
+
+``JobSpec`` (sbatch, submitit) and ``LaunchSpec`` (pdsh/clush) add their backend's fields on top.
+Every problem is collected and reported at once: a user fixing a job file should not have to
+discover its mistakes one submission at a time. A problem names the field the way its spec's
+user wrote it (a key of the job file, a flag of ``hpc-ddp launch``): ``label`` says how.
+Pure Python, never imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
+
+TRAIN_MODULE = "hpc_ddp.train"
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessSpec:
+    """Nodes, GPUs and processes of a job; the environment, setup and program of each process."""
+
+    nodes: int = field(default=1, metadata=_doc("number of nodes"))
+    gpus_per_node: int = field(default=0, metadata=_doc("GPUs per node; 0 = CPU job with Gloo"))
+    gpus_per_process: int = field(
+        default=1, metadata=_doc("GPUs each process drives: 1 = one process per GPU")
+    )
+    procs_per_node: int = field(
+        default=0,
+        metadata=_doc("processes per node; 0 = derived (GPUs/GPUs per process, or 1 on CPU)"),
+    )
+    workdir: str = field(
+        default="", metadata=_doc("working directory (sbatch --chdir); empty = where submitted")
+    )
+    env: dict[str, str] = field(
+        default_factory=dict, metadata=_doc("environment for every process (KEY=VALUE)")
+    )
+    setup: list[str] = field(
+        default_factory=list, metadata=_doc("shell lines run first (module load, venv activation)")
+    )
+    python: str = field(default="python", metadata=_doc("Python interpreter of every process"))
+    module: str = field(default=TRAIN_MODULE, metadata=_doc("module to run (python -m)"))
+    script: str = field(default="", metadata=_doc("script to run instead of a module"))
+    args: list[str] = field(default_factory=list, metadata=_doc("arguments of the program"))
+
+    # --- derived layout ------------------------------------------------------------------
+    @property
+    def ppn(self) -> int:
+        """Processes per node."""
+        if self.procs_per_node:
+            return self.procs_per_node
+        return self.gpus_per_node // self.gpus_per_process if self.gpus_per_node else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ppn
+
+    @property
+    def program(self) -> list[str]:
+        """What follows the interpreter: ``-m module args`` or ``script args``."""
+        head = [self.script] if self.script else ["-m", self.module] if self.module else []
+        return [*head, *self.args]
+
+    @property
+    def argv(self) -> list[str]:
+        """The whole command of one process. With neither module nor script, ``args`` is it."""
+        return [self.python, *self.program] if self.module or self.script else list(self.args)
+
+    @property
+    def runs_trainer(self) -> bool:
+        """Whether each process runs the project's trainer (``python -m hpc_ddp.train``)."""
+        return self.module == TRAIN_MODULE and not self.script
+
+    # --- rules -----------------------------------------------------------------------------
+    def label(self, name: str, item: str | int | None = None) -> str:
+        """How a problem names field ``name`` (``item``: a key of env, an index of a list)."""
+        if item is None:
+            return name
+        if name == "env key":
+            return f"env key {item!r}"
+        return f"{name}[{item!r}]" if isinstance(item, str) else f"{name}[{item}]"
+
+    def core_problems(self) -> list[str]:
+        """Every broken rule of the shared fields; each message names the valid choices."""
+        lab = self.label
+        p: list[str] = []
+        if self.nodes < 1:
+            p.append(f"{lab('nodes')} must be >= 1, got {self.nodes}")
+        if self.gpus_per_node < 0:
+            p.append(f"{lab('gpus_per_node')} must be >= 0, got {self.gpus_per_node}")
+        if self.gpus_per_process < 1:
+            p.append(f"{lab('gpus_per_process')} must be >= 1, got {self.gpus_per_process}")
+        if self.procs_per_node < 0:
+            p.append(
+                f"{lab('procs_per_node')} must be >= 0 (0 = derived), got {self.procs_per_node}"
+            )
+        g, gpp = self.gpus_per_node, self.gpus_per_process
+        if g > 0 and gpp >= 1:
+            if g % gpp:
+                divisors = [d for d in range(1, g + 1) if g % d == 0]
+                p.append(
+                    f"{lab('gpus_per_node')} {g} is not a multiple of {lab('gpus_per_process')} "
+                    f"{gpp}: every process drives the same number of GPUs; valid "
+                    f"{lab('gpus_per_process')} for {g} GPUs: {divisors}"
+                )
+            elif self.procs_per_node and self.procs_per_node != g // gpp:
+                p.append(
+                    f"{lab('procs_per_node')}={self.procs_per_node} contradicts {g} GPUs per node "
+                    f"at {gpp} per process ({g // gpp} processes); leave {lab('procs_per_node')} "
+                    "at 0"
+                )
+        if g == 0 and gpp != 1:
+            p.append(
+                f"{lab('gpus_per_process')} only applies to GPU jobs: set "
+                f"{lab('gpus_per_node')} or leave it at 1"
+            )
+        gpp_env = self.env.get("HPC_DDP_GPUS_PER_PROCESS")
+        if gpp_env is not None and gpp_env != str(gpp):
+            p.append(
+                f"env HPC_DDP_GPUS_PER_PROCESS={gpp_env} contradicts {lab('gpus_per_process')}="
+                f"{gpp}; set {lab('gpus_per_process')} only (the launch exports it)"
+            )
+        if self.module and self.script:
+            p.append("give at most one of module (python -m) and script")
+        if self.module and not _MODULE.fullmatch(self.module):
+            p.append(
+                f"{lab('module')} {self.module!r}: expected a dotted Python module name "
+                "(hpc_ddp.train)"
+            )
+        return p + self._text_problems()
+
+    def _text_problems(self) -> list[str]:
+        """Data never becomes code: a value the scripts shell-quote (python, script, args, env
+        values, workdir) may hold anything but control characters (hpc_ddp.deploy.safe_text
+        says why); setup lines are shell by design, one line each."""
+        lab = self.label
+        found = [
+            control_problem(lab("python"), self.python),
+            control_problem(lab("script"), self.script),
+            control_problem(lab("workdir"), self.workdir),
+        ]
+        found += [control_problem(lab("args", i), arg) for i, arg in enumerate(self.args)]
+        for key, value in self.env.items():
+            if not ENV_NAME.fullmatch(key):
+                found.append(f"{lab('env key', key)} is not a valid variable name")
+            found.append(control_problem(lab("env", key), value))
+        for i, line in enumerate(self.setup):
+            if problem := control_problem(lab("setup", i), line, allow_tab=True):
+                found.append(f"{problem} (give each shell line as its own setup entry)")
+        return [problem for problem in found if problem]
+
+
+def problem_list(problems: list[str]) -> str:
+    """The problems as one indented list, each once, in the order found."""
+    return "\n  - " + "\n  - ".join(dict.fromkeys(problems))

@@ -1,0 +1,114 @@
+"""``RunPaths``: the one owner of a run directory's layout (the trainer's ``--run-dir``).
+
+Everything a run leaves in its directory, by name::
+
+    <run dir>/
+      .hpc-ddp-run        marker: the trainer made this directory (train/run_marker.py)
+      .run.lock           the lock rank 0 holds for the whole run (checkpoint/lock.py)
+      .run.lock.owner     who holds it: pid, host, Slurm job
+      config.json         the resolved settings of the run
+      progress.json       where training stands, for monitors (rank 0, updated while it runs)
+      metrics.jsonl       one line per finished epoch
+      result.json         the outcome, written once at the end
+      plot.png            loss and accuracy per epoch
+      checkpoints/
+        latest            name of the newest committed checkpoint (a plain file, not a link)
+        step-00000040/    one committed checkpoint: manifest.json, shared.pt, rank-00000.pt...
+
+Pure Python and torch-free: the deploy layer (which reports a job's result) and the monitors
+use it as well as the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = ".hpc-ddp-run"
+LOCK = ".run.lock"
+LOCK_OWNER = ".run.lock.owner"
+CONFIG = "config.json"
+PROGRESS = "progress.json"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+PLOT = "plot.png"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"  # inside checkpoints/
+MANIFEST = "manifest.json"  # inside each checkpoint directory
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000040``: the name of the committed checkpoint of optimizer step ``step``."""
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True, init=False)
+class RunPaths:
+    """Every path of one run directory. Only computes paths: nothing is read or created."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def marker(self) -> Path:
+        """``.hpc-ddp-run``: present in every directory the trainer made."""
+        return self.root / MARKER
+
+    @property
+    def lock(self) -> Path:
+        """``.run.lock``: the OS lock rank 0 holds while the run lives."""
+        return self.root / LOCK
+
+    @property
+    def lock_owner(self) -> Path:
+        """``.run.lock.owner``: pid, host and Slurm job of the lock's holder (informational)."""
+        return self.root / LOCK_OWNER
+
+    @property
+    def config(self) -> Path:
+        """``config.json``: the run's resolved settings (a resume must match them)."""
+        return self.root / CONFIG
+
+    @property
+    def progress(self) -> Path:
+        """``progress.json``: where training stands, rewritten while it runs."""
+        return self.root / PROGRESS
+
+    @property
+    def metrics(self) -> Path:
+        """``metrics.jsonl``: one JSON line per finished epoch."""
+        return self.root / METRICS
+
+    @property
+    def result(self) -> Path:
+        """``result.json``: the outcome; its presence means the run has finished."""
+        return self.root / RESULT
+
+    @property
+    def plot(self) -> Path:
+        """``plot.png``: loss and accuracy per epoch."""
+        return self.root / PLOT
+
+    @property
+    def checkpoints(self) -> Path:
+        """``checkpoints/``: the committed checkpoints and the ``latest`` pointer."""
+        return self.root / CHECKPOINTS
+
+    @property
+    def latest(self) -> Path:
+        """``checkpoints/latest``: names the newest committed checkpoint directory."""
+        return self.checkpoints / LATEST
+
+    def step_dir(self, step: int) -> Path:
+        """``checkpoints/step-NNNNNNNN``: the checkpoint of optimizer step ``step``."""
+        return self.checkpoints / step_dir_name(step)
+
+    def manifest(self, step: int) -> Path:
+        """The manifest that makes the checkpoint of ``step`` self-verifying."""
+        return self.step_dir(step) / MANIFEST
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.root)

@@ -1,0 +1,319 @@
+"""Every backend behind one interface, from Python (``hpc_ddp.describe`` / ``hpc_ddp.submit``).
+
+Real parts: sbatch, scontrol and scancel on the project's local Slurm cluster; submitit's
+LocalExecutor running the trainer; pdsh's and clush's ``exec`` workers running a Gloo job on two
+"hosts" of this machine (no second physical host can exist here, see launch_support). Plus the
+structure the interface rests on: deploy never imports the embedded test cluster, and the
+package's import graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deploy_support import progress_status, train_args
+from launch_support import SETUP, WORKER, assert_no_processes_left, hpc_ddp, kill_leftovers
+
+import hpc_ddp as api
+from hpc_ddp.deploy.shell.tool_argv import launch_command
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.localslurm import wait_for
+
+PACKAGE = Path(api.__file__).parent
+
+
+# --- structure --------------------------------------------------------------------------------
+def test_no_deploy_module_imports_the_embedded_cluster() -> None:
+    """Production code takes Slurm from hpc_ddp.slurm_client; the embedded cluster is the CLI's
+    default, started by the command modules (they import it lazily), never by deploy."""
+    code = (
+        "import importlib, pkgutil, sys, hpc_ddp.deploy as d\n"
+        "for m in pkgutil.walk_packages(d.__path__, 'hpc_ddp.deploy.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hpc_ddp.localslurm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the hpc_ddp modules it imports anywhere (top level, functions, TYPE_CHECKING).
+    An import of one of the module's own packages is left out: Python imports those first
+    anyway, and a package's lazy facade (hpc_ddp/__init__.py) only names its submodules."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        modules[name] = (path, name if is_package else name.rpartition(".")[0])
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, (path, package) in modules.items():
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = f"{base}.{node.module}" if node.level else node.module or ""
+                if source.rstrip(".").startswith("hpc_ddp"):
+                    source = source.rstrip(".")
+                    targets |= {known(f"{source}.{alias.name}") for alias in node.names}
+        graph[name] = {t for t in targets if t and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = _import_graph()
+    assert "hpc_ddp.deploy.shell.host_scripts" in graph  # the walk found the package
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = [*path[path.index(module) :], module]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+# --- describe: the script itself, nothing runs --------------------------------------------------
+def test_describe_is_render(tmp_path: Path) -> None:
+    spec = api.JobSpec(nodes=2, gpus_per_node=8, args=["--epochs", "1", "--run-dir=runs/x"])
+    plan = api.describe(spec, cwd=tmp_path, produced_by="hpc-ddp render")
+    assert plan.text == str(plan) == api.render(spec)
+    assert plan.executor == "sbatch"
+    assert plan.run_paths == api.RunPaths(tmp_path / "runs/x")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "workdir", "expected"),
+    [
+        (["--run-dir", "a"], "", "a"),
+        (["--run-dir=b"], "", "b"),
+        (["--run-d", "c"], "", "c"),  # the trainer's parser takes unambiguous prefixes
+        (["--config", "train.toml"], "", "from-config"),
+        (["--config", "train.toml", "--run-dir", "flag"], "", "flag"),  # flags win
+        ([], "", "runs/train"),  # the trainer's default
+        (["--run-dir", "d"], "sub", "sub/d"),  # relative to the job's working directory
+    ],
+)
+def test_the_run_dir_comes_from_the_trainers_own_parser(
+    tmp_path: Path, args: list[str], workdir: str, expected: str
+) -> None:
+    for where in (tmp_path, tmp_path / "sub"):
+        where.mkdir(exist_ok=True)
+        (where / "train.toml").write_text('run_dir = "from-config"\n')
+    spec = api.JobSpec(workdir=workdir, args=args)
+    assert api.describe(spec, cwd=tmp_path).run_paths == api.RunPaths(tmp_path / expected)
+    # A committed render carries no spec: its trainer line is read with the same parser.
+    script = tmp_path / "job.sbatch"
+    script.write_text(api.render(spec))
+    assert api.describe(script, cwd=tmp_path).run_paths == api.RunPaths(tmp_path / expected)
+
+
+def test_a_job_without_the_trainer_has_no_run_dir(tmp_path: Path) -> None:
+    spec = api.JobSpec(module="hpc_ddp.deploy.preflight", args=["--run-dir", "x"])
+    assert api.describe(spec, cwd=tmp_path).run_paths is None
+
+
+def test_trainer_arguments_the_trainer_would_refuse_fail_early(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="the trainer would refuse its arguments"):
+        api.JobSpec(args=["--epochs", "two"])
+    with pytest.raises(ConfigError, match=r"train\.toml does not exist"):
+        api.describe(api.JobSpec(args=["--config", "train.toml"]), cwd=tmp_path)
+
+
+def test_submitit_describe_shows_the_task_and_creates_nothing(tmp_path: Path) -> None:
+    spec = api.JobSpec(nodes=1, procs_per_node=2, time="5", args=["--run-dir", "r"])
+    plan = api.describe(spec, "local", folder=tmp_path / "logs", cwd=tmp_path)
+    assert "LocalExecutor" in plan.text and "tasks_per_node=2" in plan.text
+    assert f"{sys.executable} -u -m hpc_ddp.train --run-dir r --requeue none" in plan.text
+    assert plan.run_paths == api.RunPaths(tmp_path / "r")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_launch_describes_its_script_and_the_dry_run_command(tmp_path: Path) -> None:
+    spec = api.make_launch_spec(
+        tool="clush", hosts="n[1-2]", command=["--run-dir", "r"], launch_id="L7", rcmd="exec",
+        workdir=str(tmp_path), python="python3",
+    )  # fmt: skip
+    plan = api.describe(spec)
+    assert plan.executor == "clush" and plan.text.startswith("#!/usr/bin/env bash")
+    assert plan.command == launch_command(spec).shell()
+    assert plan.run_paths == api.RunPaths(tmp_path / "r")
+    # `hpc-ddp launch --dry-run` prints that very command.
+    res = hpc_ddp(["launch", "clush", "--hosts", "n[1-2]", "--launch-id", "L7", "--rcmd", "exec",
+                   "--workdir", str(tmp_path), "--python", "python3", "--no-forward-env",
+                   "--dry-run", "--", "--run-dir", "r"])  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == plan.command + "\n"
+
+
+@pytest.mark.parametrize(
+    ("job", "executor", "needle"),
+    [
+        ("spec", "mpirun", "executor 'mpirun' is not one of"),
+        ("spec", "pdsh", "needs a LaunchSpec"),
+        ("launch", "sbatch", "runs with its tool, pdsh"),
+        ("script", "local", r"needs a job spec \(\.toml/\.json\)"),
+        ("missing", "sbatch", "does not exist"),
+    ],
+)
+def test_wrong_pairs_of_job_and_executor_are_config_errors(
+    tmp_path: Path, job: str, executor: str, needle: str
+) -> None:
+    (tmp_path / "job.sbatch").write_text("#!/bin/bash\n")
+    jobs = {
+        "spec": api.JobSpec(),
+        "launch": api.make_launch_spec(tool="pdsh", hosts="n1", command=["true"]),
+        "script": tmp_path / "job.sbatch",
+        "missing": tmp_path / "nope.toml",
+    }
+    with pytest.raises(ConfigError, match=needle) as err:
+        api.describe(jobs[job], executor)
+    assert err.value.hint
+
+
+# --- sbatch on the real local Slurm cluster -----------------------------------------------------
+@pytest.mark.slurm
+def test_submit_sbatch_follows_the_trainer_to_its_result(slurm_cluster, tmp_path: Path) -> None:
+    """The run dir comes from the trainer's --config file, which a search of the script's text
+    could never find; the job's log is followed into ``follow`` while it runs."""
+    (tmp_path / "train.toml").write_text('run_dir = "from-config"\n')
+    (tmp_path / "data").mkdir()
+    args = train_args(str(tmp_path / "data"), "unused")[:-2]  # without --run-dir
+    spec = api.JobSpec(
+        name="api-sbatch", nodes=1, procs_per_node=2, time="5", python=sys.executable,
+        output=str(tmp_path / "%x-%j.out"), args=[*args, "--epochs", "1", "--config", "train.toml"],
+    )  # fmt: skip
+    log = io.StringIO()
+    job = api.submit(spec, cluster_env=slurm_cluster.env, cwd=tmp_path, follow=log, wait=False)
+    assert job.executor == "sbatch" and job.job_id.isdigit()
+    assert job.status() in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED")
+    assert job.run_paths == api.RunPaths(tmp_path / "from-config")
+    done = job.wait(timeout_s=180)
+    assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 0), log.getvalue()
+    assert done.result == json.loads((tmp_path / "from-config" / "result.json").read_text())
+    assert done.result["status"] == "finished" and done.result["world_size"] == 2
+    assert done.output == tmp_path / f"api-sbatch-{job.job_id}.out"
+    assert "hpc-ddp preflight: rank=1/2" in log.getvalue()  # followed, as it was written
+    assert job.wait() is done and job.status() == "COMPLETED"
+
+
+@pytest.mark.slurm
+def test_cancel_and_a_missed_deadline_end_a_slurm_job(slurm_cluster, tmp_path: Path) -> None:
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")
+    spec = api.JobSpec(
+        name="api-sleep", time="5", python=sys.executable, module="", script=str(sleeper),
+        preflight=False, output=str(tmp_path / "%x-%j.out"),
+    )  # fmt: skip
+    options = dict(cluster_env=slurm_cluster.env, cwd=tmp_path, wait=False)
+    cancelled, late = api.submit(spec, **options), api.submit(spec, **options)
+    assert cancelled.run_paths is None
+    wait_for(lambda: cancelled.status() == "RUNNING", 60, "the job to start")
+    cancelled.cancel()
+    assert cancelled.wait(timeout_s=60).state == "CANCELLED"
+    with pytest.raises(HpcDdpError, match=f"job {late.job_id} still .* cancelled it"):
+        late.wait(timeout_s=2)
+    wait_for(lambda: late.status() == "CANCELLED", 60, "the late job to be cancelled")
+
+
+# --- submitit's LocalExecutor ---------------------------------------------------------------
+def _trainer_pids(run_dir: Path) -> list[int]:
+    """Trainer processes of this run: ``--run-dir`` followed by ``run_dir`` in their argv."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpc_ddp.train" in argv and str(run_dir).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_cancelling_a_local_submitit_job_ends_its_trainer(tmp_path: Path) -> None:
+    """submitit cancels a local job with SIGINT to its task; the trainer the task started must
+    end with it (it checkpoints on SIGTERM) instead of training on as an orphan."""
+    (tmp_path / "data").mkdir()
+    run = tmp_path / "run"
+    args = train_args(str(tmp_path / "data"), str(run), "--debug-hold-at-step", "2")
+    spec = api.JobSpec(name="api-local", nodes=1, procs_per_node=1, time="5", args=args)
+    job = api.submit(spec, "local", folder=tmp_path / "submitit", wait=False)
+    try:
+        wait_for(lambda: progress_status(run) == "holding", 120, "the trainer to hold")
+        assert job.status() == "RUNNING" and _trainer_pids(run)
+        job.cancel()
+        done = job.wait(timeout_s=60)
+        assert done.state == "CANCELLED" and done.exit_code != 0, done
+        wait_for(lambda: not _trainer_pids(run), 30, "the trainer to end")
+    finally:
+        for pid in _trainer_pids(run):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+# --- pdsh / clush through the Python API ------------------------------------------------------
+def _launch(tool: str, tmp: Path, *worker_args: str) -> api.LaunchSpec:
+    return api.make_launch_spec(
+        tool=tool, hosts="node[0-1]", rcmd="exec", mode="processes", gpus_per_node=2,
+        command=["python3", WORKER, "--out", str(tmp / "out"), *worker_args],
+        setup=[SETUP], workdir=str(tmp), state_dir=str(tmp / "state"), stop_grace_s=3,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", ["pdsh", "clush"])
+def test_submit_a_launch_runs_every_host_to_the_end(tool: str, tmp_path: Path) -> None:
+    out = io.StringIO()
+    spec = _launch(tool, tmp_path)
+    try:
+        job = api.submit(spec, follow=out, timeout_s=120)
+    finally:
+        kill_leftovers(spec.launch_id)
+    done = job.wait()
+    assert (job.executor, job.job_id) == (tool, spec.launch_id)
+    assert (done.state, done.exit_code, done.error) == ("COMPLETED", 0, ""), out.getvalue()
+    seen = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("rank-*.json"))]
+    assert [s["rank"] for s in seen] == [0, 1, 2, 3] and {s["world_size"] for s in seen} == {4}
+    assert "all 2 host(s) finished with exit code 0" in out.getvalue()
+
+
+def test_a_failed_host_fails_the_launch_and_cancel_stops_it(tmp_path: Path) -> None:
+    failing = _launch("pdsh", tmp_path / "a", "--fail-rank", "3")
+    hanging = _launch("clush", tmp_path / "b", "--hang-rank", "0")
+    for spec in (failing, hanging):
+        (tmp_path / spec.workdir).mkdir(parents=True, exist_ok=True)
+    try:
+        done = api.submit(failing, timeout_s=120).wait()
+        assert (done.state, done.exit_code) == ("FAILED", 1) and "node1" in done.error, done
+        job = api.submit(hanging, wait=False)
+        wait_for(lambda: (tmp_path / "b" / "out" / "hanging-0").exists(), 60, "rank 0 to hang")
+        assert job.status() == "RUNNING"
+        job.cancel()
+        stopped = job.wait()
+        assert (stopped.state, stopped.exit_code) == ("CANCELLED", 143), stopped
+        assert_no_processes_left(hanging.launch_id)
+    finally:
+        kill_leftovers(failing.launch_id)
+        kill_leftovers(hanging.launch_id)
