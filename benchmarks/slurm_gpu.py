@@ -146,7 +146,7 @@ class Bench:
         return ",".join(str(dev / f"nvidia{i}") for i in range(self.args.smoke_gpus))
 
     def _write_data(self) -> None:
-        from hpc_ddp.train import synthetic
+        from hpc_ddp.cifar import synthetic
 
         a = self.args
         root = synthetic.synthetic_root(self.work / "data", "cifar10", a.train_size, a.test_size)
@@ -261,7 +261,11 @@ class Bench:
         if not straight.get("steps"):
             self.results["preemptions"][layout] = {"skipped": "the uninterrupted run failed"}
             return
-        hold = straight["steps"] * 3 // (2 * self.args.epochs)  # half-way through epoch 2
+        per_epoch = straight["steps"] // self.args.epochs
+        if per_epoch < 2 or self.args.epochs < 2:  # the trainer never holds at an epoch's end
+            self.results["preemptions"][layout] = {"skipped": "needs 2+ epochs of 2+ steps"}
+            return
+        hold = per_epoch + per_epoch // 2  # half-way through epoch 2
         script, run_dir = self.work / f"{layout}-preempt.sbatch", f"runs/{layout}-preempt"
         self.render(layout, script, run_dir, ["--debug-hold-at-step", str(hold)])
         log = self.work / f"{layout}-preempt.submit.log"
@@ -269,10 +273,12 @@ class Bench:
         progress = self.work / run_dir / "progress.json"
 
         def holding() -> bool:
+            if proc.poll() is not None:
+                return True  # ended without holding: stop waiting, report below
             try:
                 return json.loads(progress.read_text()).get("status") == "holding"
             except (OSError, ValueError):
-                return proc.poll() is not None  # ended early: stop waiting, report below
+                return False
 
         wait_for(holding, max(30, self.deadline - time.monotonic()), "the hold step")
         job = _SUBMITTED.search(log.read_text())

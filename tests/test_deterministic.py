@@ -24,7 +24,7 @@ def test_flag_parses_and_defaults_off() -> None:
 def test_switch_sets_torch_and_cublas() -> None:
     code = (
         "import os, torch\n"
-        "from hpc_ddp.train import rng\n"
+        "from hpc_ddp.runtime import rng\n"
         "assert not torch.are_deterministic_algorithms_enabled()\n"
         "rng.use_deterministic_kernels()\n"
         "print(torch.are_deterministic_algorithms_enabled(),\n"
