@@ -245,6 +245,26 @@ def test_missing_library_of_an_unpacked_slurm_is_named(slurm_root: Path, tmp_pat
     assert "libraries not found" in proc.stderr and "slurmd: libhpcddpgone.so" in proc.stderr
 
 
+@pytest.mark.slurm
+def test_unpacked_root_that_others_can_write_is_refused(slurm_root: Path, tmp_path: Path) -> None:
+    """The daemons run as root from the unpacked root: a dir there that other users can write
+    (they could plant a slurmd) is refused before anything runs."""
+    fake = tmp_path / "root"  # links to the real files, in dirs of its own
+    plugins = Path(str(SlurmInstall(str(slurm_root)).plugin_dir()))
+    for sub in ("usr/sbin", "usr/bin"):
+        (fake / sub).mkdir(parents=True)
+        for f in (slurm_root / sub).iterdir():
+            (fake / sub / f.name).symlink_to(f)
+    lib = fake / plugins.parent.relative_to(slurm_root)
+    lib.mkdir(parents=True)
+    (lib / "slurm-wlm").symlink_to(plugins)
+    (lib / "libmunge.so.2").symlink_to(plugins.parent / "libmunge.so.2")
+    SlurmInstall(str(fake)).check()  # as unpacked by root: accepted
+    (fake / "usr" / "sbin").chmod(0o777)
+    with pytest.raises(ConfigError, match="another user could change what root runs"):
+        SlurmInstall(str(fake)).check()
+
+
 def _cgroups_available() -> None:
     v1 = Path("/sys/fs/cgroup/devices/devices.allow").exists()
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()

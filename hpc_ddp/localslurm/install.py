@@ -29,6 +29,7 @@ SAFE_PATH = re.compile(r"/[A-Za-z0-9._+/-]*")
 # The programs the toolkit runs. ldd checks these in an unpacked root before anything starts.
 DAEMONS = ("slurmctld", "slurmd", "slurmstepd")
 CLIENTS = ("scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun")
+MUNGE = ("munged",)  # the cluster's own munged (munge.py) comes from the root too
 # Where the system's daemons are looked for (a root install puts its own dirs first).
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _LDD_MISSING = re.compile(r"^\s*(\S+) => not found", re.M)
@@ -134,13 +135,14 @@ class SlurmInstall:
         ]
 
     # --- checks -------------------------------------------------------------------------
-    def check(self, programs: tuple[str, ...] = DAEMONS + CLIENTS) -> None:
-        """For an unpacked root: every program is there and finds every library it links."""
+    def check(self, programs: tuple[str, ...] = DAEMONS + CLIENTS + MUNGE) -> None:
+        """For an unpacked root: every program is there, in dirs only root can change, and
+        finds every library it links."""
         if not self.root:
             return
         hint = (
             "unpack Debian's slurm packages there: for p in slurmctld slurmd slurm-client "
-            f"slurm-wlm-basic-plugins munge libmunge2; do dpkg -x $p*.deb {self.root}; done"
+            f'slurm-wlm-basic-plugins munge libmunge2; do dpkg -x "$p"_*.deb {self.root}; done'
         )
         if not Path(self.root).is_dir():
             raise ConfigError(f"the Slurm root {self.root} does not exist", hint=hint)
@@ -148,6 +150,7 @@ class SlurmInstall:
         if absent or self.plugin_dir() is None:
             what = ", ".join(absent) if absent else "usr/lib/<triplet>/slurm-wlm (the plugins)"
             raise ConfigError(f"the Slurm root {self.root} has no {what}", hint=hint)
+        self._check_owned(programs)
         missing = self.missing_libraries(programs)
         if missing:
             lines = [f"{prog}: {', '.join(libs)}" for prog, libs in missing.items()]
@@ -157,6 +160,21 @@ class SlurmInstall:
                 hint=f"unpack the packages that hold them into {self.root} as well "
                 f"(dpkg -x PKG.deb {self.root}; e.g. libhwloc15 for libhwloc.so.15)",
             )
+
+    def _check_owned(self, programs: tuple[str, ...]) -> None:
+        """The daemons run as root from here: a dir or program that another user can write
+        would let them plant what root then runs."""
+        paths = [Path(self.root), *map(Path, self.bin_dirs()), *map(Path, self.lib_dirs())]
+        paths += [Path(str(self.which(p))) for p in programs]
+        for path in paths:
+            st = path.stat()
+            if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+                raise ConfigError(
+                    f"{path} (in the Slurm root) is owned by uid {st.st_uid} with mode "
+                    f"{st.st_mode & 0o777:o}: another user could change what root runs",
+                    hint=f"unpack the packages as root into a dir only root can write "
+                    f"(chown -R root: {self.root}; chmod -R go-w {self.root})",
+                )
 
     def missing_libraries(self, programs: tuple[str, ...]) -> dict[str, list[str]]:
         """{program: sonames ldd cannot find} with this install's LD_LIBRARY_PATH."""
