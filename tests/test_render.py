@@ -125,7 +125,11 @@ def test_torchrun_layout_one_task_per_node_with_c10d_on_first_host() -> None:
     assert 'scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1' in text
     assert "-m hpc_ddp.deploy.port" in text  # one port rule, the Python one
     assert "--rdzv-backend=c10d" in text and "--nproc-per-node=8" in text
-    assert 'trap "" USR1; exec torchrun' in text  # torchrun itself would die on USR1
+    assert 'trap "" USR1\n  torchrun --nnodes=' in text  # torchrun itself would die on USR1
+    # proctrack/cgroup signals only the task (the shell): it hands USR1 on to the workers
+    assert 'trap "pkill -USR1 -P ${agent}" USR1' in text and "export -f torchrun_task" in text
+    flat = text.replace(" \\\n  ", " ")  # the step command, unwrapped
+    assert "bash -c 'torchrun_task \"$@\"' torchrun -m hpc_ddp.train" in flat
 
 
 def test_cpu_layout() -> None:

@@ -20,22 +20,24 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.localslurm import cgroupfs, gpus, loopback, munge, private_dir, procs
 from hpc_ddp.localslurm import etc_hosts as hosts
-from hpc_ddp.localslurm import loopback, munge, private_dir, procs
 from hpc_ddp.localslurm.config import (
     NODE_ADDR,
     OWNED_NAMES,
     ClusterConfig,
+    render_cgroup_conf,
     render_gres_conf,
     render_slurm_conf,
 )
 from hpc_ddp.localslurm.free_ports import free_ports, port_in_use
+from hpc_ddp.localslurm.install import SYSTEM, SYSTEM_PATH, SlurmInstall
 from hpc_ddp.slurm_client import SlurmClient, client_env, wait_for
 
 BINARIES = (
     "munged", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun",
 )  # fmt: skip
-DAEMON_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+DAEMON_PATH = SYSTEM_PATH
 PORT_RETRIES = 3
 BIND_ERROR = "Address already in use"
 DAEMONIZE_GRACE_S = 0.5
@@ -49,8 +51,11 @@ class ClusterStartError(HpcDdpError):
     """The daemons did not come up; the message carries the relevant log lines."""
 
 
-def check_prerequisites() -> None:
-    missing = [b for b in BINARIES if shutil.which(b) is None]
+def check_prerequisites(install: SlurmInstall = SYSTEM) -> None:
+    """Slurm's and munge's programs and the auth/munge plugin are there (an unpacked
+    ``install``'s libraries too), and we are root."""
+    install.check()
+    missing = [b for b in BINARIES if install.which(b) is None]
     if missing:
         raise ConfigError(
             f"Slurm is not installed: {', '.join(missing)} not found on PATH",
@@ -64,7 +69,9 @@ def check_prerequisites() -> None:
             hint="run it as root (sudo hpc-ddp cluster up), or point SLURM_CONF at an existing "
             "Slurm cluster",
         )
-    if not any(glob.glob(pattern) for pattern in AUTH_MUNGE_PLUGIN):
+    plugin_dir = install.plugin_dir()
+    patterns = (f"{plugin_dir}/auth_munge.so",) if plugin_dir else AUTH_MUNGE_PLUGIN
+    if not any(glob.glob(pattern) for pattern in patterns):
         raise ConfigError(
             "this Slurm build has no auth/munge plugin (auth_munge.so), which the local "
             "cluster authenticates with",
@@ -91,6 +98,9 @@ class LocalCluster:
         first_job_id: int | None = None,
         extra: dict[str, str] | None = None,
         ephemeral: bool = False,
+        slurm_root: Path | str | None = None,
+        real_gpus: tuple[str, ...] = (),
+        cgroups: bool = False,
     ) -> None:
         self.root = Path(root).absolute()
         # Before anything is read from it: its state names processes to signal and the config
@@ -111,6 +121,9 @@ class LocalCluster:
             node_prefix=node_prefix,
             first_job_id=first_job_id or random.randrange(1000, 60000) * 100,
             extra=dict(extra or {}),
+            slurm_root=str(slurm_root or ""),
+            real_gpus=tuple(real_gpus),
+            cgroups=cgroups,
         )
         self.config = self._load_state() or self._wanted
 
@@ -139,12 +152,19 @@ class LocalCluster:
     def node_names(self) -> tuple[str, ...]:
         return self.config.node_names
 
+    @property
+    def install(self) -> SlurmInstall:
+        return SlurmInstall(self.config.slurm_root)
+
     def env(self) -> dict[str, str]:
-        """Variables a Slurm client (sbatch, srun, squeue...) needs to talk to this cluster."""
-        return {"SLURM_CONF": str(self.conf_path)}
+        """Variables a Slurm client (sbatch, srun, squeue...) needs to talk to this cluster:
+        SLURM_CONF, and for an unpacked Slurm PATH and LD_LIBRARY_PATH (its dirs first)."""
+        return {"SLURM_CONF": str(self.conf_path), **self.install.env()}
 
     def client(self, base_env: dict[str, str] | None = None) -> SlurmClient:
-        return SlurmClient(client_env(self.conf_path, base_env), workdir=self.root / "jobs")
+        env = client_env(self.conf_path, base_env)
+        env.update(self.install.env(base_env))
+        return SlurmClient(env, workdir=self.root / "jobs")
 
     def _load_state(self) -> ClusterConfig | None:
         path = self.root / "run" / "cluster.json"
@@ -185,7 +205,9 @@ class LocalCluster:
     # ------------------------------------------------------------------ start
     def start(self, timeout_s: float = 30) -> None:
         """Start the daemons and wait until every node is idle. Undoes itself on failure."""
-        check_prerequisites()
+        check_prerequisites(SlurmInstall(self._wanted.slurm_root))
+        gpus.check_devices(self._wanted.real_gpus)
+        cgroupfs.check_cores(self._wanted)
         private_dir.check(self.root)
         self._check_dir_is_ours()
         prefix = loopback.daemon_prefix()
@@ -227,8 +249,12 @@ class LocalCluster:
         private_dir.prepare(self.root)
         for d in cfg.dirs():
             d.mkdir(parents=True, exist_ok=True)
-        cfg.conf_path.write_text(render_slurm_conf(cfg))
-        cfg.daemon_conf_path.write_text(render_slurm_conf(cfg, for_daemons=True))
+        plugins = self.install.plugin_dir()
+        cfg.conf_path.write_text(render_slurm_conf(cfg, plugin_dir=plugins))
+        cfg.daemon_conf_path.write_text(
+            render_slurm_conf(cfg, for_daemons=True, plugin_dir=plugins)
+        )
+        cfg.cgroup_path.write_text(render_cgroup_conf(cfg))
         munge.write_key(cfg.munge_key_path)
         if cfg.gpus_per_node:
             cfg.gres_path.write_text(render_gres_conf(cfg))
@@ -241,14 +267,19 @@ class LocalCluster:
             hosts.prune(_cluster_exists)
             hosts.add_names(cfg.node_names, self.root, NODE_ADDR)
             hosts.check_resolves(cfg.node_names)
-            self._spawn("munged", munge.munged_argv(cfg), deadline)
+            cgroupfs.prepare(controllers=cfg.cgroups)
+            daemon = self.install.daemon_paths(self.root / "run" / "bin")
+            self._spawn("munged", munge.munged_argv(cfg), deadline)  # found on the root's PATH
             warnings = munge.unexpected_warnings(cfg.log_dir / "munged.log")
             if warnings:
                 raise ClusterStartError("munged: " + "; ".join(warnings[-3:]))
             conf = str(cfg.daemon_conf_path)
-            self._spawn("slurmctld", ["slurmctld", "-f", conf], deadline, prefix)
+            self._spawn("slurmctld", [daemon["slurmctld"], "-f", conf], deadline, prefix)
             for name in cfg.node_names:
-                self._spawn(f"slurmd-{name}", ["slurmd", "-f", conf, "-N", name], deadline, prefix)
+                argv = [daemon["slurmd"], "-f", conf, "-N", name]
+                if self.install.unpacked:
+                    argv += ["-d", daemon["slurmstepd"]]
+                self._spawn(f"slurmd-{name}", argv, deadline, prefix)
             self._wait_idle(deadline)
         except BaseException as err:
             detail = self._log_excerpt()
@@ -262,6 +293,7 @@ class LocalCluster:
     ) -> None:
         """Run a daemon (it forks itself into the background) and record its pid."""
         env = {"PATH": DAEMON_PATH, "SLURM_CONF": str(self.daemon_conf_path), "LANG": "C"}
+        env.update(self.install.env(env))
         with open(self.config.log_dir / f"{role}.stdout", "ab") as out:
             proc = subprocess.run(
                 [*(prefix or []), *argv],

@@ -6,6 +6,7 @@ States are stored as tensors, ints and lists only, so a checkpoint loads with
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -17,6 +18,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def use_deterministic_kernels() -> None:
+    """Kernels whose results do not depend on scheduling (cuDNN's non-atomic algorithms, cuBLAS
+    with a fixed workspace): GPU runs repeat bit for bit. Call before the first cuBLAS use."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def capture() -> dict[str, Any]:

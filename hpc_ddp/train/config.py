@@ -100,6 +100,13 @@ class TrainConfig:
     )
     sync_bn: bool = field(default=False, metadata=_opt("convert BatchNorm to SyncBatchNorm"))
     seed: int = field(default=0, metadata=_opt("seed for init, data order and augmentation"))
+    deterministic: bool = field(
+        default=False,
+        metadata=_opt(
+            "deterministic cuDNN/cuBLAS kernels (slower): two runs on GPUs, or a run and its "
+            "preempted-and-resumed twin, end with the same weights bit for bit"
+        ),
+    )
     num_workers: int = field(default=0, metadata=_opt("DataLoader worker processes"))
     data_path: str = field(
         default="auto",

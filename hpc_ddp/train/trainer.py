@@ -100,6 +100,8 @@ class Trainer:
     def build(self, num_classes: int) -> None:
         cfg, ctx = self.cfg, self.ctx
         rng.seed_everything(cfg.seed)  # identical initial weights on every rank and every run
+        if cfg.deterministic:
+            rng.use_deterministic_kernels()
         net = models.build_model(cfg.model, num_classes, sync_bn=cfg.sync_bn)
         devices = ctx.devices  # several when one process drives several GPUs
         self.net = models.place_model(net, devices)

@@ -127,13 +127,9 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
 
 def step_command(spec: JobSpec) -> str:
     if spec.launcher == "torchrun":
-        inner = (
-            f'trap "" {spec.signal}; exec torchrun --nnodes="${{SLURM_JOB_NUM_NODES}}" '
-            f"--nproc-per-node={spec.ppn} --rdzv-backend=c10d "
-            '--rdzv-endpoint="${HPC_DDP_RDZV_ENDPOINT}" --rdzv-id="${SLURM_JOB_ID}" '
-            '--max-restarts=0 "$@"'
-        )
-        argv = [*_srun_prefix(spec), "bash", "-c", inner, "torchrun", *spec.program]
+        # torchrun_task is a shell function the template defines and exports.
+        argv = [*_srun_prefix(spec), "bash", "-c", 'torchrun_task "$@"', "torchrun"]
+        argv += spec.program
     else:
         argv = [*_srun_prefix(spec), spec.python, "-u", *spec.program]
     return _wrap(shlex.join(argv))
