@@ -13,6 +13,8 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
+from hpc_ddp.env_vars import LAUNCH_VARS
+
 SCRUB_PREFIXES = (
     "SLURM_",
     "SLURMD_",
@@ -35,19 +37,10 @@ SCRUB_NAMES = frozenset(
         "LOCAL_WORLD_SIZE",
         "GROUP_RANK",
         "ROLE_RANK",
-        "HPC_DDP_LAUNCHER",
-        "HPC_DDP_NODE_RANK",
-        "HPC_DDP_NUM_NODES",
-        "HPC_DDP_LOCAL_RANK",
-        "HPC_DDP_LOCAL_WORLD_SIZE",
-        "HPC_DDP_MASTER_ADDR",
-        "HPC_DDP_MASTER_PORT",
-        "HPC_DDP_RDZV_ENDPOINT",
-        "HPC_DDP_GPUS_PER_PROCESS",
-        "HPC_DDP_JOB_ID",
-        "HPC_DDP_LAUNCH_ID",
-        "HPC_DDP_LAUNCH_TAG",  # `hpc-ddp launch stop` kills by it: a child job must not match
         "CUDA_VISIBLE_DEVICES",  # set by Slurm for *this* allocation's GPUs
+        # The project's own launch contract, its launch tag included: `hpc-ddp launch stop`
+        # kills by the tag, and a child job must not match.
+        *LAUNCH_VARS,
     }
 )
 KEEP = frozenset({"SLURM_CONF"})

@@ -192,7 +192,7 @@ def submit_train(
         raise ConfigError("the submitit backend runs the hpc_ddp trainer (module hpc_ddp.train)")
     folder.mkdir(parents=True, exist_ok=True)
     ex = make_executor(spec, kind=kind, folder=folder, cluster_env=cluster_env)
-    # Same environment as the sbatch templates give (OMP_NUM_THREADS, HPC_DDP_GPUS_PER_PROCESS...).
+    # Same environment as the sbatch templates give (OMP_NUM_THREADS, GPUs per process...).
     task = TrainTask(list(spec.args), env=dict(job_env(spec)))
     # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF kept).
     with scrubbed_environ(dict(cluster_env or {})):
