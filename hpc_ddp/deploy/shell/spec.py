@@ -26,9 +26,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.master_port import derive_port
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
-from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address, is_host_name
+from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address
 from hpc_ddp.deploy.shell.host_scripts import host_script, stop_script
 from hpc_ddp.errors import ConfigError
 
