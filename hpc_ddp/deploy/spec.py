@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
+from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem, directive_problem
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
+from hpc_ddp.errors import ConfigError, HpcDdpError
 
 LAUNCHERS = ("srun", "torchrun")
 GPU_BINDINGS = ("gpus-per-node", "gpus-per-task")
@@ -54,8 +56,14 @@ class JobSpec:
     name: str = field(default="hpc-ddp", metadata=_doc("job name (--job-name)"))
     nodes: int = field(default=1, metadata=_doc("number of nodes"))
     gpus_per_node: int = field(default=0, metadata=_doc("GPUs per node; 0 = CPU job with Gloo"))
-    gpus_per_process: int = field(
-        default=1, metadata=_doc("GPUs each process drives: 1 = one process per GPU")
+    # None (0 in a file or flag) = not given: settled at construction, by the one rule
+    # (hpc_ddp.cluster.devices), from the env below; an int afterwards.
+    gpus_per_process: int | None = field(
+        default=None,
+        metadata=_doc(
+            "GPUs each process drives: 1 = one process per GPU; 0 = not given: "
+            f"{GPUS_PER_PROCESS_VAR} in env, else 1"
+        ),
     )
     procs_per_node: int = field(
         default=0,
@@ -122,7 +130,8 @@ class JobSpec:
     )
 
     def __post_init__(self) -> None:
-        problems = _check(self)
+        problems = _settle_gpus_per_process(self)
+        problems += _check(self)
         if problems:
             raise ConfigError(
                 "invalid job spec:\n  - " + "\n  - ".join(problems),
@@ -170,6 +179,17 @@ class JobSpec:
         return dataclasses.replace(self, **changes)
 
 
+def _settle_gpus_per_process(s: JobSpec) -> list[str]:
+    """Give ``s.gpus_per_process`` its value: the spec's env is what its processes will see."""
+    try:
+        gpp = resolve_gpus_per_process(gpus_per_process_setting(s.gpus_per_process), s.env)
+        problems = []
+    except HpcDdpError as err:
+        gpp, problems = 1, [err.message]  # 1 lets the other checks run; the spec is refused
+    object.__setattr__(s, "gpus_per_process", gpp)  # frozen: settled once, here
+    return problems
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -185,16 +205,15 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"nodes must be >= 1, got {s.nodes}")
     if s.gpus_per_node < 0:
         p.append(f"gpus_per_node must be >= 0, got {s.gpus_per_node}")
-    if s.gpus_per_process < 1:
-        p.append(f"gpus_per_process must be >= 1, got {s.gpus_per_process}")
     if s.procs_per_node < 0:
         p.append(f"procs_per_node must be >= 0 (0 = derived), got {s.procs_per_node}")
     if s.launcher not in LAUNCHERS:
         p.append(f"launcher {s.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if s.gpu_binding not in GPU_BINDINGS:
         p.append(f"gpu_binding {s.gpu_binding!r} is not one of {', '.join(GPU_BINDINGS)}")
-    if s.gpus_per_node > 0 and s.gpus_per_process >= 1:
-        g, gpp = s.gpus_per_node, s.gpus_per_process
+    gpp = s.gpus_per_process or 1  # settled by _settle_gpus_per_process
+    if s.gpus_per_node > 0:
+        g = s.gpus_per_node
         if g % gpp:
             p.append(
                 f"{g} GPUs per node cannot be split into processes of {gpp} GPUs each; "
@@ -205,12 +224,12 @@ def _check(s: JobSpec) -> list[str]:
                 f"procs_per_node={s.procs_per_node} contradicts {g} GPUs per node at {gpp} per "
                 f"process ({g // gpp} processes); leave procs_per_node at 0"
             )
-    if s.gpus_per_node == 0 and s.gpus_per_process != 1:
+    if s.gpus_per_node == 0 and gpp != 1:
         p.append("gpus_per_process only applies to GPU jobs: set gpus_per_node or leave it at 1")
-    if s.launcher == "torchrun" and s.gpus_per_process > 1:
+    if s.launcher == "torchrun" and gpp > 1:
         p.append(
             "launcher torchrun starts one process per GPU; one process driving "
-            f'{s.gpus_per_process} GPUs needs launcher = "srun" (one task per node)'
+            f'{gpp} GPUs needs launcher = "srun" (one task per node)'
         )
     if not _TIME.fullmatch(s.time):
         p.append(f"time {s.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS)")
@@ -236,12 +255,6 @@ def _check(s: JobSpec) -> list[str]:
         p.append("resv_ports needs launcher srun (torchrun's port is chosen before any step)")
     if s.per_rank_logs and s.launcher != "srun":
         p.append("per_rank_logs needs launcher srun (torchrun writes its own per-worker logs)")
-    gpp_env = s.env.get("HPC_DDP_GPUS_PER_PROCESS")
-    if gpp_env is not None and gpp_env != str(s.gpus_per_process):
-        p.append(
-            f"env HPC_DDP_GPUS_PER_PROCESS={gpp_env} contradicts gpus_per_process="
-            f"{s.gpus_per_process}; set gpus_per_process only (the script exports it)"
-        )
     if bool(s.script) == bool(s.module):
         p.append("give exactly one of module (python -m) and script")
     p += _check_text(s)

@@ -452,7 +452,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         from hpc_ddp.cluster import detect_env
 
         ctx = init_distributed(
-            detect_env(gpus_per_process=config.gpus_per_process or None),
+            detect_env(gpus_per_process=config.gpus_per_process),
             backend=config.backend,
             timeout_s=config.timeout_s,
             connect_timeout_s=config.connect_timeout_s,

@@ -26,12 +26,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.master_port import derive_port
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address
 from hpc_ddp.deploy.shell.host_scripts import host_script, stop_script
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, LaunchEnvError
 
 TOOLS = ("pdsh", "clush")
 MODES = ("torchrun", "processes")
@@ -75,7 +76,9 @@ class LaunchSpec:
     master_port: int
     launch_id: str
     gpus_per_node: int = 1
-    gpus_per_process: int = 1
+    # None (0 from the flag) = not given: settled at construction by the one rule
+    # (hpc_ddp.cluster.devices) from ``env``, the variables every process gets; an int after.
+    gpus_per_process: int | None = None
     mode: str = "torchrun"
     rcmd: str = "ssh"
     env: tuple[tuple[str, str], ...] = ()
@@ -111,10 +114,15 @@ class LaunchSpec:
                 hint="e.g. hpc-ddp launch pdsh --hosts 'n[1-2]' -- --epochs 1  (trainer args) or"
                 " -- python3 my_worker.py",
             )
-        if self.gpus_per_node < 1 or self.gpus_per_process < 1:
+        requested = gpus_per_process_setting(self.gpus_per_process, "--gpus-per-process")
+        try:
+            gpp = resolve_gpus_per_process(requested, dict(self.env))
+        except LaunchEnvError as err:  # a bad flag or --env value: settings, not a launch
+            raise ConfigError(err.message, hint=err.hint) from None
+        object.__setattr__(self, "gpus_per_process", gpp)  # frozen: settled once, here
+        if self.gpus_per_node < 1:
             raise ConfigError(
-                f"--gpus-per-node {self.gpus_per_node} / --gpus-per-process "
-                f"{self.gpus_per_process}: both must be >= 1",
+                f"--gpus-per-node {self.gpus_per_node}: must be >= 1",
                 hint="on CPU-only hosts --gpus-per-node counts process slots per host",
             )
         if self.gpus_per_node % self.gpus_per_process:
