@@ -7,6 +7,8 @@ the write lands in a file of the attacker's choosing. So:
 - :func:`state_dir` is a private per-user directory: ``$XDG_RUNTIME_DIR/hpc-ddp`` when
   ``XDG_RUNTIME_DIR`` is usable (a directory of this user that nobody else can write, as the
   login manager provides), else ``$XDG_STATE_HOME/hpc-ddp`` (default ``~/.local/state/hpc-ddp``).
+  State that must outlive the login session (XDG_RUNTIME_DIR is emptied at logout) goes under
+  :func:`lasting_state_base`, the second of the two.
 - :func:`ensure_private_dir` creates a directory with mode 0700, and accepts an existing one only
   if it is a real directory (not a link), this user owns it and neither group nor others can
   write it; anything else is refused with an error naming the directory and the fix.
@@ -31,7 +33,7 @@ from pathlib import Path
 from hpc_ddp.errors import HpcDdpError
 
 APP_DIR = "hpc-ddp"
-_NOT_SHARED = 0o022  # group- or world-writable: someone else could swap entries inside
+SHARED_WRITE = 0o022  # group- or world-writable: someone else could swap entries inside
 
 
 def _user(uid: int) -> str:
@@ -50,7 +52,7 @@ def private_dir_problem(path: Path) -> str | None:
         return "not a directory"
     if st.st_uid != os.geteuid():
         return f"owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())})"
-    if st.st_mode & _NOT_SHARED:
+    if st.st_mode & SHARED_WRITE:
         return f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
@@ -95,6 +97,13 @@ def state_base(environ: Mapping[str, str] | None = None) -> Path:
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if runtime and _usable_runtime_dir(runtime):
         return Path(runtime) / APP_DIR
+    return lasting_state_base(env)
+
+
+def lasting_state_base(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_STATE_HOME/hpc-ddp`` (default ``~/.local/state/hpc-ddp``), not created: for
+    state that outlives the login session."""
+    env = os.environ if environ is None else environ
     state_home = env.get("XDG_STATE_HOME", "")
     if not os.path.isabs(state_home):  # the XDG spec: a relative value is invalid, ignore it
         home = env.get("HOME") or str(Path.home())

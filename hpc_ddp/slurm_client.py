@@ -1,17 +1,22 @@
-"""A thin client for one Slurm cluster: sbatch, scancel, job states, waiting with deadlines.
+"""A thin client for one Slurm cluster: which Slurm answers here, sbatch, scancel, job states,
+waiting with deadlines.
 
 The one module that knows Slurm's client commands and what they print (``sbatch --parsable``,
 ``scontrol show job -o``, ``ExitCode=CODE:SIGNAL``, the terminal job states). The deploy layer
 and the embedded cluster (hpc_ddp.localslurm) both use it; it imports neither.
 
-No accounting runs on the local cluster (no sacct), so a job's end is read from
-``scontrol show job`` while slurmctld keeps it (MinJobAge). Polling that is faster than
-``sbatch --wait``, which backs off to multi-second sleeps.
+:func:`reachable_slurm` asks the tools on PATH which Slurm they reach (the embedded cluster's
+chooser and ``hpc-ddp doctor`` both go by its answer). No accounting runs on the local cluster
+(no sacct), so a job's end is read from ``scontrol show job`` while slurmctld keeps it
+(MinJobAge). Polling that is faster than ``sbatch --wait``, which backs off to multi-second
+sleeps.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.env_vars import SLURM_VAR
+from hpc_ddp.errors import ConfigError, HpcDdpError
 
 T = TypeVar("T")
 
@@ -37,6 +43,89 @@ TERMINAL = frozenset(
         "DEADLINE",
     }
 )
+
+
+SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
+# `scontrol ping` answers in milliseconds, also when the controller is down or no Slurm is
+# configured at all; the bound is for a resolver that does not answer (see PROBE_RES_OPTIONS).
+PROBE_TIMEOUT_S = 10.0
+# With no config file, the tools look for a configless site's DNS SRV record. glibc waits
+# 5 s x 2 tries per query on a resolver that does not answer; a working one answers in ms.
+PROBE_RES_OPTIONS = "timeout:2 attempts:1"
+# What the tools print when they found no config file and no configless server.
+NO_CONFIG = "Could not establish a configuration source"
+
+
+@dataclass(frozen=True)
+class SlurmTarget:
+    """Where submissions go: ``env`` for the Slurm clients, ``description`` for people."""
+
+    env: dict[str, str]
+    description: str
+
+
+def _ask(argv: list[str], env: Mapping[str, str]) -> tuple[bool, str]:
+    """(answered, text): text is stdout when it answered, else the last line of stderr."""
+    resolver = f"{env.get('RES_OPTIONS', '')} {PROBE_RES_OPTIONS}".strip()
+    probe_env = {**env, "RES_OPTIONS": resolver}
+    try:
+        proc = subprocess.run(
+            argv, env=probe_env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"no answer in {PROBE_TIMEOUT_S:.0f} s"
+    if proc.returncode == 0:
+        return True, proc.stdout
+    said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+    return False, said[-1] if said else f"exit {proc.returncode}"
+
+
+def _describe(scontrol: str, ping: str, env: Mapping[str, str], origin: str) -> str:
+    controller = re.search(r" at (\S+) is UP", ping)
+    ok, config = _ask([scontrol, "show", "config"], env)
+    name = re.search(r"^ClusterName\s*=\s*(\S+)", config, re.M) if ok else None
+    return (
+        f"the Slurm cluster {name.group(1) if name else '(unnamed)'!r}, controller "
+        f"{controller.group(1) if controller else '?'} ({origin})"
+    )
+
+
+def reachable_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget | None:
+    """The Slurm this machine's tools reach, asked through the tools themselves; None if none.
+
+    Found however the site set it up: SLURM_CONF, the tools' compiled-in slurm.conf (under
+    /etc/slurm, /opt/slurm/etc, ...: whatever ``scontrol`` on PATH reads), a configless
+    site (DNS SRV records, slurmd's cached config). A Slurm that is configured but does not
+    answer is an error, not a reason to look elsewhere: jobs meant for the user's cluster must
+    never silently run somewhere else.
+    """
+    env = dict(os.environ if environ is None else environ)
+    conf_var = env.get("SLURM_CONF")
+    hint = (
+        f"start that cluster, or unset SLURM_CONF / set {SLURM_VAR}=local to use the "
+        "toolkit's embedded local cluster instead"
+    )
+    if conf_var and not Path(conf_var).is_file():  # the tools would retry it for a minute
+        raise ConfigError(f"SLURM_CONF names {conf_var}, which does not exist", hint=hint)
+    configured = f"SLURM_CONF={conf_var}" if conf_var else None
+    if configured is None and SYSTEM_CONF.exists():
+        configured = str(SYSTEM_CONF)
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        if configured:
+            raise ConfigError(
+                f"Slurm is configured ({configured}) but scontrol is not installed",
+                hint="apt-get install slurm-client (or load the site's Slurm module)",
+            )
+        return None
+    origin = configured or f"found by {scontrol}"
+    answered, text = _ask([scontrol, "ping"], env)
+    if answered:
+        client_env = {"SLURM_CONF": conf_var} if conf_var else {}
+        return SlurmTarget(client_env, _describe(scontrol, text, env, origin))
+    if NO_CONFIG in text and not conf_var:
+        return None  # the tools are installed, but no config file and no configless server
+    raise HpcDdpError(f"the Slurm configured by {origin} does not answer: {text}", hint=hint)
 
 
 def wait_for(

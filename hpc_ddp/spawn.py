@@ -10,8 +10,9 @@ CUDA, hands every worker those modules for free. The parent then only supervises
   rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
 * workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
 
-Workers see the HPC_DDP_* variables of the "spawn" launcher (hpc_ddp.cluster.launcher) plus the
-standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, like torchrun's workers.
+Workers see the launch contract of the "spawn" launcher (hpc_ddp.env_vars, read back by
+hpc_ddp.cluster.launcher) plus the standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT,
+like torchrun's workers.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hpc_ddp.cluster import detect_env
-from hpc_ddp.cluster.devices import count_visible_gpus
+from hpc_ddp.cluster.devices import count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.master_port import free_port, parse_port
+from hpc_ddp.env_vars import launch_environ
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 
@@ -37,16 +39,20 @@ GRACE_S = 10.0  # after a worker failed: how long the others get to leave before
 _PR_SET_PDEATHSIG = 1
 
 
-def worker_environ(rank: int, nproc: int, port: int) -> dict[str, str]:
-    """The variables one worker gets (hpc_ddp.cluster.launcher reads the HPC_DDP_* ones)."""
+def worker_environ(rank: int, nproc: int, port: int, gpus_per_process: int) -> dict[str, str]:
+    """The variables one worker gets: the launch contract (hpc_ddp.cluster.launcher reads it)
+    and torch's own."""
     return {
-        "HPC_DDP_LAUNCHER": "spawn",
-        "HPC_DDP_NODE_RANK": "0",
-        "HPC_DDP_NUM_NODES": "1",
-        "HPC_DDP_LOCAL_RANK": str(rank),
-        "HPC_DDP_LOCAL_WORLD_SIZE": str(nproc),
-        "HPC_DDP_MASTER_ADDR": "127.0.0.1",
-        "HPC_DDP_MASTER_PORT": str(port),
+        **launch_environ(
+            launcher="spawn",
+            gpus_per_process=gpus_per_process,
+            num_nodes=1,
+            node_rank=0,
+            local_rank=rank,
+            local_world_size=nproc,
+            master_addr="127.0.0.1",
+            master_port=port,
+        ),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -143,7 +149,7 @@ def _signal(pid: int, signum: int) -> None:
 
 
 def _become_worker(
-    rank: int, nproc: int, port: int, parent: int, mask: set[signal.Signals]
+    rank: int, nproc: int, port: int, gpp: int, parent: int, mask: set[signal.Signals]
 ) -> None:
     """In the child, right after fork: die with the parent, default signals, own variables."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -153,7 +159,7 @@ def _become_worker(
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what launch() blocked around the fork
-    os.environ.update(worker_environ(rank, nproc, port))
+    os.environ.update(worker_environ(rank, nproc, port, gpp))
     _share_cpu_threads(nproc)
 
 
@@ -173,13 +179,17 @@ def launch(
     worker: Callable[[], object],
     nproc: int,
     *,
-    gpus_per_process: int = 1,
+    gpus_per_process: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """Fork ``nproc`` workers running ``worker()`` (which must leave through ``os._exit``, as
-    ``hpc_ddp.dist.run_main`` does); supervise them; return the job's exit code."""
+    ``hpc_ddp.dist.run_main`` does); supervise them; return the job's exit code.
+
+    ``gpus_per_process`` None: what ``environ`` says, else 1 (resolve_gpus_per_process); the
+    workers are told the value, so that their own detect_env agrees."""
     environ = os.environ if environ is None else environ
-    check_can_spawn(nproc, gpus_per_process, environ)
+    gpp = resolve_gpus_per_process(gpus_per_process, environ)
+    check_can_spawn(nproc, gpp, environ)
     port = parse_port(environ["MASTER_PORT"]) if environ.get("MASTER_PORT") else free_port()
     parent = os.getpid()
     sys.stdout.flush()
@@ -196,7 +206,7 @@ def launch(
                     # The children get their own process group: a terminal's Ctrl-C reaches the
                     # parent only, which forwards it once.
                     os.setpgid(0, 0)
-                    _become_worker(rank, nproc, port, parent, mask)
+                    _become_worker(rank, nproc, port, gpp, parent, mask)
                     worker()
                 finally:
                     os._exit(1)  # the worker returned or raised instead of exiting: a bug

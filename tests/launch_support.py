@@ -12,6 +12,7 @@ exports what the job needs instead of inheriting it. It can also play an unreach
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -140,6 +141,20 @@ def hpc_ddp(args: list[str], *, timeout: float = 120, env: dict[str, str] | None
         check=False,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+
+def json_by_host(stdout: str) -> dict[str, list[dict]]:
+    """JSON objects per host. A host's processes share one pipe, and unbuffered Python
+    (PYTHONUNBUFFERED=1) prints text and newline in two writes: two objects can share a line."""
+    by_host: dict[str, list[dict]] = {}
+    decoder = json.JSONDecoder()
+    for line in stdout.splitlines():
+        host, _, rest = line.partition(": ")
+        while rest.startswith("{"):
+            obj, end = decoder.raw_decode(rest)
+            by_host.setdefault(host, []).append(obj)
+            rest = rest[end:].lstrip()
+    return by_host
 
 
 def processes_of(launch_id: str) -> list[int]:

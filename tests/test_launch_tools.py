@@ -24,6 +24,7 @@ from launch_support import (
     assert_no_processes_left,
     fake_ssh_dir,
     hpc_ddp,
+    json_by_host,
     kill_leftovers,
     launch_args,
     popen_hpc_ddp,
@@ -44,20 +45,6 @@ def launches() -> Iterator[list[Launch]]:
         kill_leftovers(launch.launch_id)
 
 
-def _json_lines(stdout: str) -> dict[str, list[dict]]:
-    """JSON objects per host. A host's processes share one pipe, and unbuffered Python
-    (PYTHONUNBUFFERED=1) prints text and newline in two writes: two objects can share a line."""
-    by_host: dict[str, list[dict]] = {}
-    decoder = json.JSONDecoder()
-    for line in stdout.splitlines():
-        host, _, rest = line.partition(": ")
-        while rest.startswith("{"):
-            obj, end = decoder.raw_decode(rest)
-            by_host.setdefault(host, []).append(obj)
-            rest = rest[end:].lstrip()
-    return by_host
-
-
 @pytest.mark.parametrize("mode", ["processes", "torchrun"])
 @pytest.mark.parametrize("tool", TOOLS)
 def test_env_on_two_hosts(tool: str, mode: str, tmp_path: Path, launches: list[Launch]) -> None:
@@ -66,7 +53,7 @@ def test_env_on_two_hosts(tool: str, mode: str, tmp_path: Path, launches: list[L
     launches.append(launch)
     res = hpc_ddp([*launch.base, "--", "hpc-ddp", "env", "--json"])
     assert res.returncode == 0, res.stderr
-    by_host = _json_lines(res.stdout)
+    by_host = json_by_host(res.stdout)
     assert sorted(by_host) == ["node0", "node1"]
     ranks = []
     for node_rank, host in enumerate(["node0", "node1"]):
@@ -122,7 +109,7 @@ def test_remote_shell_gets_exactly_the_exported_env(
     code = f"import os, json; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
     res = hpc_ddp([*launch.base, "--", "python3", "-c", code], env=env)
     assert res.returncode == 0, res.stderr
-    seen = _json_lines(res.stdout)
+    seen = json_by_host(res.stdout)
     assert sorted(seen) == ["node0", "node1"]
     for (got,) in seen.values():
         assert got["NCCL_DEBUG"] == "INFO" and got["GLOO_SOCKET_IFNAME"] == "lo"

@@ -26,8 +26,9 @@ from slurm_support import (
     require_tools,
 )
 
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import LocalCluster, munge, procs, wait_for
+from hpc_ddp.localslurm.embedded import default_state_dir, dir_lock
 
 pytestmark = pytest.mark.slurm
 NOBODY_UID = 65534
@@ -257,13 +258,13 @@ def test_a_cluster_dir_others_could_change_is_refused(root: Path) -> None:
     proc = _up(theirs)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"refusing the local cluster dir {theirs}" in proc.stderr
-    assert "owned by uid 65534" in proc.stderr and "HINT:" in proc.stderr
+    assert "owned by nobody (uid 65534), not by you" in proc.stderr and "HINT:" in proc.stderr
     assert list(theirs.iterdir()) == []  # nothing written into it
 
     open_dir = root / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)
-    with pytest.raises(ConfigError, match="writable by group or others") as info:
+    with pytest.raises(ConfigError, match="writable by other users") as info:
         LocalCluster(open_dir, ephemeral=True).start()
     assert str(open_dir) in info.value.message and "0700" in (info.value.hint or "")
 
@@ -282,6 +283,34 @@ def test_a_cluster_dir_others_could_change_is_refused(root: Path) -> None:
         assert stat.S_IMODE(os.stat(readable).st_mode) == 0o700
     finally:
         cluster.stop()
+
+
+def test_the_default_dir_sits_in_the_private_state_dir(tmp_path: Path) -> None:
+    """The default cluster dir lies in the toolkit's per-user state dir, which is created 0700
+    and refused when another user could change it (hpc_ddp.private_paths), like every per-user
+    dir of the toolkit; no daemon needed."""
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path)}
+    state = tmp_path / "state" / "hpc-ddp"
+    assert default_state_dir(env) == state / "slurm"
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    os.chmod(state, 0o777)
+    with pytest.raises(HpcDdpError, match="writable by other users"):
+        default_state_dir(env)
+    os.chmod(state, 0o700)
+    os.chown(state, NOBODY_UID, NOBODY_UID)
+    with pytest.raises(HpcDdpError, match="owned by nobody"):
+        default_state_dir(env)
+
+
+def test_no_lock_file_where_another_user_could_swap_the_dir(tmp_path: Path) -> None:
+    """The start/stop lock sits beside the cluster dir: under a dir others may write (without
+    the sticky bit) it is refused before a file is made there, as the dir itself would be."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match="another user can change"):
+        dir_lock(shared / "cluster")
+    assert list(shared.iterdir()) == []
 
 
 def test_munged_warnings_other_than_the_socket_one_are_caught(tmp_path: Path) -> None:

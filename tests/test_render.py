@@ -249,8 +249,20 @@ def test_per_rank_logs_go_to_one_file_per_rank() -> None:
 
 
 def test_gpus_per_process_env_must_agree_with_the_spec() -> None:
-    with pytest.raises(ConfigError, match="contradicts gpus_per_process=8"):
+    with pytest.raises(ConfigError, match="gpus_per_process=8 was asked for but HPC_DDP_GPUS_"):
         JobSpec(gpus_per_node=8, gpus_per_process=8, env={"HPC_DDP_GPUS_PER_PROCESS": "4"})
+
+
+def test_gpus_per_process_not_given_follows_the_one_rule() -> None:
+    """Not given (None; 0 in a file or flag) is what the job's processes would conclude from
+    the environment they get (the spec's env), else 1: the rule detect_env applies."""
+    assert JobSpec(gpus_per_node=8).gpus_per_process == 1
+    assert JobSpec(gpus_per_node=8, gpus_per_process=0).layout == "per-gpu"
+    from_env = JobSpec(gpus_per_node=8, env={"HPC_DDP_GPUS_PER_PROCESS": "4"})
+    assert (from_env.gpus_per_process, from_env.layout, from_env.ppn) == (4, "per-node", 2)
+    assert build_spec(overrides={"gpus_per_node": 8, "gpus_per_process": 0}).gpus_per_process == 1
+    with pytest.raises(ConfigError, match="gpus_per_process=-1 is negative"):
+        JobSpec(gpus_per_node=8, gpus_per_process=-1)
 
 
 # --- data never becomes code (the full table is tests/test_hostile_scripts.py) -------------

@@ -14,7 +14,8 @@ import pytest
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.localslurm.embedded import SYSTEM_CONF, choose_slurm, users_slurm
+from hpc_ddp.localslurm.embedded import choose_slurm, users_slurm
+from hpc_ddp.slurm_client import SYSTEM_CONF
 
 pytestmark = pytest.mark.slurm
 TOOLS = ("scontrol", "sinfo", "squeue", "sbatch", "scancel", "srun")
@@ -89,3 +90,39 @@ def test_a_slurm_that_its_tools_reach_is_used_not_the_embedded_one(
     assert users_slurm(_environ(tmp_path, None)) is None
     took = time.monotonic() - started
     assert took < 2, f"asking the tools took {took:.2f} s"
+
+
+def _controller_lines(env: dict[str, str], tmp_path: Path) -> tuple[str, str]:
+    proc = subprocess.run(
+        [str(HPC_DDP), "doctor", "--no-torch", "--run-dir", str(tmp_path / "runs")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    line = next(i for i, text in enumerate(lines) if "slurm controller:" in text)
+    ports = next(text for text in lines if "reserved ports:" in text)
+    return "\n".join(lines[line : line + 2]), ports
+
+
+def test_doctor_finds_the_slurm_that_submit_would_use(
+    slurm_cluster: SlurmTestCluster, tmp_path: Path
+) -> None:
+    """No SLURM_CONF, no /etc/slurm/slurm.conf, but the tools reach a cluster: the doctor asks
+    them as `hpc-ddp submit` does (hpc_ddp.slurm_client), instead of reporting no Slurm."""
+    if SYSTEM_CONF.exists():
+        pytest.skip(f"{SYSTEM_CONF} exists here: the tools would read it")
+    conf = slurm_cluster.cluster.conf_path
+    env = _environ(tmp_path, _site_install(tmp_path / "opt-slurm-bin", conf))
+    controller, ports = _controller_lines(env, tmp_path)
+    assert controller.startswith("OK") and "the Slurm cluster 'hpcddp'" in controller, controller
+    assert "reserves no ports per step" in ports, ports
+
+    dead = tmp_path / "dead.conf"
+    dead.write_text(
+        conf.read_text().replace(
+            f"SlurmctldPort={slurm_cluster.cluster.config.ctld_port}", "SlurmctldPort=1"
+        )
+    )
+    env = _environ(tmp_path, _site_install(tmp_path / "dead-bin", dead))
+    controller, _ = _controller_lines(env, tmp_path)
+    assert controller.startswith("FAIL") and "does not answer" in controller, controller
+    assert "HINT:" in controller and "HPC_DDP_SLURM=local" in controller

@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from types import ModuleType
 
 from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchrun
-from hpc_ddp.cluster._vars import check_part_of_world, check_rank, parse_int
-from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus
+from hpc_ddp.cluster._vars import check_part_of_world, check_rank
+from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.distenv import SOURCES, DistEnv
-from hpc_ddp.errors import LaunchEnvError
 
 __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]
 
@@ -35,30 +34,9 @@ __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]
 # 6. Nothing: one process.
 PRECEDENCE: tuple[ModuleType, ...] = (torchrun, launcher, submitit_local, slurm, mpi, single)
 
-GPUS_PER_PROCESS_VAR = "HPC_DDP_GPUS_PER_PROCESS"
-
 
 def detect_source(environ: Mapping[str, str]) -> ModuleType:
     return next(source for source in PRECEDENCE if source.detect(environ))
-
-
-def _gpus_per_process(environ: Mapping[str, str], requested: int | None) -> int:
-    from_env = environ.get(GPUS_PER_PROCESS_VAR)
-    env_value = parse_int(from_env, GPUS_PER_PROCESS_VAR, minimum=1) if from_env else None
-    if requested is not None:
-        if requested < 1:
-            raise LaunchEnvError(
-                f"gpus_per_process={requested} must be at least 1",
-                hint="1 = one process per GPU; G = one process drives G GPUs",
-            )
-        if env_value is not None and env_value != requested:
-            raise LaunchEnvError(
-                f"gpus_per_process={requested} was asked for but "
-                f"{GPUS_PER_PROCESS_VAR}={env_value} (set by the job script) says otherwise",
-                hint=f"make them agree, or drop one (unset {GPUS_PER_PROCESS_VAR})",
-            )
-        return requested
-    return env_value or 1
 
 
 def detect_env(
@@ -70,12 +48,13 @@ def detect_env(
 ) -> DistEnv:
     """The distributed environment of this process; LaunchEnvError (with a HINT) if it is wrong.
 
-    ``gpus_per_process`` defaults to $HPC_DDP_GPUS_PER_PROCESS, else 1. ``visible_gpus`` lets a
-    caller that already imported torch pass ``torch.cuda.device_count()``; otherwise the count
-    comes from CUDA_VISIBLE_DEVICES or /proc/driver/nvidia/gpus (``proc_root`` for tests).
+    ``gpus_per_process`` None: what the launcher exported, else 1 (the one rule:
+    ``devices.resolve_gpus_per_process``). ``visible_gpus`` lets a caller that already imported
+    torch pass ``torch.cuda.device_count()``; otherwise the count comes from
+    CUDA_VISIBLE_DEVICES or /proc/driver/nvidia/gpus (``proc_root`` for tests).
     """
     environ = os.environ if environ is None else environ
-    gpp = _gpus_per_process(environ, gpus_per_process)
+    gpp = resolve_gpus_per_process(gpus_per_process, environ)
     source = detect_source(environ)
     env = source.read(environ, gpus_per_process=gpp)
     assert env.source in SOURCES, env.source

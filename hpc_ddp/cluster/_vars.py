@@ -10,15 +10,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from hpc_ddp.cluster.host_names import is_address
 from hpc_ddp.errors import LaunchEnvError
 
 # 18 digits: any id or count a launcher writes fits, and int() never meets Python's
 # 4300-digit conversion limit (a ValueError of its own). A '-' is read so that -1 is reported
 # as below its minimum rather than as text.
 _ASCII_INT = re.compile(r"-?[0-9]{1,18}")
-# A host name (letters, digits, '.', '-', and '_', which /etc/hosts allows) or an IP address
-# (IPv6 adds ':' and a '%zone'); 253 characters is DNS's limit for a whole name.
-_ADDRESS = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
 # A launcher's job id is shown to users and hashed into a port: printable ASCII, no spaces.
 _JOB_ID = re.compile(r"[!-~]{1,256}")
 
@@ -80,7 +78,7 @@ def get_address(environ: Mapping[str, str], name: str) -> str | None:
     if name not in environ:
         return None
     value = environ[name]
-    if not _ADDRESS.fullmatch(value):
+    if not is_address(value, zone=True):  # the rules of cluster/host_names.py
         what = "empty" if not value.strip() else "not a host name or IP address"
         raise LaunchEnvError(
             f"{name}={value!r} is {what}",

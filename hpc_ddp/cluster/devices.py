@@ -3,6 +3,10 @@
 Visible GPUs come from CUDA_VISIBLE_DEVICES when it is set (Slurm sets it per task; with
 ``--gpus-per-task=1`` every task sees only device 0), else from the NVIDIA driver's
 /proc/driver/nvidia/gpus directory. Ordinals are as the process sees them: 0..visible-1.
+
+How many GPUs one process drives has one rule, :func:`resolve_gpus_per_process`, for every
+place that asks (detect_env, the fork launcher, the job and launch specs). "Not given" is None
+in Python; files and flags say 0, which :func:`gpus_per_process_setting` turns into None.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ import os
 import re
 from collections.abc import Mapping
 
-from hpc_ddp.errors import LaunchEnvError
+from hpc_ddp.cluster._vars import parse_int
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
+from hpc_ddp.errors import ConfigError, LaunchEnvError
+
+DEFAULT_GPUS_PER_PROCESS = 1  # one process per GPU
 
 _INDEX = re.compile(r"-?[0-9]{1,18}")
 
@@ -73,5 +81,39 @@ def assign_gpus(
         f"{gpus_per_process} GPU(s) each need {needed}, but this process sees {visible}",
         hint="ask for one GPU per process (sbatch --gpus-per-node=N with --ntasks-per-node=N, "
         "or --gpus-per-task), start fewer processes per node, or lower gpus_per_process "
-        "(HPC_DDP_GPUS_PER_PROCESS)",
+        f"({GPUS_PER_PROCESS_VAR})",
     )
+
+
+def gpus_per_process_setting(value: int | None, name: str = "gpus_per_process") -> int | None:
+    """A gpus_per_process read from a file or a flag: 0 there has always meant "not given",
+    which is None everywhere else."""
+    if value is not None and value < 0:
+        raise ConfigError(
+            f"{name}={value} is negative",
+            hint="give the GPUs one process drives (1 = one process per GPU), or 0 to leave it "
+            f"to ${GPUS_PER_PROCESS_VAR} (else 1)",
+        )
+    return value or None
+
+
+def resolve_gpus_per_process(requested: int | None, environ: Mapping[str, str]) -> int:
+    """GPUs per process: ``requested`` if given (at least 1), else the GPUS_PER_PROCESS_VAR of
+    ``environ`` (the environment the processes run with), else 1. A value given that
+    contradicts the variable is an error: one of the two was left over from another layout."""
+    from_env = environ.get(GPUS_PER_PROCESS_VAR)
+    env_value = parse_int(from_env, GPUS_PER_PROCESS_VAR, minimum=1) if from_env else None
+    if requested is None:
+        return env_value or DEFAULT_GPUS_PER_PROCESS
+    if requested < 1:
+        raise LaunchEnvError(
+            f"gpus_per_process={requested} must be at least 1",
+            hint="1 = one process per GPU; G = one process drives G GPUs; None = not given",
+        )
+    if env_value is not None and env_value != requested:
+        raise LaunchEnvError(
+            f"gpus_per_process={requested} was asked for but {GPUS_PER_PROCESS_VAR}={env_value} "
+            "says otherwise",
+            hint=f"make them agree, or drop one (unset {GPUS_PER_PROCESS_VAR})",
+        )
+    return requested

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-SOURCES = ("torchrun", "slurm", "mpi", "pdsh", "clush", "spawn", "submitit", "single")
+from hpc_ddp.env_vars import Launcher
+
+# The launcher whose variables were believed; `hpc-ddp env --json` prints these strings.
+Source = Literal["torchrun", "slurm", "mpi", Launcher, "submitit", "single"]
+SOURCES: tuple[Source, ...] = get_args(Source)
 
 
 @dataclass(frozen=True)
 class DistEnv:
-    source: str  # one of SOURCES: the launcher whose variables were believed
+    source: Source
     rank: int
     local_rank: int
     world_size: int

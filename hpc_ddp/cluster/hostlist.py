@@ -20,13 +20,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from hpc_ddp.cluster.host_names import is_host_name, is_name_text
 from hpc_ddp.errors import LaunchEnvError
 
 # A Slurm job spans at most 64 Ki nodes (MAX_SLURM_NODES in slurm.h), so a longer list is a
 # typo or an attack; it is refused before a single name is built.
 MAX_HOSTS = 65536
-# The text around bracket groups: what DNS and /etc/hosts allow in a host name, plus '_'.
-_LITERAL = re.compile(r"[A-Za-z0-9_.-]*")
 _RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
 _TASKS = re.compile(r"([0-9]{1,9})(?:\(x([0-9]{1,9})\))?")
 # Separators outside brackets: commas, and the whitespace `scontrol show hostnames` prints.
@@ -120,7 +119,7 @@ def _parse_name(part: str, text: str) -> _Name:
     pieces = re.split(r"\[([^\]]*)\]", part)  # texts at even indices, group bodies at odd
     texts = tuple(pieces[0::2])
     for literal in texts:
-        if not _LITERAL.fullmatch(literal):
+        if not is_name_text(literal):
             raise _bad(text, f"{literal!r} is not a host name (letters, digits, '.', '-', '_')")
     return _Name(texts, tuple(_parse_group(body, text) for body in pieces[1::2]))
 
@@ -138,7 +137,16 @@ def expand_hostlist(text: str) -> list[str]:
     # Counted first: a product of ranges is never built just to be refused.
     if sum(name.count(MAX_HOSTS) for name in names) > MAX_HOSTS:
         raise _bad(text, f"more than {MAX_HOSTS} hosts (the most a Slurm job can have)")
-    return [host for name in names for host in name.expand()]
+    hosts = [host for name in names for host in name.expand()]
+    # Each part was host-name text; a whole name must also start well and fit DNS's length.
+    bad = next((host for host in hosts if not is_host_name(host)), None)
+    if bad is not None:
+        raise _bad(
+            text,
+            f"{bad!r} is not a host name (one starts with a letter, a digit or '_' and has at "
+            "most 253 characters)",
+        )
+    return hosts
 
 
 def expand_tasks_per_node(text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""The project's own launchers: HPC_DDP_* variables per process.
+"""The project's own launchers: the launch contract of :mod:`hpc_ddp.env_vars`, read back.
 
 ``hpc-ddp launch pdsh|clush`` across hosts, and ``hpc-ddp train --nproc-per-node N`` forking one
 node's workers (hpc_ddp.spawn).
@@ -9,49 +9,64 @@ Rank = node_rank * local_world_size + local_rank: every node runs the same numbe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from hpc_ddp.cluster._vars import first_job_id, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.master_port import parse_port
+from hpc_ddp.env_vars import (
+    JOB_ID_VAR,
+    LAUNCHER_VAR,
+    LAUNCHERS,
+    LOCAL_RANK_VAR,
+    LOCAL_WORLD_SIZE_VAR,
+    MASTER_ADDR_VAR,
+    MASTER_PORT_VAR,
+    NODE_RANK_VAR,
+    NUM_NODES_VAR,
+    Launcher,
+)
 from hpc_ddp.errors import LaunchEnvError
-
-LAUNCHERS = ("pdsh", "clush", "spawn")
 
 
 def detect(environ: Mapping[str, str]) -> bool:
-    return "HPC_DDP_LAUNCHER" in environ
+    return LAUNCHER_VAR in environ
+
+
+def _launcher(environ: Mapping[str, str]) -> Launcher:
+    launcher = environ[LAUNCHER_VAR]
+    if launcher in LAUNCHERS:
+        return cast(Launcher, launcher)
+    raise LaunchEnvError(
+        f"{LAUNCHER_VAR}={launcher!r} is not a known launcher (valid: {', '.join(LAUNCHERS)})",
+        hint=f"start jobs with `hpc-ddp launch`, which sets it, or unset {LAUNCHER_VAR}",
+    )
 
 
 def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
-    launcher = environ["HPC_DDP_LAUNCHER"]
-    if launcher not in LAUNCHERS:
-        raise LaunchEnvError(
-            f"HPC_DDP_LAUNCHER={launcher!r} is not a known launcher "
-            f"(valid: {', '.join(LAUNCHERS)})",
-            hint="start jobs with `hpc-ddp launch`, which sets it, or unset HPC_DDP_LAUNCHER",
-        )
-    node_rank = get_int(environ, "HPC_DDP_NODE_RANK")
-    num_nodes = get_int(environ, "HPC_DDP_NUM_NODES", minimum=1)
-    local_rank = get_opt_int(environ, "HPC_DDP_LOCAL_RANK") or 0
-    local_world = get_opt_int(environ, "HPC_DDP_LOCAL_WORLD_SIZE", minimum=1) or 1
-    addr = get_address(environ, "HPC_DDP_MASTER_ADDR")
+    launcher = _launcher(environ)
+    node_rank = get_int(environ, NODE_RANK_VAR)
+    num_nodes = get_int(environ, NUM_NODES_VAR, minimum=1)
+    local_rank = get_opt_int(environ, LOCAL_RANK_VAR) or 0
+    local_world = get_opt_int(environ, LOCAL_WORLD_SIZE_VAR, minimum=1) or 1
+    addr = get_address(environ, MASTER_ADDR_VAR)
     if addr is None:
         raise LaunchEnvError(
-            f"HPC_DDP_LAUNCHER={launcher} but HPC_DDP_MASTER_ADDR is not set",
-            hint="the launch command must export HPC_DDP_MASTER_ADDR=<first host of -w>",
+            f"{LAUNCHER_VAR}={launcher} but {MASTER_ADDR_VAR} is not set",
+            hint=f"the launch command must export {MASTER_ADDR_VAR}=<first host of -w>",
         )
-    port_name = "HPC_DDP_MASTER_PORT" if environ.get("HPC_DDP_MASTER_PORT") else "MASTER_PORT"
+    port_name = MASTER_PORT_VAR if environ.get(MASTER_PORT_VAR) else "MASTER_PORT"
     port_text = environ.get(port_name)
     if port_text is None:
         raise LaunchEnvError(
-            f"HPC_DDP_LAUNCHER={launcher} but neither HPC_DDP_MASTER_PORT nor MASTER_PORT is set",
-            hint="the launch command must export HPC_DDP_MASTER_PORT (the same on every host)",
+            f"{LAUNCHER_VAR}={launcher} but neither {MASTER_PORT_VAR} nor MASTER_PORT is set",
+            hint=f"the launch command must export {MASTER_PORT_VAR} (the same on every host)",
         )
     port = parse_port(port_text, port_name)
     if "MASTER_PORT" in environ and parse_port(environ["MASTER_PORT"]) != port:
         raise LaunchEnvError(
-            f"HPC_DDP_MASTER_PORT={port} and MASTER_PORT={environ['MASTER_PORT']} disagree",
-            hint="set only one of them (hpc-ddp launch sets HPC_DDP_MASTER_PORT)",
+            f"{MASTER_PORT_VAR}={port} and MASTER_PORT={environ['MASTER_PORT']} disagree",
+            hint=f"set only one of them (hpc-ddp launch sets {MASTER_PORT_VAR})",
         )
     return DistEnv(
         source=launcher,
@@ -63,7 +78,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         num_nodes=num_nodes,
         master_addr=addr,
         master_port=port,
-        job_id=first_job_id(environ, ("HPC_DDP_JOB_ID",)),
+        job_id=first_job_id(environ, (JOB_ID_VAR,)),
         gpus_per_process=gpus_per_process,
         master_port_origin=port_name,
     )

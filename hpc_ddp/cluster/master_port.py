@@ -23,6 +23,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from hpc_ddp.cluster._vars import ascii_int
 from hpc_ddp.errors import LaunchEnvError
@@ -35,11 +36,29 @@ TORCHRUN_ORIGIN = "MASTER_PORT (set by torchrun)"
 _DERIVED = "derived from job id"
 _PORT_ITEM = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
 
+# Which rule gave a port. Its origin text (DistEnv.master_port_origin, `hpc-ddp env --json`)
+# also names the variable, the reserved list or the job id; port_rule reads the rule back.
+PortRule = Literal["variable", "torchrun", "reserved", "derived", "free"]
+
 
 @dataclass(frozen=True)
 class PortChoice:
     port: int
     origin: str  # for messages: 'MASTER_PORT', 'SLURM_STEP_RESV_PORTS=...', 'derived from ...'
+
+
+def port_rule(origin: str) -> PortRule:
+    """The rule behind an origin text this module wrote, else "variable": the origin is the
+    name of the variable that held the port (MASTER_PORT, or the launch contract's)."""
+    if origin.startswith(RESV_PORTS_VAR):
+        return "reserved"
+    if origin.startswith(_DERIVED):
+        return "derived"
+    if origin == FREE_PORT_ORIGIN:
+        return "free"
+    if origin == TORCHRUN_ORIGIN:
+        return "torchrun"
+    return "variable"
 
 
 def parse_port(value: str, name: str = "MASTER_PORT") -> int:
@@ -104,21 +123,22 @@ def master_port(environ: Mapping[str, str], job_id: str | None) -> int:
 def bind_failure_hint(port: int, origin: str) -> str:
     """What to do when rank 0 finds ``port`` taken, by where the port came from."""
     who = f"`ss -ltnp 'sport = :{port}'` names the process holding it"
-    if origin.startswith(RESV_PORTS_VAR):
+    rule = port_rule(origin)
+    if rule == "reserved":
         return (
             f"Slurm reserved {port} for this step, but a process outside Slurm's bookkeeping "
             f"holds it ({who}): stop it, or export MASTER_PORT=<a free port> in the job script"
         )
-    if origin.startswith(_DERIVED):
+    if rule == "derived":
         return (
             f"another job on this node (ids equal modulo {PORT_SPAN}) or a stale process holds "
             f"it ({who}): export MASTER_PORT=<a free port> in the job script, or let Slurm "
             "reserve ports per step (slurm.conf MpiParams=ports=...; `hpc-ddp doctor` says "
             "whether the cluster has them)"
         )
-    if origin == FREE_PORT_ORIGIN:
+    if rule == "free":
         return f"another process took the port between its choice and its use ({who}): run again"
-    if origin == TORCHRUN_ORIGIN:
+    if rule == "torchrun":
         return f"another process holds it ({who}): give torchrun another --master-port"
     return f"another process holds it ({who}): set {origin.split()[0]} to a free port"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hpc_ddp.cluster._vars import get_address
-from hpc_ddp.cluster.distenv import DistEnv
+from hpc_ddp.cluster.distenv import DistEnv, Source
 from hpc_ddp.cluster.master_port import FREE_PORT_ORIGIN, free_port, parse_port
 from hpc_ddp.errors import LaunchEnvError
 
@@ -41,7 +41,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
 def one_process(
     environ: Mapping[str, str],
     *,
-    source: str,
+    source: Source,
     master_port: int,
     master_port_origin: str,
     job_id: str | None,

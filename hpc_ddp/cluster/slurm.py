@@ -23,6 +23,7 @@ from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.cluster.master_port import choose_master_port
 from hpc_ddp.cluster.single import one_process
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import LaunchEnvError
 
 # Other launchers' sizes that, when present beside an srun step, must describe the same world
@@ -130,7 +131,7 @@ def _check_gpus_per_node(environ: Mapping[str, str], local_world: int, gpp: int)
         f"{gpp} GPU(s) per process = {local_world * gpp}, but the job has {on_node} GPU(s) here "
         "(SLURM_GPUS_ON_NODE)",
         hint=f"use --ntasks-per-node={on_node // gpp} with --gpus-per-node={on_node}, or set "
-        f"HPC_DDP_GPUS_PER_PROCESS={max(on_node // max(local_world, 1), 1)} for one process "
+        f"{GPUS_PER_PROCESS_VAR}={max(on_node // max(local_world, 1), 1)} for one process "
         "driving several GPUs",
     )
 

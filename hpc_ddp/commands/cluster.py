@@ -7,6 +7,7 @@ import shlex
 import time
 from pathlib import Path
 
+from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import LocalCluster
 from hpc_ddp.localslurm.config import NODE_ADDR
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--dir",
             type=Path,
             default=None,
-            help="cluster dir (default: $HPC_DDP_LOCAL_SLURM_DIR or ~/.local/state/hpc-ddp/slurm)",
+            help=f"cluster dir (default: ${LOCAL_SLURM_DIR_VAR} or ~/.local/state/hpc-ddp/slurm)",
         )
 
 

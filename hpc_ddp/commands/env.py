@@ -14,7 +14,8 @@ import sys
 from typing import Any
 
 from hpc_ddp.cluster import detect_env
-from hpc_ddp.cluster.devices import has_nvidia_driver
+from hpc_ddp.cluster.devices import gpus_per_process_setting, has_nvidia_driver
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.network import choose_backend
 
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="GPUs each process drives (default: $HPC_DDP_GPUS_PER_PROCESS or 1)",
+        help=f"GPUs each process drives (default or 0: ${GPUS_PER_PROCESS_VAR}, else 1)",
     )
     parser.add_argument(
         "--backend",
@@ -39,7 +40,7 @@ def collect(args: argparse.Namespace, proc_root: str = "/proc", sys_root: str = 
     driver = has_nvidia_driver(proc_root)
     # Without a driver, devices listed in CUDA_VISIBLE_DEVICES cannot be used: report CPU.
     env = detect_env(
-        gpus_per_process=args.gpus_per_process,
+        gpus_per_process=gpus_per_process_setting(args.gpus_per_process, "--gpus-per-process"),
         visible_gpus=None if driver else 0,
         proc_root=proc_root,
     )

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpus-per-process",
         type=int,
-        default=1,
-        help="1: one process per GPU; G: one process drives G GPUs",
+        default=None,
+        help="1: one process per GPU; G: one process drives G GPUs (default or 0: what --env "
+        "sets, else 1)",
     )
     parser.add_argument(
         "--mode",

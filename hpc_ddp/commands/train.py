@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         worker()
     from hpc_ddp.spawn import launch
 
-    sys.exit(launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process or 1))
+    sys.exit(launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process))
 
 
 def main(argv: list[str]) -> NoReturn:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
+from hpc_ddp.errors import HpcDdpError
 
 TRAIN_MODULE = "hpc_ddp.train"
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -29,8 +32,14 @@ class ProcessSpec:
 
     nodes: int = field(default=1, metadata=_doc("number of nodes"))
     gpus_per_node: int = field(default=0, metadata=_doc("GPUs per node; 0 = CPU job with Gloo"))
-    gpus_per_process: int = field(
-        default=1, metadata=_doc("GPUs each process drives: 1 = one process per GPU")
+    # None (0 in a file or flag) = not given: settled in core_problems by the one rule
+    # (hpc_ddp.cluster.devices) from ``env``, the variables every process gets; an int after.
+    gpus_per_process: int | None = field(
+        default=None,
+        metadata=_doc(
+            "GPUs each process drives: 1 = one process per GPU; 0 = not given: "
+            f"{GPUS_PER_PROCESS_VAR} in env, else 1"
+        ),
     )
     procs_per_node: int = field(
         default=0,
@@ -95,8 +104,13 @@ class ProcessSpec:
             p.append(f"{lab('nodes')} must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
             p.append(f"{lab('gpus_per_node')} must be >= 0, got {self.gpus_per_node}")
-        if self.gpus_per_process < 1:
-            p.append(f"{lab('gpus_per_process')} must be >= 1, got {self.gpus_per_process}")
+        try:
+            requested = gpus_per_process_setting(self.gpus_per_process, lab("gpus_per_process"))
+            gpp = resolve_gpus_per_process(requested, self.env)
+        except HpcDdpError as err:
+            gpp = 1  # lets the other checks run; the spec is refused
+            p.append(err.message)
+        object.__setattr__(self, "gpus_per_process", gpp)  # frozen: settled once, here
         if self.procs_per_node < 0:
             p.append(
                 f"{lab('procs_per_node')} must be >= 0 (0 = derived), got {self.procs_per_node}"
@@ -120,12 +134,6 @@ class ProcessSpec:
             p.append(
                 f"{lab('gpus_per_process')} only applies to GPU jobs: set "
                 f"{lab('gpus_per_node')} or leave it at 1"
-            )
-        gpp_env = self.env.get("HPC_DDP_GPUS_PER_PROCESS")
-        if gpp_env is not None and gpp_env != str(gpp):
-            p.append(
-                f"env HPC_DDP_GPUS_PER_PROCESS={gpp_env} contradicts {lab('gpus_per_process')}="
-                f"{gpp}; set {lab('gpus_per_process')} only (the launch exports it)"
             )
         if self.module and self.script:
             p.append("give at most one of module (python -m) and script")

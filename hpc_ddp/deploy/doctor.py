@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.slurm_client import reachable_slurm
 
 Status = Literal["OK", "WARN", "FAIL"]
 OK: Status = "OK"
@@ -78,15 +79,14 @@ def check_slurm_tools(o: Options) -> Check:
     )
 
 
-def _slurm_configured(env: Mapping[str, str]) -> bool:
-    # Without a config scontrol spends seconds on DNS SRV lookups before failing.
-    return bool(env.get("SLURM_CONF")) or Path("/etc/slurm/slurm.conf").exists()
-
-
 def check_controller(o: Options) -> Check:
     if shutil.which("scontrol", path=o.env.get("PATH")) is None:
         return Check(WARN, "slurm controller", "scontrol not found: not checked")
-    if not _slurm_configured(o.env):
+    try:
+        slurm = reachable_slurm(o.env)  # the same answer `hpc-ddp submit` goes by
+    except HpcDdpError as err:  # configured, but it does not answer
+        return Check(FAIL, "slurm controller", err.message, err.hint or "")
+    if slurm is None:
         embedded = o.embedded_cluster(o.env) if o.embedded_cluster else None
         if embedded is not None:
             return Check(
@@ -99,24 +99,11 @@ def check_controller(o: Options) -> Check:
         return Check(
             WARN,
             "slurm controller",
-            "no Slurm configured (no SLURM_CONF, no /etc/slurm/slurm.conf)",
+            "no Slurm configured (scontrol finds no config and no configless server)",
             "`hpc-ddp submit` will start the embedded local cluster; set SLURM_CONF to use "
             "another one",
         )
-    try:
-        proc = subprocess.run(
-            ["scontrol", "ping"], env=dict(o.env), capture_output=True, text=True, timeout=20
-        )
-    except subprocess.TimeoutExpired:
-        return Check(FAIL, "slurm controller", "scontrol ping: no answer in 20 s")
-    if proc.returncode == 0 and "UP" in proc.stdout:
-        return Check(OK, "slurm controller", proc.stdout.strip().splitlines()[0])
-    return Check(
-        FAIL,
-        "slurm controller",
-        ((proc.stdout + proc.stderr).strip().splitlines() or [f"exit {proc.returncode}"])[-1],
-        "is SLURM_CONF right? with no Slurm, `hpc-ddp submit` starts the embedded local cluster",
-    )
+    return Check(OK, "slurm controller", slurm.description)
 
 
 def check_launch_env(o: Options) -> Check:
@@ -310,12 +297,16 @@ def check_reserved_ports(o: Options) -> Check:
     step_ports = o.env.get(RESV_PORTS_VAR)
     if step_ports:
         return Check(OK, name, f"this step has {RESV_PORTS_VAR}={step_ports}: MASTER_PORT uses it")
-    if shutil.which("scontrol", path=o.env.get("PATH")) is None or not _slurm_configured(o.env):
-        return Check(OK, name, "no Slurm configured: not checked")
+    try:
+        slurm = reachable_slurm(o.env)
+    except HpcDdpError:
+        slurm = None  # the controller line reports it
+    if slurm is None:
+        return Check(OK, name, "no Slurm answers: not checked")
     try:
         proc = subprocess.run(
-            ["scontrol", "show", "config"], env=dict(o.env), capture_output=True, text=True,
-            timeout=20,
+            ["scontrol", "show", "config"], env={**o.env, **slurm.env}, capture_output=True,
+            text=True, timeout=20,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         return Check(OK, name, "scontrol show config: no answer in 20 s, not checked")

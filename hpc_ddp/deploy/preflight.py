@@ -13,6 +13,7 @@ import socket
 import sys
 
 from hpc_ddp.cluster import detect_env
+from hpc_ddp.env_vars import RDZV_ENDPOINT_VAR
 from hpc_ddp.errors import HpcDdpError
 
 
@@ -20,12 +21,12 @@ def line(environ: dict[str, str] | None = None) -> str:
     env_vars = dict(os.environ if environ is None else environ)
     node = env_vars.get("SLURMD_NODENAME", "?")
     cvd = env_vars.get("CUDA_VISIBLE_DEVICES", "-")
-    torchrun_agent = "HPC_DDP_RDZV_ENDPOINT" in env_vars and "TORCHELASTIC_RUN_ID" not in env_vars
+    torchrun_agent = RDZV_ENDPOINT_VAR in env_vars and "TORCHELASTIC_RUN_ID" not in env_vars
     if torchrun_agent:  # torchrun layout, before torchrun: one task per node, ranks come later
         return (
             f"hpc-ddp preflight: torchrun agent node_rank={env_vars.get('SLURM_NODEID', '?')}"
             f"/{env_vars.get('SLURM_JOB_NUM_NODES', '?')} node={node} host={socket.gethostname()} "
-            f"rdzv={env_vars['HPC_DDP_RDZV_ENDPOINT']} CUDA_VISIBLE_DEVICES={cvd}"
+            f"rdzv={env_vars[RDZV_ENDPOINT_VAR]} CUDA_VISIBLE_DEVICES={cvd}"
         )
     # GPUs as Slurm bound them (CUDA_VISIBLE_DEVICES): checks the binding, not the driver.
     try:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from hpc_ddp.env_vars import JOB_SHELL_VARS, LAUNCH_VARS
+
 SCRUB_PREFIXES = (
     "SLURM_",
     "SLURMD_",
@@ -37,19 +39,11 @@ SCRUB_NAMES = frozenset(
         "LOCAL_WORLD_SIZE",
         "GROUP_RANK",
         "ROLE_RANK",
-        "HPC_DDP_LAUNCHER",
-        "HPC_DDP_NODE_RANK",
-        "HPC_DDP_NUM_NODES",
-        "HPC_DDP_LOCAL_RANK",
-        "HPC_DDP_LOCAL_WORLD_SIZE",
-        "HPC_DDP_MASTER_ADDR",
-        "HPC_DDP_MASTER_PORT",
-        "HPC_DDP_RDZV_ENDPOINT",
-        "HPC_DDP_GPUS_PER_PROCESS",
-        "HPC_DDP_JOB_ID",
-        "HPC_DDP_LAUNCH_ID",
-        "HPC_DDP_LAUNCH_TAG",  # `hpc-ddp launch stop` kills by it: a child job must not match
         "CUDA_VISIBLE_DEVICES",  # set by Slurm for *this* allocation's GPUs
+        # The project's own launch contract, its launch tag included: `hpc-ddp launch stop`
+        # kills by the tag, and a child job must not match.
+        *LAUNCH_VARS,
+        *JOB_SHELL_VARS,
     }
 )
 KEEP = frozenset({"SLURM_CONF"})

@@ -2,7 +2,8 @@
 
 The templates live in the repository's top-level ``templates/`` and ship inside the wheel as the
 package ``hpc_ddp._templates`` (pyproject.toml maps the folder), so an installed hpc-ddp renders
-from any directory. Set HPC_DDP_TEMPLATES to render from another directory (a site's own).
+from any directory. Set TEMPLATES_VAR (hpc_ddp.env_vars) to render from another directory (a
+site's own).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from pathlib import Path
 import jinja2
 
 from hpc_ddp.deploy.safe_text import comment_text
+from hpc_ddp.env_vars import TEMPLATES_VAR
 from hpc_ddp.errors import ConfigError
 
-TEMPLATES_VAR = "HPC_DDP_TEMPLATES"
 # Run from a source checkout (editable install, or PYTHONPATH=checkout), the checkout's own
 # templates are the truth: another copy's hpc_ddp._templates may be importable beside it.
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def template_root() -> Traversable:
-    """Where templates are read from: $HPC_DDP_TEMPLATES, a checkout's, the installed package's."""
+    """Where templates are read from: $TEMPLATES_VAR, a checkout's, the installed package's."""
     override = os.environ.get(TEMPLATES_VAR)
     if override:
         if not Path(override).is_dir():

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.gpus import per_node
 from hpc_ddp.localslurm.install import checked_path
@@ -88,7 +89,7 @@ class ClusterConfig:
                 f"cluster dir {self.root} is {len(str(self.root))} characters long; "
                 f"at most {MAX_ROOT_LEN} fit (Slurm's step sockets live under it)",
                 hint="pick a shorter dir, e.g. --dir /tmp/hpc-ddp-slurm or "
-                "HPC_DDP_LOCAL_SLURM_DIR=/tmp/hpc-ddp-slurm",
+                f"{LOCAL_SLURM_DIR_VAR}=/tmp/hpc-ddp-slurm",
             )
 
     # Paths, all under root, so that removing root removes everything the cluster wrote.

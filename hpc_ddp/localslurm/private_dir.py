@@ -2,9 +2,11 @@
 
 The daemons run as root and read their config, their munge key and their state from this dir,
 so whoever can write it (or rename it: write access to any dir above it) owns the cluster, and
-through it root. Hence: every dir above it must be root's (or ours) and not writable by others,
-unless sticky like /tmp, where others cannot rename what is not theirs; the dir itself is ours,
-never a symlink, mode 0700. A dir that fails is refused, never repaired: someone else may
+through it root. The dir itself follows the toolkit's rule for private dirs
+(hpc_ddp.private_paths: a real dir, ours, nobody else can write it; the cluster runs as root,
+so "ours" is root's) and is kept at mode 0700. Beyond that rule, every dir above it must be
+root's (or ours) and not writable by others, unless sticky like /tmp, where others cannot
+rename what is not theirs. A dir that fails is refused, never repaired: someone else may
 already have put files in it.
 """
 
@@ -15,14 +17,11 @@ import os
 import stat
 from pathlib import Path
 
+from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.private_paths import SHARED_WRITE, private_dir_problem
 
 MODE = 0o700
-_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-
-
-def _owner_ok(st: os.stat_result) -> bool:
-    return st.st_uid in (0, os.geteuid())
 
 
 def check_ancestors(root: Path) -> None:
@@ -32,38 +31,30 @@ def check_ancestors(root: Path) -> None:
             st = os.stat(parent)
         except FileNotFoundError:
             continue  # created below by us, as root
-        writable_by_others = st.st_mode & _OTHERS_WRITE and not st.st_mode & stat.S_ISVTX
-        if not _owner_ok(st) or writable_by_others:
+        writable_by_others = st.st_mode & SHARED_WRITE and not st.st_mode & stat.S_ISVTX
+        if st.st_uid not in (0, os.geteuid()) or writable_by_others:
             raise ConfigError(
                 f"the local cluster dir {root} is inside {parent} (owner uid {st.st_uid}, "
                 f"mode {stat.filemode(st.st_mode)}), which another user can change: they could "
                 "replace the cluster's config, and the daemons run it as root",
                 hint="put the cluster dir under a dir only root can write, e.g. --dir "
-                "/tmp/hpc-ddp-slurm or HPC_DDP_LOCAL_SLURM_DIR=/var/lib/hpc-ddp/slurm",
+                f"/tmp/hpc-ddp-slurm or {LOCAL_SLURM_DIR_VAR}=/var/lib/hpc-ddp/slurm",
             )
 
 
 def check(root: Path) -> None:
-    """Refuse an existing ``root`` that is not ours alone (owner, symlink, group/other write)."""
+    """Refuse an existing ``root`` that is not a private dir of ours, or sits where another
+    user could swap it out."""
     check_ancestors(root)
     try:
-        st = os.lstat(root)
+        problem = private_dir_problem(root)
     except FileNotFoundError:
         return
-    problem = ""
-    if stat.S_ISLNK(st.st_mode):
-        problem = "is a symbolic link"
-    elif not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory"
-    elif not _owner_ok(st):
-        problem = f"is owned by uid {st.st_uid}, not by root"
-    elif st.st_mode & _OTHERS_WRITE:
-        problem = f"is writable by group or others (mode {stat.filemode(st.st_mode)})"
     if problem:
         raise ConfigError(
-            f"refusing the local cluster dir {root}: it {problem}; the cluster's daemons run "
+            f"refusing the local cluster dir {root}: it is {problem}; the cluster's daemons run "
             "as root and read their config and munge key from it",
-            hint=f"remove it or pick another dir (--dir, HPC_DDP_LOCAL_SLURM_DIR); the local "
+            hint=f"remove it or pick another dir (--dir, {LOCAL_SLURM_DIR_VAR}); the local "
             f"cluster creates its dir itself, mode 0700 (`sudo rm -r {root}` if it is yours "
             "to delete)",
         )

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
+from hpc_ddp.cluster.devices import gpus_per_process_setting
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
 
 DATASETS = ("cifar10", "cifar100")
@@ -159,10 +161,11 @@ class TrainConfig:
         ),
     )
     backend: str | None = field(default=None, metadata=_opt("process-group backend override"))
-    gpus_per_process: int = field(
-        default=0,
+    gpus_per_process: int | None = field(
+        default=None,
         metadata=_opt(
-            "GPUs one process drives, >1 splits the model (0: $HPC_DDP_GPUS_PER_PROCESS or 1)"
+            f"GPUs one process drives, >1 splits the model (not given or 0: "
+            f"${GPUS_PER_PROCESS_VAR}, else 1)"
         ),
     )
     timeout_s: float = field(default=1800.0, metadata=_opt("collective timeout (seconds)"))
@@ -200,7 +203,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
-        non_negative = ("num_workers", "checkpoint_every_steps", "warmup_steps", "gpus_per_process")
+        non_negative = ("num_workers", "checkpoint_every_steps", "warmup_steps")
         for key in (*non_negative, "debug_hold_at_step"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
@@ -212,6 +215,7 @@ class TrainConfig:
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be > 0")
         self.requeue_signals = [parse_signal(s).name for s in self.requeue_signals]
+        self.gpus_per_process = gpus_per_process_setting(self.gpus_per_process)  # 0 -> None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Stepper, Times
@@ -124,10 +125,10 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
 
     On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones):
     the same algorithm, and 16 % less GPU time per captured LeNet step (0.385 -> 0.323 ms, H200,
-    benchmarks/NOTES.md). HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no
+    benchmarks/NOTES.md). $HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no
     such choice: only its fused kernel reads a tensor LR on the GPU.
     """
-    fused = device.type == "cuda" and os.environ.get("HPC_DDP_GRAPH_FUSED_ADAM", "1") != "0"
+    fused = device.type == "cuda" and os.environ.get(GRAPH_FUSED_ADAM_VAR, "1") != "0"
     for group in optimizer.param_groups:
         if isinstance(optimizer, torch.optim.SGD):
             group["fused"], group["foreach"] = True, False
@@ -292,8 +293,8 @@ class GraphedStepper(Stepper):
     graphed: GraphedStep = field(init=False)
 
     def __post_init__(self) -> None:
-        # HPC_DDP_GRAPH_ALLREDUCE=0: keep the all-reduce out of the graph (see GraphedStep).
-        in_graph = os.environ.get("HPC_DDP_GRAPH_ALLREDUCE", "1") != "0"
+        # GRAPH_ALLREDUCE_VAR=0: keep the all-reduce out of the graph (see GraphedStep).
+        in_graph = os.environ.get(GRAPH_ALLREDUCE_VAR, "1") != "0"
         self.graphed = GraphedStep(
             self.model, self.optimizer, amp_dtype=self.amp_dtype, allreduce_in_graph=in_graph
         )

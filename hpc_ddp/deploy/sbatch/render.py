@@ -14,6 +14,7 @@ from hpc_ddp import __version__
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
+from hpc_ddp.env_vars import launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 
 TEMPLATES = {
@@ -104,7 +105,7 @@ def job_env(spec: JobSpec) -> list[tuple[str, str]]:
     # One BLAS/OpenMP thread pool per process sized to its CPUs, not to the whole node.
     env["OMP_NUM_THREADS"] = str(spec.cpus_per_task or 1)
     if spec.layout == "per-node":
-        env["HPC_DDP_GPUS_PER_PROCESS"] = str(spec.gpus_per_process)
+        env |= launch_environ(gpus_per_process=spec.gpus_per_process)
     env.update(spec.env)
     return list(env.items())
 

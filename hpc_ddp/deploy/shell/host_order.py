@@ -10,37 +10,21 @@ differently fails loudly instead of training with two nodes that both think they
 
 from __future__ import annotations
 
-import ipaddress
 import re
 
+from hpc_ddp.cluster.host_names import is_address
 from hpc_ddp.cluster.hostlist import expand_hostlist
 from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.errors import ConfigError, HpcDdpError
 
-# A host name that survives every shell layer unquoted and cannot smuggle in a pdsh/clush
-# placeholder: letters, digits, '.', '-', '_' (what DNS and /etc/hosts allow, plus '_'). It never
-# starts with '-', so ssh cannot read it as an option. Used with fullmatch: no trailing newline.
-_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-# An IPv6 address without a zone id ('%eth0' would be a pdsh/clush placeholder).
-_IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
 _DIGITS = re.compile(r"(\d+)")
 
 
-def is_host_name(text: str) -> bool:
-    """A plain host name or IPv4 address, safe in every shell layer of a launch."""
-    return _HOST.fullmatch(text) is not None
-
-
 def check_address(flag: str, address: str) -> None:
-    """Refuse anything but a host name, an IPv4 or an IPv6 address, naming ``flag``."""
-    if is_host_name(address):
+    """Refuse anything but a host name, an IPv4 or an IPv6 address (no zone id: its '%' would
+    be a pdsh/clush placeholder), naming ``flag``; the rules are cluster/host_names.py's."""
+    if is_address(address, zone=False):
         return
-    if _IPV6.fullmatch(address):
-        try:
-            ipaddress.IPv6Address(address)
-            return
-        except ValueError:
-            pass
     raise ConfigError(
         f"{flag} {address!r} is not a host name or an IP address",
         hint="give a name such as node01 (letters, digits, '.', '-', '_'), 10.0.0.1 or fd00::1",
@@ -65,7 +49,8 @@ def natural_key(host: str) -> tuple[tuple[int, int | str], ...]:
 def canonical_hosts(text: str) -> list[str]:
     """Expand ``node[01-02],gpu7`` and return the hosts sorted and de-duplicated.
 
-    Raises ConfigError for an empty or malformed list and for names no shell can carry safely.
+    Raises ConfigError for an empty or malformed list; expand_hostlist refuses every name that
+    is not a host name (cluster/host_names.py), which no shell layer of a launch could carry.
     """
     if problem := control_problem("--hosts", text):
         raise ConfigError(problem, hint="give host names only, e.g. --hosts 'node[01-02]'")
@@ -77,13 +62,6 @@ def canonical_hosts(text: str) -> list[str]:
         raise ConfigError(
             f"--hosts {text!r} names no host",
             hint="give at least one host, e.g. --hosts 'node[01-02]' or --hosts a1,a2",
-        )
-    bad = [h for h in hosts if not is_host_name(h)]
-    if bad:
-        raise ConfigError(
-            f"--hosts {text!r}: host name(s) {bad[:5]} contain characters a launch cannot pass "
-            "through ssh and pdsh/clush safely",
-            hint="use plain host names (letters, digits, '.', '-', '_'), as in /etc/hosts",
         )
     # Sorting makes clush's %n and pdsh's %n agree (see the module docstring).
     return sorted(set(hosts), key=natural_key)

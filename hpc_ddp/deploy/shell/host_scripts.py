@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 
 from hpc_ddp.deploy.shell.spec import LaunchSpec
+from hpc_ddp.env_vars import LAUNCH_TAG_VAR, launch_environ
 from hpc_ddp.private_paths import SHELL_FUNCTIONS
 
 # Exit codes of the host script itself (the payload's own codes pass through unchanged).
@@ -76,23 +77,24 @@ def host_script(spec: LaunchSpec) -> str:
     """The bash text every host runs: check rank and state dir, cd, export, set up, start,
     record, wait."""
     q = shlex.quote
-    launcher_env: list[tuple[str, str]] = [
-        ("HPC_DDP_LAUNCH_ID", spec.launch_id),
-        ("HPC_DDP_LAUNCH_TAG", f"{spec.launch_id}/{_H}"),  # what `stop` looks for (per host)
+    launcher_env = launch_environ(
+        launch_id=spec.launch_id,
+        launch_tag=f"{spec.launch_id}/{_H}",  # what `stop` looks for (per host)
         # detect_env's default for gpus_per_process (the trainer reads it), in both modes
-        ("HPC_DDP_GPUS_PER_PROCESS", str(spec.gpus_per_process)),
-    ]
+        gpus_per_process=spec.gpus_per_process,
+    )
     if spec.mode == "processes":
-        # The contract of hpc_ddp.cluster.launcher; the node agent adds HPC_DDP_LOCAL_RANK.
-        launcher_env += [
-            ("HPC_DDP_LAUNCHER", spec.tool),
-            ("HPC_DDP_JOB_ID", spec.launch_id),
-            ("HPC_DDP_NUM_NODES", str(spec.num_nodes)),
-            ("HPC_DDP_NODE_RANK", _N),
-            ("HPC_DDP_LOCAL_WORLD_SIZE", str(spec.nproc_per_node)),
-            ("HPC_DDP_MASTER_ADDR", spec.master_addr),
-            ("HPC_DDP_MASTER_PORT", str(spec.master_port)),
-        ]
+        # The rest of the contract; the node agent adds the local rank. (Under torchrun,
+        # torchrun gives its workers their places.)
+        launcher_env |= launch_environ(
+            launcher=spec.tool,
+            job_id=spec.launch_id,
+            num_nodes=spec.num_nodes,
+            node_rank=_N,
+            local_world_size=spec.nproc_per_node,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+        )
     tag = "hpc-ddp-launch:"
     lines = [
         f"# hpc-ddp launch {spec.launch_id}: host script; %h = this host, %n = its node rank",
@@ -121,7 +123,7 @@ def host_script(spec: LaunchSpec) -> str:
             f'{{ {step}\n}} || {{ echo "{tag} $host: setup step failed:" {q(step)} >&2;'
             f" exit {EXIT_SETUP_FAILED}; }}"
         )
-    lines += [f"export {k}={q(v)}" for k, v in launcher_env]
+    lines += [f"export {k}={q(v)}" for k, v in launcher_env.items()]
     lines += [
         # Own session: its process group id is its pid, recorded so `hpc-ddp launch stop`
         # (or the launcher, when another host fails) can end everything it started here.
@@ -150,7 +152,7 @@ def stop_script(spec: LaunchSpec) -> str:
     """Bash for every host: end every process this launch started there, TERM then KILL.
 
     What to end is found two ways. (1) Every process the host script started inherits
-    ``HPC_DDP_LAUNCH_TAG=<id>/<host>``: one ``grep -z`` over /proc/*/environ finds them, even
+    the launch tag ``<id>/<host>``: one ``grep -z`` over /proc/*/environ finds them, even
     torchrun's workers, which torchrun puts in sessions of their own (so killing torchrun's
     process group alone would orphan them if torchrun had to be SIGKILLed). (2) The process
     group recorded in the pid file, for a child that cleared its environment. A pid file can
@@ -162,7 +164,7 @@ def stop_script(spec: LaunchSpec) -> str:
     lines = [
         f"host={_H}",
         *_state_lines(spec),
-        f'marker="HPC_DDP_LAUNCH_TAG={spec.launch_id}/$host"',
+        f'marker="{LAUNCH_TAG_VAR}={spec.launch_id}/$host"',
         # pids whose environment carries the marker (zombies have an empty environ: skipped)
         "ours() {",
         '  grep -lzxF "$marker" /proc/[0-9]*/environ 2>/dev/null'

@@ -1,12 +1,13 @@
 """The node agent of ``hpc-ddp launch --mode processes``: one host's G processes, no torchrun.
 
-``python -m hpc_ddp.deploy.shell.node_agent --nproc G -- CMD ...`` starts CMD G times with
-``HPC_DDP_LOCAL_RANK`` = 0..G-1 and ``HPC_DDP_LOCAL_WORLD_SIZE`` = G added to its environment
-(the host script exported the other HPC_DDP_* variables). If one process fails, the agent stops
+``python -m hpc_ddp.deploy.shell.node_agent --nproc G -- CMD ...`` starts CMD G times, adding
+the local rank 0..G-1 and the local world size G of the launch contract (hpc_ddp.env_vars) to
+its environment; the host script exported the rest. If one process fails, the agent stops
 its siblings (SIGTERM, SIGKILL after ``--grace`` seconds) and exits with that process's code, so
 a dead rank ends the host at once instead of leaving the others blocked in a collective.
 
-Pure standard library: it runs on hosts before anything else is known to work.
+Pure standard library (and hpc_ddp.env_vars, which is too): it runs on hosts before anything
+else is known to work.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from types import FrameType
+
+from hpc_ddp.env_vars import NODE_RANK_VAR, launch_environ
 
 TAG = "hpc-ddp node-agent:"
 
@@ -45,14 +48,10 @@ def _stop(procs: dict[int, tuple[int, subprocess.Popen[bytes]]], grace_s: float)
 
 def run(nproc: int, command: list[str], grace_s: float) -> int:
     host = os.uname().nodename
-    node_rank = int(os.environ.get("HPC_DDP_NODE_RANK", "0"))
+    node_rank = int(os.environ.get(NODE_RANK_VAR, "0"))
     procs: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
     for local_rank in range(nproc):
-        env = {
-            **os.environ,
-            "HPC_DDP_LOCAL_RANK": str(local_rank),
-            "HPC_DDP_LOCAL_WORLD_SIZE": str(nproc),
-        }
+        env = {**os.environ, **launch_environ(local_rank=local_rank, local_world_size=nproc)}
         try:
             proc = subprocess.Popen(command, env=env)
         except OSError as err:

@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.master_port import derive_port
 from hpc_ddp.deploy.core import TRAIN_MODULE, ProcessSpec, problem_list
 from hpc_ddp.deploy.safe_text import control_problem
-from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address, is_host_name
+from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address
 from hpc_ddp.errors import ConfigError
 
 Tool = Literal["pdsh", "clush"]

@@ -112,7 +112,7 @@ class SubmititBackend(Backend):
         parameters = executor_parameters(spec, self.kind)
         folder = self.folder or Path("runs") / "submitit" / spec.name
         cwd = (self.cwd or Path.cwd()).absolute()
-        # Same environment as the sbatch templates give (OMP_NUM_THREADS, HPC_DDP_GPUS_PER_...).
+        # Same environment as the sbatch templates give (OMP_NUM_THREADS, GPUs per process...).
         task = TrainTask(list(spec.args), env=dict(job_env(spec)))
         where = "LocalExecutor, this machine" if self.kind == "local" else "AutoExecutor, Slurm"
         text = "\n".join(
