@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     ctx = hpc_ddp.init_distributed()  # rank, world, master from any launcher; NCCL or Gloo
-    preemption = hpc_ddp.Preemption()  # SIGUSR1/SIGTERM only set a flag
+    preemption = hpc_ddp.Preemption()  # USR1, TERM (and submitit's USR2) only set a flag
     dev = ctx.device
 
     def log(message: str) -> None:  # rank 0 speaks for the job
