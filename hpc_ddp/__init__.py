@@ -28,6 +28,10 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "ResumableDistributedSampler": ("hpc_ddp.runtime.sampler", "ResumableDistributedSampler"),
     "evaluate": ("hpc_ddp.runtime.evaluation", "evaluate"),
     "eval_indices": ("hpc_ddp.runtime.sampler", "eval_indices"),
+    "per_tensor_allreduce": ("hpc_ddp.runtime.exact_allreduce", "per_tensor_allreduce"),
+    "capture_rng_state": ("hpc_ddp.runtime.rng", "capture"),
+    "restore_rng_state": ("hpc_ddp.runtime.rng", "restore"),
+    "params_sha256": ("hpc_ddp.train.fingerprint", "params_sha256"),
     # jobs (torch-free)
     "JobSpec": ("hpc_ddp.deploy.spec", "JobSpec"),
     "load_job_spec": ("hpc_ddp.deploy.spec", "build_spec"),
@@ -67,6 +71,7 @@ __all__ = [
     "RunPaths",
     "ShardPlan",
     "__version__",
+    "capture_rng_state",
     "describe",
     "detect_env",
     "ensure_local_cluster",
@@ -76,7 +81,10 @@ __all__ = [
     "init_distributed",
     "load_job_spec",
     "make_launch_spec",
+    "params_sha256",
+    "per_tensor_allreduce",
     "render",
+    "restore_rng_state",
     "run_main",
     "shutdown",
     "submit",
@@ -98,9 +106,13 @@ if TYPE_CHECKING:
     from hpc_ddp.exit_codes import EXIT_REQUEUE
     from hpc_ddp.localslurm.embedded import ensure_local_cluster
     from hpc_ddp.runtime.evaluation import evaluate
+    from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
     from hpc_ddp.runtime.preemption import Preemption
+    from hpc_ddp.runtime.rng import capture as capture_rng_state
+    from hpc_ddp.runtime.rng import restore as restore_rng_state
     from hpc_ddp.runtime.run_paths import RunPaths
     from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
+    from hpc_ddp.train.fingerprint import params_sha256
 
 
 def __getattr__(name: str) -> Any:

@@ -201,15 +201,21 @@ def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
     assert [p.name for p in root.iterdir()] == ["thesis.tex"]
 
 
-def test_bad_shapes_fail_before_anything_starts(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nodes must be"):
-        LocalCluster("/tmp/x", nodes=0)
-    with pytest.raises(ConfigError, match="characters long") as info:
-        LocalCluster("/tmp/" + "d" * 80)
-    assert "shorter dir" in (info.value.hint or "")
-    with pytest.raises(ConfigError, match="lowercase"):
-        LocalCluster("/tmp/x", node_prefix="n-")
-    assert not Path("/tmp/x").exists()
+def test_bad_shapes_fail_before_anything_starts() -> None:
+    # A short root of this test's own (a fixed /tmp name could be anyone's).
+    parent = Path(tempfile.mkdtemp(prefix="hd-", dir="/tmp"))
+    root = parent / "x"
+    try:
+        with pytest.raises(ConfigError, match="nodes must be"):
+            LocalCluster(root, nodes=0)
+        with pytest.raises(ConfigError, match="characters long") as info:
+            LocalCluster("/tmp/" + "d" * 80)
+        assert "shorter dir" in (info.value.hint or "")
+        with pytest.raises(ConfigError, match="lowercase"):
+            LocalCluster(root, node_prefix="n-")
+        assert not root.exists()
+    finally:
+        shutil.rmtree(parent)
 
 
 def test_config_renders_nodes_ports_and_fake_gpus() -> None:

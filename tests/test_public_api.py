@@ -74,3 +74,26 @@ def test_preemption_flag_from_a_real_signal(monkeypatch) -> None:
     finally:
         pre.close()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_preemption_listens_for_submitits_signal_only_under_submitit(monkeypatch) -> None:
+    """submitit warns with USR2 (or its SUBMITIT_PREEMPT_SIGNAL): a script's ``Preemption()``
+    must catch it there, or the signal's default action kills the process before it saves."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")):
+            monkeypatch.delenv(key)
+    before = signal.getsignal(signal.SIGUSR2)
+    plain = hpc_ddp.Preemption()
+    try:
+        assert signal.getsignal(signal.SIGUSR2) == before  # outside submitit: left alone
+    finally:
+        plain.close()
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    for name, sig in (("", signal.SIGUSR2), ("HUP", signal.SIGHUP)):
+        monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", name)
+        pre = hpc_ddp.Preemption()
+        try:
+            os.kill(os.getpid(), sig)
+            assert pre.requested and "submitit" in pre.requeue()  # submitit requeues itself
+        finally:
+            pre.close()

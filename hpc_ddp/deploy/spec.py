@@ -247,5 +247,10 @@ def build_spec(
     data: dict[str, Any] = dict(load_spec_file(file)) if file else {}
     source = str(file) if file else "flags"
     if overrides:
+        for given, other in (("script", "module"), ("module", "script")):
+            if overrides.get(given) and other not in overrides:
+                data.pop(other, None)  # a flag's program replaces the file's (flags win)
         data.update(overrides)
+    if data.get("script") and "module" not in data:
+        data["module"] = ""  # a script replaces the default program (the trainer module)
     return JobSpec.from_mapping(data, source=source)

@@ -90,11 +90,21 @@ def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
     return f"requeued Slurm job {job} (scontrol requeue)"
 
 
+def default_signals(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """USR1 and TERM; under submitit also the signal it sends before preemption and the time
+    limit: ``SUBMITIT_PREEMPT_SIGNAL``, USR2 unless that is set."""
+    if not under_submitit(environ):
+        return ("USR1", "TERM")
+    submitit = environ.get("SUBMITIT_PREEMPT_SIGNAL") or "USR2"
+    return tuple(dict.fromkeys(("USR1", submitit, "TERM")))
+
+
 class Preemption:
     """Preemption for a training loop of your own: the pieces the trainer uses, in one object.
 
-    ``Preemption()`` installs handlers for ``signals`` (Slurm sends SIGTERM at preemption and at
-    the time limit, after ``--signal=USR1@N`` if the job asks). In the loop, call
+    ``Preemption()`` installs handlers for ``signals``: by default USR1 and TERM (Slurm sends
+    SIGTERM at preemption and at the time limit, after ``--signal=USR1@N`` if the job asks), plus
+    submitit's warning signal (USR2) under submitit. In the loop, call
     :meth:`agreed` at step boundaries: it is True on every rank once any rank got a signal (one
     all-reduce, so call it on all ranks at the same steps). Then save a checkpoint on all ranks,
     call :meth:`requeue` on rank 0 and leave with ``shutdown(Preemption.EXIT_CODE)`` (75).
@@ -102,7 +112,9 @@ class Preemption:
 
     EXIT_CODE = EXIT_REQUEUE
 
-    def __init__(self, signals: Iterable[str | int] = ("USR1", "TERM")) -> None:
+    def __init__(self, signals: Iterable[str | int] | None = None) -> None:
+        if signals is None:
+            signals = default_signals(os.environ)
         self.flag = PreemptionFlag.install(signals)
 
     @property

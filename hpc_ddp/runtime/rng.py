@@ -30,6 +30,9 @@ def use_deterministic_kernels() -> None:
 
 
 def capture() -> dict[str, Any]:
+    """This process's RNG states (Python, NumPy, torch CPU, every initialised CUDA device), as
+    plain data for a checkpoint's ``per_rank`` part: each rank has its own streams (dropout,
+    augmentation), and an exact resume needs every one of them back."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -49,6 +52,7 @@ def capture() -> dict[str, Any]:
 
 
 def restore(state: dict[str, Any]) -> None:
+    """Put back the states :func:`capture` returned (CUDA ones only for devices that exist)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npst = state["numpy"]

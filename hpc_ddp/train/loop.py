@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_ddp.runtime.exact_allreduce import allreduce_per_tensor
 
 
 @dataclass
@@ -41,7 +42,7 @@ class CommTimer:
     first_launch: float | None = None
     last_done: float = 0.0
     bucket_calls: int = 0  # all-reduce launches; no_sync micro-steps add none
-    # Reduce each gradient on its own instead of DDP's flat bucket (see _allreduce_per_tensor).
+    # Reduce each gradient on its own, not DDP's flat bucket (runtime/exact_allreduce.py: why).
     per_tensor: bool = False
 
     def take(self) -> float:
@@ -58,7 +59,7 @@ def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its ow
     if timer.first_launch is None:
         timer.first_launch = now
     if timer.per_tensor:
-        fut = _allreduce_per_tensor(bucket)
+        fut = allreduce_per_tensor(bucket)
     else:
         fut = default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 
@@ -67,27 +68,6 @@ def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its ow
         return f.value()
 
     return fut.then(done)
-
-
-def _allreduce_per_tensor(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average each gradient with its own all-reduce, then refill DDP's bucket buffer.
-
-    Why: with more than two ranks, Gloo's ring sums each element in an order set by where it
-    falls in the flat bucket. DDP lays buckets out afresh after its first step (gradient arrival
-    order), so a resumed run would reduce some steps under another layout than the uninterrupted
-    run and drift in the last bits. Per-tensor reduction makes the order depend on the tensor
-    alone: resume stays bit-exact at any world size, for a few more (small, CPU) collectives.
-    """
-    world = dist.get_world_size()
-    grads = [g.div(world) for g in bucket.gradients()]
-    works = [dist.all_reduce(g, async_op=True).get_future() for g in grads]
-    buffer = bucket.buffer()
-
-    def refill(_: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]]) -> torch.Tensor:
-        buffer.copy_(torch.cat([g.reshape(-1) for g in grads]))
-        return buffer
-
-    return torch.futures.collect_all(works).then(refill)
 
 
 def grouped(batches: Iterable[Any], size: int, times: Times) -> Iterator[list[Any]]:

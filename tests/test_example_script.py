@@ -1,0 +1,181 @@
+"""examples/ddp_train.py, a user's own DDP script on the public API, under real launchers.
+
+Real torchrun with 2 Gloo ranks; the real local Slurm cluster (2 nodes x 2 tasks, real sbatch,
+scancel --signal=USR1, scontrol requeue); real pdsh and clush through their ``exec`` workers. Not
+real: a second physical host (pdsh's/clush's "hosts" and the two slurmd share this machine) and
+GPUs (the script runs on CPU with Gloo here). Every interrupted run must end with the weights of
+the uninterrupted one, bit for bit, and must have learnt its data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch_support import (
+    REPO,
+    assert_no_processes_left,
+    hpc_ddp,
+    kill_leftovers,
+    launch_args,
+)
+from slurm_support import require_tools
+from trainer_helpers import finish, run, start, torchrun_cmd
+
+from hpc_ddp.slurm_client import TERMINAL, wait_for
+
+EXAMPLE = str(REPO / "examples" / "ddp_train.py")
+# 1030 samples: at world 2, 515 per rank = 8 full steps of 2 x 32 and a short one (9 a epoch);
+# 257 test samples split 129 + 128 (exact evaluation counts each once).
+ARGS = ["--samples", "1030", "--epochs", "2", "--checkpoint-every", "4"]
+HOLDING = re.compile(r"rank (\d+) pid (\d+) holding at step (\d+)")
+CHANCE = 0.25  # 4 classes
+
+
+def _result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def _holding(log: Path, ranks: int, proc: subprocess.Popen[str] | None = None) -> dict[int, int]:
+    """rank -> pid, once every rank printed that it holds (else empty); fails if ``proc`` ended."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = {int(m[1]): int(m[2]) for m in HOLDING.finditer(text)}
+    if proc is not None and proc.poll() is not None:
+        raise AssertionError(f"exited ({proc.returncode}) before holding:\n{text}")
+    return found if len(found) == ranks else {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run, torchrun --nproc-per-node 2: what every other run must match."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = _result(run_dir)
+    assert f"params_sha256={result['params_sha256']}" in done.stdout
+    return result
+
+
+def test_uninterrupted_run_learns_with_exact_evaluation(reference: dict) -> None:
+    assert (reference["world_size"], reference["epochs"], reference["steps"]) == (2, 2, 18)
+    assert reference["test_samples"] == 257 and reference["test_samples_per_rank"] == [129, 128]
+    assert reference["test_accuracy"] > CHANCE + 0.5, reference  # learnt, not guessed
+
+
+def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
+    reference: dict, tmp_path: Path
+) -> None:
+    """SIGUSR1 to rank 1 alone at step 5: both ranks agree, checkpoint, exit 75; the rerun
+    resumes there and ends with the reference's weights."""
+    run_dir, log = tmp_path / "run", tmp_path / "interrupted.log"
+    cmd = torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir), "--hold-at-step", "5"], EXAMPLE)
+    proc = start(cmd, log)
+    try:
+        pids = wait_for(lambda: _holding(log, 2, proc), 90, "both ranks to hold")
+        subprocess.run(["kill", "-USR1", str(pids[1])], check=True)
+    finally:
+        rc, text = finish(proc, log)
+    assert rc != 0, text  # torchrun reports its workers' exit 75 as a failure
+    assert "preempted at step 5: checkpointed; exit 75" in text, text
+    assert text.count("exitcode  : 75") == 2, text
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000005"
+    assert not (run_dir / "result.json").exists()
+
+    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed from" in done.stdout and "step-00000005: epoch 1, step 5" in done.stdout
+    result = _result(run_dir)
+    assert result["params_sha256"] == reference["params_sha256"]
+    assert result["test_accuracy"] == reference["test_accuracy"]
+
+
+@pytest.mark.parametrize(
+    ("tool", "hosts", "per_host", "mode"),
+    [("pdsh", "node[0-1]", 1, "torchrun"), ("clush", "localhost", 2, "processes")],
+    ids=["pdsh-2-hosts", "clush-one-machine-2-processes"],
+)
+def test_launch_without_scheduler_ends_with_the_same_weights(
+    reference: dict, tmp_path: Path, tool: str, hosts: str, per_host: int, mode: str
+) -> None:
+    """``hpc-ddp launch`` runs the script as given: on two "hosts", and on one machine's 2
+    process slots (how a script of your own uses one machine's GPUs with hpc-ddp; `hpc-ddp train
+    --nproc-per-node` runs only the project's trainer)."""
+    require_tools(tool)
+    launch = launch_args(tool, tmp_path, mode=mode, hosts=hosts, gpus_per_node=per_host)
+    try:
+        res = hpc_ddp(
+            [*launch.base, "--", sys.executable, EXAMPLE, *ARGS, "--run-dir", "run"], timeout=180
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        result = _result(tmp_path / "run")
+        assert result["world_size"] == 2
+        assert result["params_sha256"] == reference["params_sha256"]
+        assert_no_processes_left(launch.launch_id)
+    finally:
+        kill_leftovers(launch.launch_id)
+
+
+def test_render_takes_a_script_without_clearing_the_module(tmp_path: Path) -> None:
+    """``--script`` alone replaces the default program (the trainer module); both is an error."""
+    res = hpc_ddp(["render", "--nodes", "2", "--script", EXAMPLE, "--dry-run", "--", "--epochs"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.replace("\\\n", " ")  # the script's continuation lines joined
+    assert re.search(rf"\nsrun [^\n]* python -u +{re.escape(EXAMPLE)} --epochs &\n", lines)
+    assert "hpc_ddp.train" not in lines
+    both = hpc_ddp(["render", "--script", EXAMPLE, "--module", "pkg.mod", "--dry-run"])
+    assert both.returncode == 2 and "of module (python -m) and script" in both.stderr
+
+
+def _render(cwd: Path, name: str, *args: str) -> Path:
+    """The job as a user renders it: the real CLI, 2 nodes x 2 tasks, the script's own flags."""
+    job = cwd / f"{name}.sbatch"
+    res = hpc_ddp(
+        ["render", "--name", name, "--nodes", "2", "--procs-per-node", "2", "--time", "5",
+         "--signal-lead-s", "60", "--python", sys.executable, "--script", EXAMPLE,
+         "-o", str(job), "--", *ARGS, "--run-dir", "run", *args]
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return job
+
+
+@pytest.mark.slurm
+def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """Two rendered jobs side by side: the uninterrupted reference, and one that every task
+    holds at step 3 until ``scancel --signal=USR1`` (no flag: the step tasks) arrives. Its rank 0
+    then runs ``scontrol requeue``; Slurm restarts the job, which resumes from the checkpoint.
+    World 4: with more than two ranks the gradient sums' order matters (per_tensor_allreduce)."""
+    jobs = {}
+    for name, extra in (("ref", ()), ("pre", ("--hold-at-step", "3"))):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        script = _render(cwd, f"example-{name}", *extra)
+        jobs[name] = (cwd, *slurm_cluster.sbatch(script, output=cwd / "job.out", cwd=cwd))
+    _, pre_id, pre_log = jobs["pre"]
+    wait_for(lambda: _holding(pre_log, 4), 120, "4 tasks to hold")
+    slurm_cluster.run(["scancel", "--signal=USR1", pre_id])
+
+    seen: list[str] = []
+
+    def ended() -> bool:
+        seen.append(slurm_cluster.job_state(pre_id))
+        return seen[-1] in TERMINAL and slurm_cluster.job_state(jobs["ref"][1]) in TERMINAL
+
+    wait_for(ended, 180, "both jobs to end", interval_s=0.2)
+    results = {}
+    for name, (cwd, job_id, log) in jobs.items():
+        info = slurm_cluster.job_info(job_id)
+        text = log.read_text()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+        results[name] = _result(cwd / "run")
+        assert results[name]["world_size"] == 4 and results[name]["test_accuracy"] > CHANCE + 0.5
+    text = pre_log.read_text()
+    assert "PENDING" in seen and slurm_cluster.job_info(pre_id)["Restarts"] == "1", seen
+    assert f"requeued Slurm job {pre_id} (scontrol requeue)" in text, text
+    assert "preempted at step 3" in text and "step-00000003: epoch 1, step 3" in text, text
+    assert results["pre"]["params_sha256"] == results["ref"]["params_sha256"]
