@@ -170,3 +170,19 @@ def ensure_local_cluster(
     return choose_slurm(
         nodes, cpus_per_node, gpus_per_node, environ=environ, timeout_s=timeout_s
     ).env
+
+
+def running_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget:
+    """The Slurm a submitted job lives in: the user's (users_slurm), else the embedded cluster
+    if it runs. Starts nothing: asking about a job must not start a cluster."""
+    existing = users_slurm(environ)
+    if existing is not None:
+        return existing
+    root = default_state_dir(environ)
+    cluster = LocalCluster(root)
+    if not cluster.is_running():
+        raise HpcDdpError(
+            f"no Slurm answers here and the embedded cluster in {root} is not running",
+            hint="set SLURM_CONF to the cluster the job went to (`hpc-ddp cluster status`)",
+        )
+    return SlurmTarget(cluster.env(), f"the embedded local cluster in {root}")
