@@ -113,3 +113,26 @@ def test_status_and_cancel_local_submitit_job(tmp_path: Path) -> None:
     assert _latest(tmp_path / "run") == "step-00000003"
     again = hpc_ddp.job_report(hpc_ddp.attach_job(submitted.job_id, folder=folder))
     assert again.state == "CANCELLED", again
+
+
+@pytest.mark.slurm
+def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path) -> None:
+    """A submitit (AutoExecutor) job found from its id alone: Slurm's record names its folder.
+    cancel sends submitit's USR2; submitit's handler checkpoints and requeues; the requeued job
+    is cancelled before it runs again."""
+    env = slurm_cluster.env
+    (tmp_path / "data").mkdir()
+    args = train_args(str(tmp_path / "data"), str(tmp_path / "run"), *HOLD)
+    spec = JobSpec(name="ctl-sub", nodes=2, procs_per_node=2, time="30", args=args)
+    folder = tmp_path / "submitit"
+    job = hpc_ddp.submit(spec, "submitit", folder=folder, cluster_env=env, wait=False)
+    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
+    status, _ = _run(["status", job.job_id], env)
+    assert f"job {job.job_id} (submitit): RUNNING, restarts 0" in status, status
+    assert f"run dir: {tmp_path / 'run'}" in status and "status holding" in status, status
+    logs, _ = _run(["logs", job.job_id], env)
+    assert f"==> {folder / f'{job.job_id}_0_log.out'} <==" in logs, logs
+    _, said = _run(["cancel", job.job_id], env)
+    assert "SIGUSR2 to its tasks" in said and "requeued itself; cancelling it" in said, said
+    assert slurm_cluster.job_state(job.job_id) == "CANCELLED"
+    assert _latest(tmp_path / "run") == "step-00000003"
