@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpc_ddp.deploy.job_assumptions import job_checks, of_script, of_spec, summary_lines
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.spec import JobSpec
@@ -81,3 +83,22 @@ def test_doctor_job_cli(tmp_path: Path) -> None:
     proc = _cli("doctor", "--job", str(spec), cwd=tmp_path)
     assert "OK   job interpreter" in proc.stdout, proc.stdout + proc.stderr
     assert f"{tmp_path / 'r'}" in proc.stdout  # the job's run dir is the one checked
+
+
+@pytest.mark.slurm
+def test_doctor_job_inside_an_allocation(slurm_cluster, tmp_path: Path) -> None:
+    """``srun hpc-ddp doctor --job`` on a node of the real local cluster: the rendered job's
+    interpreter (this one) imports hpc_ddp and torch there, its run dir is writable there."""
+    script = tmp_path / "job.sbatch"
+    spec = JobSpec(python=sys.executable, args=["--synthetic", "--run-dir", "r"])
+    script.write_text(render(spec, command="tests"))
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = slurm_cluster.run(
+        ["srun", "-N1", "--export", f"ALL,PYTHONPATH={env['PYTHONPATH']}", sys.executable,
+         "-m", "hpc_ddp.cli", "doctor", "--job", str(script)],
+        check=False, cwd=tmp_path, timeout_s=180,
+    )  # fmt: skip
+    out = proc.stdout
+    assert f"OK   job interpreter: {sys.executable} imports hpc_ddp, torch" in out, out
+    assert f"{tmp_path / 'r'} writable" in out, out
+    assert "allocation" in out, out  # the doctor saw it ran inside a job

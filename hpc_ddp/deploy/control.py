@@ -83,9 +83,7 @@ def attach_job(
     args = trainer_args_in_script(script)
     workdir = Path(info.get("WorkDir") or ".")
     run_paths = trainer_run_paths(args, workdir) if args is not None else None
-    job = SlurmJob(job_id, env, stdout, run_paths)
-    job.script = script  # type: ignore[attr-defined]  # read by cancel_job() for the signal
-    return job
+    return SlurmJob(job_id, env, stdout, run_paths)
 
 
 def batch_script(client: SlurmClient, job_id: str, info: Mapping[str, str]) -> str:
@@ -302,14 +300,13 @@ class _Chunk:
 
 
 # --- cancel ---------------------------------------------------------------------------------
-def preemption_signal(job: Job) -> str:
+def preemption_signal(job: Job, script: str) -> str:
     """The signal on which ``job``'s processes checkpoint: submitit's USR2; for a batch script,
     its ``#SBATCH --signal``, else the first signal its trainer listens for (USR1)."""
     if job.executor in ("submitit", "local"):
         from hpc_ddp.deploy.submitit.task import PREEMPT_SIGNAL
 
         return PREEMPT_SIGNAL.name.removeprefix("SIG")
-    script = getattr(job, "script", "")
     if found := _SIGNAL_DIRECTIVE.search(script):
         return found.group(1)
     args = trainer_args_in_script(script)
@@ -343,8 +340,9 @@ def cancel_job(
             client.run(["scancel", "--signal=KILL", step], check=False)
         client.cancel(job.job_id)
         return _settled(job, 60)
-    sig = preemption_signal(job)
-    before = restarts(client.job_info(job.job_id))
+    info = client.job_info(job.job_id)
+    sig = preemption_signal(job, batch_script(client, job.job_id, info))
+    before = restarts(info)
     if job.status() == "RUNNING":
         on_event(f"job {job.job_id}: SIG{sig} to its tasks, waiting for the checkpoint")
         client.run(["scancel", f"--signal={sig}", job.job_id], check=False)

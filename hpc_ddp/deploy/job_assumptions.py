@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpc_ddp.deploy.core import TRAIN_MODULE
 from hpc_ddp.deploy.doctor import FAIL, OK, WARN, Check
+from hpc_ddp.deploy.sbatch.submit import script_workdir
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.trainer_args import trainer_args_in_script, trainer_flags
 from hpc_ddp.train import config
@@ -71,9 +72,9 @@ def of_script(text: str) -> JobAssumptions | None:
             break
     if launcher == "torchrun":
         python = "python"  # torchrun's own; the check reads it from torchrun itself
-    return JobAssumptions(
-        python, ("-m", TRAIN_MODULE, *args), launcher, trainer=_trainer_config(args)
-    )
+    workdir = str(script_workdir(text, Path(".")))  # its #SBATCH --chdir, if it has one
+    program = ("-m", TRAIN_MODULE, *args)
+    return JobAssumptions(python, program, launcher, workdir=workdir, trainer=_trainer_config(args))
 
 
 def _trainer_config(args: list[str]) -> config.TrainConfig:
