@@ -15,7 +15,6 @@ from typing import Any
 
 from hpc_ddp import schema
 from hpc_ddp.commands.deprecated import add_deprecated
-from hpc_ddp.deploy.job_assumptions import of_spec, summary_lines
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.spec import JobSpec, build_spec
@@ -94,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     write_atomic(Path(args.script_out), text, force=args.force, mode=0o755)
     print(f"wrote {args.script_out} ({spec.layout}, {spec.world_size} processes)", file=sys.stderr)
+    # Imported here: printing a script to stdout stays as fast as it was.
+    from hpc_ddp.deploy.job_assumptions import of_spec, summary_lines
+
     summary = summary_lines(of_spec(spec))
     print("\n".join(summary).replace("THIS_FILE", args.script_out), file=sys.stderr)
     return 0
