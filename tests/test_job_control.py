@@ -136,3 +136,17 @@ def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path)
     assert "SIGUSR2 to its tasks" in said and "requeued itself; cancelling it" in said, said
     assert slurm_cluster.job_state(job.job_id) == "CANCELLED"
     assert _latest(tmp_path / "run") == "step-00000003"
+
+
+@pytest.mark.slurm
+def test_cancel_checkpoints_a_torchrun_job(slurm_cluster, tmp_path: Path) -> None:
+    """The torchrun layout: the signal reaches the node tasks (the torchrun_task shells), which
+    hand it to torchrun's workers; torchrun itself ignores it, the workers checkpoint."""
+    spec = train_spec("ctl-tr", launcher="torchrun")
+    spec = spec.replace(args=[*spec.args, *HOLD])
+    job_id, out = submit_spec(spec, tmp_path, slurm_cluster.env)
+    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "torchrun holding")
+    job = hpc_ddp.attach_job(job_id, cluster_env=slurm_cluster.env)
+    assert hpc_ddp.cancel_job(job, timeout_s=200) == "CANCELLED"
+    assert _latest(tmp_path / "run") == "step-00000003", out.read_text()
+    assert "restart 1" not in out.read_text()
