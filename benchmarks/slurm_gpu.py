@@ -219,7 +219,7 @@ class Bench:
 
     def submit(self, script: Path, log: Path) -> subprocess.Popen:
         timeout = max(30, int(self.deadline - time.monotonic()))
-        argv = [*CLI, "submit", str(script), "--timeout", str(timeout)]
+        argv = [*CLI, "submit", str(script), "--wait-timeout", str(timeout)]
         with open(log, "w") as sink:
             return subprocess.Popen(argv, env=self.env, cwd=self.work, stdout=sink,
                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -46,6 +46,13 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "Job": ("hpc_ddp.deploy.backend", "Job"),
     "Finished": ("hpc_ddp.deploy.backend", "Finished"),
     "RunPaths": ("hpc_ddp.runtime.run_paths", "RunPaths"),
+    # job control after submission (torch-free)
+    "attach_job": ("hpc_ddp.deploy.control", "attach_job"),
+    "job_report": ("hpc_ddp.deploy.control", "job_report"),
+    "JobReport": ("hpc_ddp.deploy.control", "JobReport"),
+    "log_paths": ("hpc_ddp.deploy.control", "log_paths"),
+    "follow_logs": ("hpc_ddp.deploy.control", "follow_logs"),
+    "cancel_job": ("hpc_ddp.deploy.control", "cancel_job"),
     "ensure_local_cluster": ("hpc_ddp.localslurm.embedded", "ensure_local_cluster"),
     # errors and exit codes (torch-free)
     "HpcDdpError": ("hpc_ddp.errors", "HpcDdpError"),
@@ -64,6 +71,7 @@ __all__ = [
     "Finished",
     "HpcDdpError",
     "Job",
+    "JobReport",
     "JobSpec",
     "LaunchSpec",
     "Preemption",
@@ -71,15 +79,20 @@ __all__ = [
     "RunPaths",
     "ShardPlan",
     "__version__",
+    "attach_job",
+    "cancel_job",
     "capture_rng_state",
     "describe",
     "detect_env",
     "ensure_local_cluster",
     "eval_indices",
     "evaluate",
+    "follow_logs",
     "get_backend",
     "init_distributed",
+    "job_report",
     "load_job_spec",
+    "log_paths",
     "make_launch_spec",
     "params_sha256",
     "per_tensor_allreduce",
@@ -95,6 +108,14 @@ if TYPE_CHECKING:
     from hpc_ddp.cluster import DistEnv, detect_env
     from hpc_ddp.deploy.api import describe, get_backend, submit
     from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
+    from hpc_ddp.deploy.control import (
+        JobReport,
+        attach_job,
+        cancel_job,
+        follow_logs,
+        job_report,
+        log_paths,
+    )
     from hpc_ddp.deploy.sbatch.render import render
     from hpc_ddp.deploy.shell.spec import LaunchSpec
     from hpc_ddp.deploy.shell.spec import make_spec as make_launch_spec

@@ -34,7 +34,8 @@ MISSING = dataclasses.MISSING
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta: Any) -> Any:
     """A dataclass field with its help text. ``meta``: ``flag`` (its CLI name), ``split`` (a
-    separator that lets a list field be one string), ``choices`` (the flag's valid values),
+    separator that lets a list field be one string), ``aliases`` (more spellings of the flag,
+    e.g. sbatch's ``("-J", "--job-name")``), ``choices`` (the flag's valid values),
     ``bool_alias`` ((on, off): a former switch that still takes true/false and --no-FLAG),
     ``cli=False`` (no flag)."""
     metadata = {"help": help, **meta}
@@ -213,6 +214,11 @@ def flag_of(f: dataclasses.Field[Any]) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def flags_of(f: dataclasses.Field[Any]) -> tuple[str, ...]:
+    """The flag and its aliases, as argparse takes them."""
+    return (flag_of(f), *f.metadata.get("aliases", ()))
+
+
 def add_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
@@ -236,7 +242,7 @@ def add_arguments(
         if f.metadata.get("bool_alias"):  # --flag [CHOICE] (bare: on) and --no-flag (off)
             on, off = f.metadata["bool_alias"]
             choices = f.metadata.get("choices")
-            parser.add_argument(flag_of(f), nargs="?", const=on, choices=choices, **kw)
+            parser.add_argument(*flags_of(f), nargs="?", const=on, choices=choices, **kw)
             no_help = f"same as {flag_of(f)} {off}"
             no_flag = "--no-" + flag_of(f)[2:]
             parser.add_argument(
@@ -244,24 +250,24 @@ def add_arguments(
                 help=no_help,
             )  # fmt: skip
         elif kind is bool:
-            parser.add_argument(flag_of(f), action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags_of(f), action=argparse.BooleanOptionalAction, **kw)
         elif origin is list and f.metadata.get("split"):
             sep = f.metadata["split"]
             parser.add_argument(
-                flag_of(f), type=lambda s, sep=sep: [x for x in s.split(sep) if x], **kw
+                *flags_of(f), type=lambda s, sep=sep: [x for x in s.split(sep) if x], **kw
             )
         elif origin is list:
-            parser.add_argument(flag_of(f), action="append", metavar="VALUE", **kw)
+            parser.add_argument(*flags_of(f), action="append", metavar="VALUE", **kw)
         elif origin is dict:
-            parser.add_argument(flag_of(f), action="append", metavar="KEY=VALUE", **kw)
+            parser.add_argument(*flags_of(f), action="append", metavar="KEY=VALUE", **kw)
         elif f.metadata.get("choices"):
-            parser.add_argument(flag_of(f), choices=f.metadata["choices"], **kw)
+            parser.add_argument(*flags_of(f), choices=f.metadata["choices"], **kw)
         elif (choices := literal_choices(kind)) is not None:
             # No argparse choices: the class reports a wrong value with its other problems.
-            parser.add_argument(flag_of(f), metavar="{" + ",".join(choices) + "}", **kw)
+            parser.add_argument(*flags_of(f), metavar="{" + ",".join(choices) + "}", **kw)
         else:
             metavar = {int: "N", float: "X"}.get(kind, "VALUE")
-            parser.add_argument(flag_of(f), type=kind, metavar=metavar, **kw)
+            parser.add_argument(*flags_of(f), type=kind, metavar=metavar, **kw)
 
 
 def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -31,7 +31,9 @@ class Example:
         """The header line: relative paths, so the bytes do not depend on the checkout's place."""
         rel = self.spec_path.relative_to(self.spec_path.parents[2])
         out = self.script_path.relative_to(self.script_path.parents[1])
-        return f"hpc-ddp render --config {rel} -o {out} (or: hpc-ddp render --all-examples)"
+        return (
+            f"hpc-ddp render --config {rel} --script-out {out} (or: hpc-ddp render --all-examples)"
+        )
 
     def render(self) -> str:
         return render(build_spec(self.spec_path), command=self.command)

@@ -15,7 +15,9 @@ import pytest
 
 from hpc_ddp.cli import COMMANDS
 
-TORCH_FREE = ("env", "render", "submit", "launch", "doctor", "cluster")
+TORCH_FREE = (
+    "env", "render", "submit", "status", "logs", "cancel", "launch", "doctor", "cluster"
+)  # fmt: skip
 
 
 def test_every_torch_free_command_exists() -> None:

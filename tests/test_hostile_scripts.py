@@ -181,7 +181,7 @@ def _render_case(world: World, case: Case, case_dir: Path, value: str, tally: Ta
     spec_file = Path(value) if case.field.file_name else case_dir / "job.json"
     spec_file.write_text(json.dumps(mapping))
     out = case_dir / "job.sbatch"
-    rc, err, tb = _cli(["render", "--config", str(spec_file), "-o", str(out)], {})
+    rc, err, tb = _cli(["render", "--config", str(spec_file), "--script-out", str(out)], {})
     if tb:
         tally.tracebacks += 1
         return [f"traceback:\n{tb}"]

@@ -184,7 +184,9 @@ def test_rendered_scripts_are_valid_bash() -> None:
 # --- the command --------------------------------------------------------------------------
 def test_cli_bad_spec_fails_before_writing(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    proc = _cli("render", "--gpus-per-node", "8", "--gpus-per-process", "3", "-o", str(out))
+    proc = _cli(
+        "render", "--gpus-per-node", "8", "--gpus-per-process", "3", "--script-out", str(out)
+    )
     assert proc.returncode == 2
     assert "valid gpus_per_process" in proc.stderr and "HINT" in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
@@ -193,26 +195,28 @@ def test_cli_bad_spec_fails_before_writing(tmp_path: Path) -> None:
 def test_cli_unknown_key_in_file(tmp_path: Path) -> None:
     spec_file = tmp_path / "job.toml"
     spec_file.write_text("nodes = 2\ngpu = 4\n")
-    proc = _cli("render", "--config", str(spec_file), "-o", str(tmp_path / "x.sbatch"))
+    proc = _cli("render", "--config", str(spec_file), "--script-out", str(tmp_path / "x.sbatch"))
     assert proc.returncode == 2 and "unknown key 'gpu'" in proc.stderr
     assert not (tmp_path / "x.sbatch").exists()
 
 
 def test_cli_writes_atomically_and_refuses_to_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    assert main(["render", "--nodes", "2", "-o", str(out)]) == 0
+    assert main(["render", "--nodes", "2", "--script-out", str(out)]) == 0
     first = out.read_text()
     assert os.access(out, os.X_OK)
-    assert main(["render", "--nodes", "3", "-o", str(out)]) == 2  # exists, no --force
+    assert main(["render", "--nodes", "3", "--script-out", str(out)]) == 2  # exists, no --force
     assert out.read_text() == first
-    assert main(["render", "--nodes", "3", "-o", str(out), "--force"]) == 0
+    assert main(["render", "--nodes", "3", "--script-out", str(out), "--force"]) == 0
     assert "--nodes=3" in out.read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]  # no temporary files left
 
 
 def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    proc = _cli("render", "--nodes", "2", "--dry-run", "-o", str(out), "--", "--epochs", "1")
+    proc = _cli(
+        "render", "--nodes", "2", "--dry-run", "--script-out", str(out), "--", "--epochs", "1"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --nodes=2" in proc.stdout and "--epochs 1" in proc.stdout
     assert not out.exists()
@@ -313,6 +317,6 @@ def test_cli_names_the_field_of_a_control_character(tmp_path: Path) -> None:
     spec_file = tmp_path / "job.json"
     spec_file.write_text(json.dumps({"env": {"DATA": "x\ny"}}))
     out = tmp_path / "job.sbatch"
-    proc = _cli("render", "--config", str(spec_file), "-o", str(out))
+    proc = _cli("render", "--config", str(spec_file), "--script-out", str(out))
     assert proc.returncode == 2 and "env['DATA'] 'x\\ny': U+000A LINE FEED" in proc.stderr
     assert not out.exists()

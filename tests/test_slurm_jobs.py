@@ -241,7 +241,7 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
     env = clean_job_env(HPC_DDP_LOCAL_SLURM_DIR=str(root))
     try:
         proc = _hpc_ddp(
-            ["submit", str(_tiny_spec_file(tmp_path)), "--timeout", "120"], tmp_path, env
+            ["submit", str(_tiny_spec_file(tmp_path)), "--wait-timeout", "120"], tmp_path, env
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"Slurm: the embedded local cluster in {root} (" in proc.stdout  # says where
@@ -254,7 +254,7 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
         failing.write_text("import sys\nsys.exit(3)\n")
         # One task: with several, srun's code can be 143 (a peer killed by kill-on-bad-exit).
         spec = _tiny_spec_file(tmp_path, nodes=1, module="", script=str(failing), args=[])
-        proc = _hpc_ddp(["submit", str(spec), "--timeout", "60", "--quiet"], tmp_path, env)
+        proc = _hpc_ddp(["submit", str(spec), "--wait-timeout", "60", "--quiet"], tmp_path, env)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert "FAILED, exit code 3" in proc.stdout
     finally:

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpc_ddp.deploy.doctor import FAIL, WARN, EmbeddedCluster, Options, run_checks
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.deploy.job_assumptions import JobAssumptions, job_checks, of_script, of_spec
+from hpc_ddp.deploy.spec import build_spec
+from hpc_ddp.errors import ConfigError, HpcDdpError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,24 +21,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs per node the job will use")
     parser.add_argument("--port", type=int, default=None, help="master port to check")
     parser.add_argument("--no-torch", action="store_true", help="skip importing torch")
+    parser.add_argument(
+        "--job",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a rendered .sbatch or a .toml/.json spec: check its interpreter (imports hpc_ddp "
+        "and torch), data dir and run dir here; run it inside an allocation, after the job's "
+        "setup lines",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    job = _job_assumptions(args.job) if args.job else None
+    run_dir = args.run_dir
+    if job is not None and job.trainer is not None:
+        run_dir = Path(job.workdir or ".") / job.trainer.run_dir
     checks = run_checks(
         Options(
-            run_dir=args.run_dir,
+            run_dir=run_dir,
             gpus=args.gpus,
             port=args.port,
             torch=not args.no_torch,
             embedded_cluster=embedded_cluster,
         )
     )
+    if job is not None:
+        checks += job_checks(job, Path(job.workdir or "."), torch=not args.no_torch)
     for check in checks:
         print(check.line())
     fails = sum(c.status == FAIL for c in checks)
     warns = sum(c.status == WARN for c in checks)
     print(f"{len(checks)} checks: {fails} failed, {warns} warnings")
     return 1 if fails else 0
+
+
+def _job_assumptions(path: Path) -> JobAssumptions:
+    """What the job in ``path`` (a spec or a rendered script) assumes of the node."""
+    if path.suffix in (".toml", ".json"):
+        return of_spec(build_spec(path))
+    try:
+        found = of_script(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}", hint="check the path") from None
+    if found is None:
+        raise ConfigError(
+            f"{path} does not run the hpc_ddp trainer: nothing to check for --job",
+            hint="give a script rendered by hpc-ddp render, or its spec file",
+        )
+    return found
 
 
 def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
+from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.spec import JobSpec, build_spec
@@ -51,8 +52,18 @@ def spec_from_args(args: argparse.Namespace) -> JobSpec:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output-file", metavar="FILE", help="write the script here")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    parser.add_argument(
+        "--script-out", metavar="FILE", help="write the script here (default: print it)"
+    )
+    # sbatch's -o/--output is the job's log (here: --output, a spec field); render's old -o
+    # wrote the script. Kept working, with a notice, until the next major version.
+    add_deprecated(
+        parser, "-o", "--output-file", dest="script_out", use="--script-out FILE (sbatch's "
+        "-o is the job's log: that is --output here)", metavar="FILE",
+    )  # fmt: skip
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite an existing --script-out file"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
     parser.add_argument(
         "--all-examples",
@@ -77,11 +88,16 @@ def run(args: argparse.Namespace) -> int:
         return _all_examples(args)
     spec = spec_from_args(args)
     text = render(spec, command=_recorded_command())
-    if args.dry_run or not args.output_file:
+    if args.dry_run or not args.script_out:
         sys.stdout.write(text)
         return 0
-    write_atomic(Path(args.output_file), text, force=args.force, mode=0o755)
-    print(f"wrote {args.output_file} ({spec.layout}, {spec.world_size} processes)", file=sys.stderr)
+    write_atomic(Path(args.script_out), text, force=args.force, mode=0o755)
+    print(f"wrote {args.script_out} ({spec.layout}, {spec.world_size} processes)", file=sys.stderr)
+    # Imported here: printing a script to stdout stays as fast as it was.
+    from hpc_ddp.deploy.job_assumptions import of_spec, summary_lines
+
+    summary = summary_lines(of_spec(spec))
+    print("\n".join(summary).replace("THIS_FILE", args.script_out), file=sys.stderr)
     return 0
 
 

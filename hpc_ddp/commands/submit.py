@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
 from hpc_ddp.deploy.spec import JobSpec
@@ -31,7 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "local: submitit's LocalExecutor on this machine (spec files only)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=3600, help="seconds to wait before cancelling the job"
+        "--wait-timeout",
+        type=float,
+        default=3600,
+        metavar="SECONDS",
+        help="how long this command waits for the job before cancelling it (not the job's "
+        "time limit: that is the spec's time)",
+    )
+    add_deprecated(
+        parser, "--timeout", dest="wait_timeout", use="--wait-timeout SECONDS", type=float
     )
     parser.add_argument("--no-wait", action="store_true", help="print the job id and return")
     parser.add_argument("--quiet", action="store_true", help="do not follow the job's log")
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"submitted {executor} job {job.job_id}; logs in {folder}", flush=True)
     if args.no_wait:
         return 0
-    done = job.wait(args.timeout)
+    done = job.wait(args.wait_timeout)
     print(_report(executor, job, done))
     return done.exit_code
 

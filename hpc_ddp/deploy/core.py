@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
@@ -22,15 +23,16 @@ TRAIN_MODULE = "hpc_ddp.train"
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def _doc(text: str) -> dict[str, str]:
-    return {"help": text}
+def _doc(text: str, *aliases: str) -> dict[str, Any]:
+    """A field's help, and sbatch's spellings of its flag (``hpc-ddp render -N 2``)."""
+    return {"help": text, "aliases": aliases} if aliases else {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessSpec:
     """Nodes, GPUs and processes of a job; the environment, setup and program of each process."""
 
-    nodes: int = field(default=1, metadata=_doc("number of nodes"))
+    nodes: int = field(default=1, metadata=_doc("number of nodes", "-N"))
     gpus_per_node: int = field(default=0, metadata=_doc("GPUs per node; 0 = CPU job with Gloo"))
     # None (0 in a file or flag) = not given: settled in core_problems by the one rule
     # (hpc_ddp.cluster.devices) from ``env``, the variables every process gets; an int after.
@@ -46,7 +48,8 @@ class ProcessSpec:
         metadata=_doc("processes per node; 0 = derived (GPUs/GPUs per process, or 1 on CPU)"),
     )
     workdir: str = field(
-        default="", metadata=_doc("working directory (sbatch --chdir); empty = where submitted")
+        default="",
+        metadata=_doc("working directory; empty = where submitted", "--chdir", "-D"),
     )
     env: dict[str, str] = field(
         default_factory=dict, metadata=_doc("environment for every process (KEY=VALUE)")

@@ -46,15 +46,16 @@ _EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
 _DIRECTIVE_FIELDS = ("partition", "account", "qos", "constraint", "output", "error", "workdir")
 
 
-def _doc(text: str) -> dict[str, str]:
-    return {"help": text}
+def _doc(text: str, *aliases: str) -> dict[str, Any]:
+    """A field's help, and sbatch's spellings of its flag (``hpc-ddp render -J NAME``)."""
+    return {"help": text, "aliases": aliases} if aliases else {"help": text}
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(ProcessSpec):
     """One Slurm job: the shared core (ProcessSpec) plus its name, limits, launcher, signal."""
 
-    name: str = field(default="hpc-ddp", metadata=_doc("job name (--job-name)"))
+    name: str = field(default="hpc-ddp", metadata=_doc("job name (sbatch -J)", "-J", "--job-name"))
     launcher: Launcher = field(
         default="srun",
         metadata=_doc("srun = one Slurm task per process; torchrun = one task per node"),
@@ -66,15 +67,21 @@ class JobSpec(ProcessSpec):
             "or gpus-per-task (each task sees only its own)"
         ),
     )
-    partition: str = field(default="", metadata=_doc("partition (-p); empty = cluster default"))
-    account: str = field(default="", metadata=_doc("account (-A)"))
+    partition: str = field(default="", metadata=_doc("partition; empty = cluster default", "-p"))
+    account: str = field(default="", metadata=_doc("account to charge", "-A"))
     qos: str = field(default="", metadata=_doc("quality of service"))
-    constraint: str = field(default="", metadata=_doc("node features (-C)"))
-    time: str = field(default="01:00:00", metadata=_doc("time limit, Slurm form (D-HH:MM:SS)"))
+    constraint: str = field(default="", metadata=_doc("node features", "-C"))
+    time: str = field(
+        default="01:00:00", metadata=_doc("time limit, Slurm form (D-HH:MM:SS)", "-t")
+    )
     cpus_per_task: int = field(default=0, metadata=_doc("CPUs per task; 0 = Slurm's default"))
     mem: str = field(default="", metadata=_doc("memory per node, e.g. 64G; empty = default"))
     signal: Signal = field(
-        default="USR1", metadata=_doc(f"preemption/time-limit warning signal: {SIGNALS}")
+        default="USR1",
+        metadata=_doc(
+            f"preemption/time-limit warning signal, one of {SIGNALS}; sbatch's SIG@SECONDS "
+            "(USR1@90) also sets signal_lead_s"
+        ),
     )
     signal_lead_s: int = field(
         default=90, metadata=_doc("seconds before the limit the signal comes; 0 = none")
@@ -129,7 +136,7 @@ class JobSpec(ProcessSpec):
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "job spec") -> JobSpec:
         """Build from plain data; unknown keys and wrong types are reported with the valid keys."""
-        return cls(**schema.from_mapping(cls, data, source=source))
+        return cls(**schema.from_mapping(cls, split_signal(data), source=source))
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -211,6 +218,30 @@ def _check_trainer_args(s: JobSpec) -> list[str]:
             f"add '--requeue-signal {s.signal},TERM' to args (or change signal)"
         ]
     return []
+
+
+# sbatch's --signal value: [B:]SIG[@SECONDS] (SIG with or without its SIG prefix).
+_SBATCH_SIGNAL = re.compile(r"(?:B:)?(?:SIG)?([A-Z0-9]+)(?:@([0-9]{1,5}))?", re.ASCII)
+
+
+def split_signal(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``signal = "USR1@90"`` (sbatch's spelling) as signal USR1 and signal_lead_s 90. A lead
+    given both ways must agree; anything else is left for the field checks to report."""
+    value = data.get("signal")
+    found = _SBATCH_SIGNAL.fullmatch(value) if isinstance(value, str) else None
+    if found is None or (found.group(0) == found.group(1)):
+        return data
+    out = {**data, "signal": found.group(1)}
+    if found.group(2) is not None:
+        lead = int(found.group(2))
+        given = data.get("signal_lead_s", data.get("signal-lead-s"))
+        if given is not None and given != lead:
+            raise ConfigError(
+                f"signal {value!r} says {lead} s before the limit, signal_lead_s says {given}",
+                hint="give the lead once: --signal USR1@90, or --signal USR1 --signal-lead-s 90",
+            )
+        out["signal_lead_s"] = lead
+    return out
 
 
 def time_limit_seconds(limit: str) -> int | None:

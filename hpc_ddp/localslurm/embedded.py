@@ -13,7 +13,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR, SLURM_VAR
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import private_dir
 from hpc_ddp.localslurm.daemons import LocalCluster
 from hpc_ddp.private_paths import ensure_private_dir, lasting_state_base
@@ -99,3 +99,19 @@ def ensure_local_cluster(
     return choose_slurm(
         nodes, cpus_per_node, gpus_per_node, environ=environ, timeout_s=timeout_s
     ).env
+
+
+def running_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget:
+    """The Slurm a submitted job lives in: the user's (users_slurm), else the embedded cluster
+    if it runs. Starts nothing: asking about a job must not start a cluster."""
+    existing = users_slurm(environ)
+    if existing is not None:
+        return existing
+    root = default_state_dir(environ)
+    cluster = LocalCluster(root)
+    if not cluster.is_running():
+        raise HpcDdpError(
+            f"no Slurm answers here and the embedded cluster in {root} is not running",
+            hint="set SLURM_CONF to the cluster the job went to (`hpc-ddp cluster status`)",
+        )
+    return SlurmTarget(cluster.env(), f"the embedded local cluster in {root}")

@@ -135,7 +135,7 @@ def wait_job(
             client.cancel(job_id)
             raise HpcDdpError(
                 f"job {job_id} still {info.get('JobState')} after {timeout_s:.0f} s: cancelled it",
-                hint="raise --timeout, or look at the job log",
+                hint="raise submit --wait-timeout, or look at the job log",
             )
         time.sleep(0.2)
     time.sleep(0.1)

@@ -164,6 +164,7 @@ class SubmititJob(Job):
         self.folder = folder  # submitit's logs and pickles
         self.job_id = str(job.job_id)
         self.executor = "local" if cluster_env is None else "submitit"
+        self.cluster_env = None if cluster_env is None else dict(cluster_env)
         self.output = Path(job.paths.stdout)  # rank 0's log
         self.run_paths = run_paths
         self.follow = follow
@@ -181,14 +182,32 @@ class SubmititJob(Job):
             return self._finished.state
         if self._client is not None:
             return self._info().get("JobState", "UNKNOWN")
-        if not self.job.done():
+        if self._local_running():
             return "RUNNING"
-        if self._cancelled:
+        if self._cancelled or self._cancel_marker().exists():
             return "CANCELLED"
         # submitit pickles ("success", value) or ("error", traceback) when the task ends.
         pickle = self.job.paths.result_pickle
         ok = pickle.exists() and submitit.core.utils.pickle_load(pickle)[0] == "success"
         return "COMPLETED" if ok else "FAILED"
+
+    def _local_running(self) -> bool:
+        """The controller runs: asked through its Popen, or /proc for a job re-attached from
+        another process (hpc_ddp.deploy.control.attach)."""
+        if getattr(self.job, "_process", None) is not None:
+            return not self.job.done()
+        from hpc_ddp.deploy.submitit.local_control import controller_alive
+
+        return controller_alive(self.job_id)
+
+    def _cancel_marker(self) -> Path:
+        return Path(self.job.paths.folder) / f"{self.job_id}_cancelled"
+
+    def mark_cancelled(self) -> None:
+        """Remember that the job was cancelled: no scheduler does for a local job, so a file
+        beside submitit's own says it to later ``status`` calls (hpc_ddp.deploy.control)."""
+        self._cancelled = True
+        self._cancel_marker().touch()
 
     def wait(self, timeout_s: float | None = None) -> Finished:
         if self._finished is not None:
@@ -201,7 +220,7 @@ class SubmititJob(Job):
                 self.cancel()
                 raise HpcDdpError(
                     f"submitit job {self.job_id} not done after {timeout_s:.0f} s: cancelled it",
-                    hint="raise --timeout, or look at the job's logs in its folder",
+                    hint="raise submit --wait-timeout, or look at the job's logs in its folder",
                 )
             time.sleep(0.2)
         follower.poll()

@@ -1,0 +1,38 @@
+"""What ``hpc-ddp status``, ``logs`` and ``cancel`` share: finding the job a user names.
+
+Not a command itself. JOB is a Slurm job id (sbatch or submitit on Slurm), or a local submitit
+job's id with ``--folder``; ``status`` also takes a run dir. The Slurm asked is the user's, else
+the embedded local cluster if it runs (nothing is started).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpc_ddp.deploy.backend import Job
+from hpc_ddp.deploy.control import attach_job, is_local_job
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, what: str = "JOB") -> None:
+    parser.add_argument(
+        "job",
+        metavar=what,
+        help="the job id `hpc-ddp submit` printed"
+        + (", or the trainer's run dir" if what != "JOB" else ""),
+    )
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        default=None,
+        help="submitit's job folder (needed for a local-executor job; found for Slurm jobs)",
+    )
+
+
+def find_job(job_id: str, folder: Path | None) -> Job:
+    """The handle of ``job_id``; a local submitit job needs no Slurm at all."""
+    if folder is not None and is_local_job(folder, job_id):
+        return attach_job(job_id, folder=folder)
+    from hpc_ddp.localslurm.embedded import running_slurm
+
+    return attach_job(job_id, folder=folder, cluster_env=running_slurm().env)

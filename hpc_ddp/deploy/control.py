@@ -1,0 +1,385 @@
+"""Job control after submission: find a job again, say how it stands, show its logs, stop it.
+
+``attach_job`` re-creates the handle ``submit`` returned (a ``SlurmJob`` or a ``SubmititJob``) from
+what outlives the submitting process: Slurm's record of the job (``scontrol show job``, the
+batch script Slurm keeps) and, for submitit, its job folder (logs and pickles). ``job_report``,
+``log_paths``/``follow_logs`` and ``cancel_job`` work on any such handle, so ``hpc-ddp status``,
+``logs`` and ``cancel`` behave the same for sbatch and submitit jobs.
+
+Stopping without ``now`` is a checkpoint, then an end: the preemption signal goes to the
+processes that checkpoint on it, and once the job has left RUNNING (the trainer checkpointed and
+asked Slurm for a requeue, or ended) whatever is left of it is cancelled, so it never runs again.
+Torch-free; submitit is imported only for submitit jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from hpc_ddp.deploy.backend import Job, read_result
+from hpc_ddp.deploy.sbatch.submit import LogFollower
+from hpc_ddp.deploy.submission_env import submission_env
+from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
+from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
+
+# A Slurm job id (an array task: 12_3) or a local submitit job's id (its controller's pid).
+_JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
+# `#SBATCH --signal=[B:]SIG[@SECONDS]`: the warning the job's script asks Slurm for.
+_SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+--signal[= ](?:[BR]+:)?(?:SIG)?([A-Z0-9]+)", re.M)
+# How long a stop waits for the checkpoint before it cancels for good (the trainer's own
+# checkpoint deadline on a signal is 120 s).
+STOP_TIMEOUT_S = 300.0
+
+
+def _check_id(job_id: str) -> str:
+    if not _JOB_ID.fullmatch(job_id):
+        raise ConfigError(
+            f"{job_id!r} is not a job id",
+            hint="give the number `hpc-ddp submit` printed (or squeue shows)",
+        )
+    return job_id
+
+
+def attach_job(
+    job_id: str,
+    *,
+    folder: str | Path | None = None,
+    cluster_env: Mapping[str, str] | None = None,
+) -> Job:
+    """The handle of a submitted job. ``folder``: a submitit job's folder (needed for a local
+    job, whose id is its controller's pid; found from Slurm's record otherwise). ``cluster_env``:
+    the Slurm to ask (None: this environment's)."""
+    _check_id(str(job_id))
+    job_id = str(job_id)
+    if folder is not None and is_local_job(Path(folder), job_id):
+        from hpc_ddp.deploy.submitit.local_control import controller_cwd
+
+        return _submitit_job(job_id, Path(folder), None, controller_cwd(job_id))
+    env = dict(cluster_env or {})
+    client = SlurmClient({**submission_env(), **env})
+    info = client.job_info(job_id)
+    if not info:
+        where = f" and {folder} holds no submitit job {job_id}" if folder else ""
+        raise HpcDdpError(
+            f"Slurm does not know job {job_id}{where}",
+            hint="check the id (squeue); a job that ended long ago is forgotten (MinJobAge); "
+            "a local submitit job needs --folder",
+        )
+    stdout = Path(info["StdOut"]) if info.get("StdOut") else None
+    script = batch_script(client, job_id, info)
+    if stdout is not None and "submitit" in script and stdout.name.endswith("_log.out"):
+        workdir = Path(info.get("WorkDir") or ".")
+        return _submitit_job(job_id, Path(folder) if folder else stdout.parent, env, workdir)
+    from hpc_ddp.deploy.sbatch.backend import SlurmJob
+
+    args = trainer_args_in_script(script)
+    workdir = Path(info.get("WorkDir") or ".")
+    run_paths = trainer_run_paths(args, workdir) if args is not None else None
+    return SlurmJob(job_id, env, stdout, run_paths)
+
+
+def batch_script(client: SlurmClient, job_id: str, info: Mapping[str, str]) -> str:
+    """The job's batch script as Slurm keeps it ('' once it is gone)."""
+    proc = client.run(["scontrol", "write", "batch_script", job_id, "-"], check=False)
+    if proc.returncode == 0 and proc.stdout:
+        return proc.stdout
+    try:  # the file it was submitted from, if it still exists
+        return Path(info.get("Command", "")).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def is_local_job(folder: str | Path, job_id: str) -> bool:
+    """A LocalExecutor job: its pickle is there and its submission file is no sbatch script."""
+    folder = Path(folder)
+    if not (folder / f"{job_id}_submitted.pkl").is_file():
+        return False
+    try:
+        return "#SBATCH" not in (folder / f"{job_id}_submission.sh").read_text()
+    except OSError:
+        return True
+
+
+def _submitit_job(
+    job_id: str, folder: Path, cluster_env: Mapping[str, str] | None, workdir: Path
+) -> Job:
+    """submitit's own handle re-created from its folder; the run dir from the task's pickle
+    (a submitit task runs in the submitter's directory, ``workdir``)."""
+    import submitit
+
+    from hpc_ddp.deploy.submitit.backend import SubmititJob
+
+    if cluster_env is None:
+        handle: Any = submitit.local.local.LocalJob(folder, job_id)
+    else:
+        handle = submitit.SlurmJob(folder, job_id)
+    run_paths = None
+    try:  # our own pickle in the folder the job was submitted with: the trainer's arguments
+        task = handle.submission().function
+        run_paths = trainer_run_paths(task.argv, workdir)
+    except (AssertionError, AttributeError, OSError, ConfigError):
+        pass
+    return SubmititJob(handle, cluster_env, run_paths, None, folder)
+
+
+# --- status ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobReport:
+    """How a job stands: Slurm's view, and the trainer's (progress.json, result.json)."""
+
+    job_id: str
+    executor: str
+    state: str
+    restarts: int = 0
+    nodes: str = ""
+    reason: str = ""
+    run_dir: Path | None = None
+    progress: Mapping[str, Any] | None = None
+    result: Mapping[str, Any] | None = None
+    logs: tuple[Path, ...] = field(default_factory=tuple)
+
+    def lines(self) -> list[str]:
+        from hpc_ddp.train.results import result_lines
+
+        out = [f"job {self.job_id} ({self.executor}): {self.state}, restarts {self.restarts}"]
+        if self.nodes:
+            out.append(f"  nodes: {self.nodes}")
+        if self.reason and self.reason != "None":
+            out.append(f"  reason: {self.reason}")
+        out += [f"  log: {path}" for path in self.logs]
+        if self.run_dir is not None:
+            out.append(f"  run dir: {self.run_dir}")
+        if self.progress:
+            out.append("  progress: " + progress_text(self.progress))
+        if self.result:
+            out += ["  result:", *("  " + line for line in result_lines(self.result))]
+        return out
+
+
+def progress_text(progress: Mapping[str, Any]) -> str:
+    """One line from progress.json: its scalar fields, in the trainer's order."""
+    return ", ".join(
+        f"{key} {value}" for key, value in progress.items() if isinstance(value, str | int | float)
+    )
+
+
+def read_progress(run_paths: RunPaths | None) -> dict[str, Any] | None:
+    if run_paths is None:
+        return None
+    try:
+        data = json.loads(run_paths.progress.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def job_report(job: Job) -> JobReport:
+    """State, requeues, nodes, the trainer's progress and result of ``job``."""
+    info = _slurm_info(job)
+    state = info.get("JobState") or job.status()
+    run_paths = job.run_paths
+    return JobReport(
+        job.job_id,
+        job.executor,
+        state,
+        restarts(info) if info else 0,
+        info.get("NodeList", "") if info.get("NodeList") != "(null)" else "",
+        info.get("Reason", ""),
+        run_paths.root if run_paths else None,
+        read_progress(run_paths),
+        read_result(run_paths),
+        tuple(log_paths(job)),
+    )
+
+
+def run_dir_report(run_dir: Path) -> JobReport:
+    """What a run dir alone says, for a run whose job Slurm no longer knows (or never ran in
+    Slurm): ENDED once result.json exists, else UNKNOWN."""
+    paths = RunPaths(run_dir)
+    result = read_result(paths)
+    state = "ENDED" if result is not None else "UNKNOWN"
+    return JobReport(run_dir_job(run_dir) or "?", "run dir", state, run_dir=paths.root,
+                     progress=read_progress(paths), result=result)  # fmt: skip
+
+
+def run_dir_job(run_dir: Path) -> str | None:
+    """The Slurm job id of the run that holds (or last held) ``run_dir``'s lock, if known."""
+    try:
+        owner = json.loads(RunPaths(run_dir).lock_owner.read_text())
+    except (OSError, ValueError):
+        return None
+    job_id = owner.get("job_id") if isinstance(owner, dict) else None
+    return str(job_id) if job_id and _JOB_ID.fullmatch(str(job_id)) else None
+
+
+def _slurm_info(job: Job) -> dict[str, str]:
+    client = _client(job)
+    return client.job_info(job.job_id) if client is not None else {}
+
+
+def _client(job: Job) -> SlurmClient | None:
+    env = getattr(job, "cluster_env", None)
+    if env is None:
+        return None
+    return SlurmClient({**submission_env(), **env})
+
+
+# --- logs -----------------------------------------------------------------------------------
+def log_paths(job: Job) -> list[Path]:
+    """The batch log and every rank's log, those that exist (submitit: every task's)."""
+    folder = getattr(job, "folder", None)
+    if folder is not None and job.executor != "sbatch":
+        found = sorted(Path(folder).glob(f"{job.job_id}_*_log.out"))
+        return found + sorted(Path(folder).glob(f"{job.job_id}_*_log.err"))
+    if job.output is None:
+        return []
+    out = job.output
+    ranks = sorted(out.parent.glob(f"{out.name}.rank*"), key=_rank_of)
+    return [p for p in [out, *ranks] if p.is_file()]
+
+
+def _rank_of(path: Path) -> int:
+    tail = path.name.rpartition(".rank")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def follow_logs(
+    job: Job,
+    sink: TextIO,
+    *,
+    follow: bool = False,
+    timeout_s: float | None = None,
+    interval_s: float = 0.2,
+) -> None:
+    """Write the job's logs to ``sink``, each under a ``==> path <==`` header; with ``follow``,
+    keep writing what is appended (new rank logs included) until the job has ended or
+    ``timeout_s`` has passed."""
+    followers: dict[Path, LogFollower] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    last: Path | None = None
+    while True:
+        ended = not follow or job.status() in TERMINAL
+        for path in log_paths(job):
+            follower = followers.setdefault(path, LogFollower(path, _Chunk()))
+            follower.poll()
+            text = follower.sink.take()  # type: ignore[attr-defined]
+            if text:
+                if path != last:
+                    sink.write(f"==> {path} <==\n")
+                    last = path
+                sink.write(text)
+                sink.flush()
+        if ended or (deadline is not None and time.monotonic() > deadline):
+            return
+        time.sleep(interval_s)
+
+
+class _Chunk:
+    """A sink that keeps what a LogFollower wrote until it is taken."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> str:
+        text, self.parts = "".join(self.parts), []
+        return text
+
+
+# --- cancel ---------------------------------------------------------------------------------
+def preemption_signal(job: Job, script: str) -> str:
+    """The signal on which ``job``'s processes checkpoint: submitit's USR2; for a batch script,
+    its ``#SBATCH --signal``, else the first signal its trainer listens for (USR1)."""
+    if job.executor in ("submitit", "local"):
+        from hpc_ddp.deploy.submitit.task import PREEMPT_SIGNAL
+
+        return PREEMPT_SIGNAL.name.removeprefix("SIG")
+    if found := _SIGNAL_DIRECTIVE.search(script):
+        return found.group(1)
+    args = trainer_args_in_script(script)
+    return listened_signals(args or [])[0]
+
+
+def cancel_job(
+    job: Job,
+    *,
+    now: bool = False,
+    timeout_s: float = STOP_TIMEOUT_S,
+    on_event: Callable[[str], None] = lambda _msg: None,
+) -> str:
+    """End ``job``; returns its final state. Without ``now``: the preemption signal first, so
+    the trainer checkpoints; once the job has left RUNNING it is cancelled for good (a
+    requeued job never runs again); at ``timeout_s`` it is cancelled whatever it does. With
+    ``now``: SIGKILL to every process of it, no checkpoint."""
+    if job.status() in TERMINAL:
+        return job.status()
+    if job.executor == "local":
+        from hpc_ddp.deploy.submitit.local_control import stop_local
+
+        return stop_local(job, now=now, timeout_s=timeout_s, on_event=on_event)
+    client = _client(job)
+    assert client is not None  # every other job is a Slurm job
+    if now:
+        # SIGKILL to each step itself: for the job as a whole, Slurm's KILL is a cancel, which
+        # sends TERM first, and the trainer checkpoints (and requeues) on TERM.
+        on_event(f"job {job.job_id}: SIGKILL to every step, then cancelling the job")
+        for step in _steps(client, job.job_id):
+            client.run(["scancel", "--signal=KILL", step], check=False)
+        client.cancel(job.job_id)
+        return _settled(job, 60)
+    info = client.job_info(job.job_id)
+    sig = preemption_signal(job, batch_script(client, job.job_id, info))
+    before = restarts(info)
+    if job.status() == "RUNNING":
+        on_event(f"job {job.job_id}: SIG{sig} to its tasks, waiting for the checkpoint")
+        client.run(["scancel", f"--signal={sig}", job.job_id], check=False)
+        _wait_left_running(client, job.job_id, before, timeout_s)
+    info = client.job_info(job.job_id)
+    if info.get("JobState") not in TERMINAL:
+        requeued = restarts(info) > before
+        on_event(
+            f"job {job.job_id}: " + ("requeued itself; " if requeued else "") + "cancelling it"
+        )
+        client.cancel(job.job_id)
+    return _settled(job, 60)
+
+
+def _steps(client: SlurmClient, job_id: str) -> list[str]:
+    """The job's running steps (JOB.0, JOB.1...), not its batch or extern step."""
+    proc = client.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], check=False)
+    return [s for s in proc.stdout.split() if re.fullmatch(re.escape(job_id) + r"\.[0-9]+", s)]
+
+
+def _wait_left_running(client: SlurmClient, job_id: str, before: int, timeout_s: float) -> None:
+    """Until the job is no longer RUNNING (or was requeued: PENDING again), or the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = client.job_info(job_id)
+        if info.get("JobState") != "RUNNING" or restarts(info) > before:
+            return
+        time.sleep(0.1)
+
+
+def _settled(job: Job, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (state := job.status()) not in TERMINAL:
+        if time.monotonic() > deadline:
+            raise HpcDdpError(
+                f"job {job.job_id} still {state} {timeout_s:.0f} s after it was cancelled",
+                hint="look at `scontrol show job` and the nodes' slurmd logs",
+            )
+        time.sleep(0.2)
+    return state

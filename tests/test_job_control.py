@@ -1,0 +1,152 @@
+"""``hpc-ddp status``, ``logs`` and ``cancel`` on real jobs: sbatch jobs on the real local Slurm
+(real sbatch, scancel, scontrol requeue), a submitit LocalExecutor job on this machine.
+
+A trainer held at step 3 (``--debug-hold-at-step``: it waits there for a preemption signal)
+gives each test a running job in a known place: checkpoints exist for step 2 (every 2 steps),
+and a checkpoint of step 3 exists only if the trainer was told to checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deploy_support import progress_status, submit_spec, train_args, train_spec
+
+import hpc_ddp
+from hpc_ddp.deploy import JobSpec
+from hpc_ddp.localslurm import wait_for
+from hpc_ddp.slurm_client import TERMINAL
+
+HOLD = ("--debug-hold-at-step", "3")
+
+
+def _hpc_ddp(args: list[str], env: dict[str, str], **kw: object) -> subprocess.Popen[str]:
+    full = {**os.environ, **env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpc_ddp.cli", *args],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _run(args: list[str], env: dict[str, str], timeout_s: float = 240) -> tuple[str, str]:
+    proc = _hpc_ddp(args, env)
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, (args, out, err)
+    return out, err
+
+
+def _latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.mark.slurm
+def test_status_logs_cancel_sbatch_jobs(slurm_cluster, tmp_path: Path) -> None:
+    """Two held jobs at once: one is cancelled with a checkpoint (USR1, the trainer checkpoints
+    and requeues itself, the requeued job is cancelled before it runs again), one with --now."""
+    env = slurm_cluster.env
+    jobs = {}
+    for name in ("ctl-ckpt", "ctl-now"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        spec = train_spec(name, per_rank_logs=True)
+        spec = spec.replace(args=[*spec.args, *HOLD])
+        jobs[name] = (cwd, *submit_spec(spec, cwd, env))
+    for name, (cwd, _, _) in jobs.items():
+        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{name} holding")
+
+    cwd, job_id, out = jobs["ctl-ckpt"]
+    status, _ = _run(["status", job_id], env)
+    assert f"job {job_id} (sbatch): RUNNING, restarts 0" in status, status
+    assert "nodes: node[1-2]" in status and "status holding" in status, status
+    assert f"run dir: {cwd / 'run'}" in status, status
+    by_dir, _ = _run(["status", str(cwd / "run")], env)  # the run dir's lock names the job
+    assert f"job {job_id} (sbatch): RUNNING" in by_dir, by_dir
+    logs, _ = _run(["logs", job_id], env)
+    assert f"==> {out} <==" in logs and f"job {job_id} restart 0 " in logs, logs
+    assert f"==> {out}.rank1 <==" in logs, logs  # the rank logs too
+    follower = _hpc_ddp(["logs", "-f", job_id, "--timeout", "200"], env)
+
+    _, said = _run(["cancel", job_id], env)
+    assert "SIGUSR1 to its tasks" in said and "requeued itself; cancelling it" in said, said
+    assert slurm_cluster.job_state(job_id) == "CANCELLED"
+    assert _latest(cwd / "run") == "step-00000003"  # the cancel's checkpoint
+    # -f stopped by itself once the job ended, having printed what came after it started: the
+    # tasks' exit 75 (checkpointed, requeue asked) is written after the cancel began.
+    followed, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0 and "Exited with exit code 75" in followed, followed
+    assert "restart 1" not in out.read_text()  # cancelled while pending: it never ran again
+    ended, _ = _run(["status", job_id], env)
+    assert f"job {job_id} (sbatch): CANCELLED, restarts 1" in ended, ended
+
+    cwd, job_id, out = jobs["ctl-now"]
+    _, said = _run(["cancel", "--now", job_id], env)
+    assert "SIGKILL to every step" in said, said
+    assert slurm_cluster.job_state(job_id) in TERMINAL
+    assert _latest(cwd / "run") == "step-00000002"  # killed: no checkpoint of the hold step
+    assert "restart 1" not in out.read_text()
+
+
+def test_status_and_cancel_local_submitit_job(tmp_path: Path) -> None:
+    """A LocalExecutor job found again from its folder (as another process would: a new handle
+    without submitit's Popen), then cancelled: the trainer checkpoints, the job ends."""
+    (tmp_path / "data").mkdir()
+    args = train_args(str(tmp_path / "data"), str(tmp_path / "run"), *HOLD)
+    spec = JobSpec(name="ctl-local", nodes=1, procs_per_node=2, time="5", args=args)
+    folder = tmp_path / "submitit"
+    submitted = hpc_ddp.submit(spec, "local", folder=folder, wait=False)
+    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
+    status, _ = _run(["status", submitted.job_id, "--folder", str(folder)], {})
+    assert f"job {submitted.job_id} (local): RUNNING" in status, status
+    assert f"run dir: {tmp_path / 'run'}" in status and "status holding" in status, status
+
+    job = hpc_ddp.attach_job(submitted.job_id, folder=folder)
+    assert hpc_ddp.log_paths(job)[0] == folder / f"{submitted.job_id}_0_log.out"
+    assert hpc_ddp.cancel_job(job, timeout_s=120) == "CANCELLED"
+    assert _latest(tmp_path / "run") == "step-00000003"
+    again = hpc_ddp.job_report(hpc_ddp.attach_job(submitted.job_id, folder=folder))
+    assert again.state == "CANCELLED", again
+
+
+@pytest.mark.slurm
+def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path) -> None:
+    """A submitit (AutoExecutor) job found from its id alone: Slurm's record names its folder.
+    cancel sends submitit's USR2; submitit's handler checkpoints and requeues; the requeued job
+    is cancelled before it runs again."""
+    env = slurm_cluster.env
+    (tmp_path / "data").mkdir()
+    args = train_args(str(tmp_path / "data"), str(tmp_path / "run"), *HOLD)
+    spec = JobSpec(name="ctl-sub", nodes=2, procs_per_node=2, time="30", args=args)
+    folder = tmp_path / "submitit"
+    job = hpc_ddp.submit(spec, "submitit", folder=folder, cluster_env=env, wait=False)
+    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
+    status, _ = _run(["status", job.job_id], env)
+    assert f"job {job.job_id} (submitit): RUNNING, restarts 0" in status, status
+    assert f"run dir: {tmp_path / 'run'}" in status and "status holding" in status, status
+    logs, _ = _run(["logs", job.job_id], env)
+    assert f"==> {folder / f'{job.job_id}_0_log.out'} <==" in logs, logs
+    _, said = _run(["cancel", job.job_id], env)
+    assert "SIGUSR2 to its tasks" in said and "requeued itself; cancelling it" in said, said
+    assert slurm_cluster.job_state(job.job_id) == "CANCELLED"
+    assert _latest(tmp_path / "run") == "step-00000003"
+
+
+@pytest.mark.slurm
+def test_cancel_checkpoints_a_torchrun_job(slurm_cluster, tmp_path: Path) -> None:
+    """The torchrun layout: the signal reaches the node tasks (the torchrun_task shells), which
+    hand it to torchrun's workers; torchrun itself ignores it, the workers checkpoint."""
+    spec = train_spec("ctl-tr", launcher="torchrun")
+    spec = spec.replace(args=[*spec.args, *HOLD])
+    job_id, out = submit_spec(spec, tmp_path, slurm_cluster.env)
+    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "torchrun holding")
+    job = hpc_ddp.attach_job(job_id, cluster_env=slurm_cluster.env)
+    assert hpc_ddp.cancel_job(job, timeout_s=200) == "CANCELLED"
+    assert _latest(tmp_path / "run") == "step-00000003", out.read_text()
+    assert "restart 1" not in out.read_text()
