@@ -81,7 +81,8 @@ T_TORCH = time.time()
 import hpc_ddp.dist as hdist  # noqa: E402
 from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.checkpoint import checkpointer  # noqa: E402
-from hpc_ddp.train import config, cuda_graphs, data, gpu_data, loop  # noqa: E402
+from hpc_ddp.cifar import data, gpu_data  # noqa: E402
+from hpc_ddp.train import config, cuda_graphs, loop  # noqa: E402
 from hpc_ddp.train import trainer as tr  # noqa: E402
 
 T_IMPORTS = time.time()
