@@ -89,6 +89,11 @@ def refused(spec: JobSpec, kind: Kind) -> list[str]:
         p.append("resv_ports: submitit's srun gets no reserved port; set resv_ports = false")
     if not spec.requeue:
         p.append("requeue = false: submitit requeues a preempted job itself (scontrol requeue)")
+    if spec.array:
+        p.append(
+            f"array {spec.array!r}: submitit writes --array itself; use Executor.map_array for "
+            "a sweep of functions, or --executor sbatch for an array of trainer runs"
+        )
     if spec.python != "python":
         p.append(
             f"python {spec.python!r}: submitit runs the submitter's interpreter (it unpickles "
