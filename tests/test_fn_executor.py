@@ -155,6 +155,18 @@ def test_a_function_on_slurm_gets_every_field_of_its_spec(slurm_cluster, tmp_pat
 
 
 @pytest.mark.slurm
+def test_map_array_on_slurm_is_one_slurm_array(slurm_cluster, tmp_path: Path) -> None:
+    env = {**slurm_cluster.env, "PYTHONPATH": _pythonpath()}
+    ex = hpc_ddp.Executor(tmp_path / "f", "slurm", cluster_env=env, procs_per_node=2)
+    jobs = ex.map_array(fn_support.whoami, ["a", "b"])
+    assert [[r["tag"] for r in job.results()] for job in jobs] == [["a", "a"], ["b", "b"]]
+    array_id = jobs[0].job_id.split("_")[0]
+    assert [job.job_id for job in jobs] == [f"{array_id}_0", f"{array_id}_1"]
+    info = _show(slurm_cluster, jobs[1].job_id)
+    assert (info["ArrayJobId"], info["ArrayTaskId"], info["NumTasks"]) == (array_id, "1", "2")
+
+
+@pytest.mark.slurm
 def test_a_preempted_function_is_requeued_and_called_again(slurm_cluster, tmp_path: Path) -> None:
     """USR2 -> submitit's handler on rank 0 -> FunctionTask.checkpoint() (Checkpointable: the
     same call) -> scontrol requeue -> the function runs again and returns."""
