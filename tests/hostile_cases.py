@@ -100,6 +100,7 @@ def _directive(key: str, option: str) -> Field:
 RENDER_FIELDS = [
     Field("name", _key("name"), "name", ("--job-name={v}",)),
     *(_directive(k, k) for k in ("partition", "account", "qos", "constraint", "time", "mem")),
+    _directive("array", "array"),
     *(_directive(k, k) for k in ("output", "error")),
     _directive("workdir", "chdir"),
     Field("extra_sbatch", _key_list("extra_sbatch"), "extra_sbatch[0]", ("{v}",), "--comment={p}"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -320,3 +321,33 @@ def test_cli_names_the_field_of_a_control_character(tmp_path: Path) -> None:
     proc = _cli("render", "--config", str(spec_file), "--script-out", str(out))
     assert proc.returncode == 2 and "env['DATA'] 'x\\ny': U+000A LINE FEED" in proc.stderr
     assert not out.exists()
+
+
+def test_an_array_gives_each_task_its_log_and_its_run_dir(tmp_path: Path) -> None:
+    spec = JobSpec(array="0-3%2", per_rank_logs=True, args=["--run-dir", "runs/a b"])
+    text = render(spec)
+    assert "#SBATCH --array=0-3%2\n" in text
+    assert "#SBATCH --output=%x-%A_%a.out\n" in text and "--output=%x-%A_%a.out.rank%t" in text
+    # The trainer's last --run-dir wins: the spec's value quoted, the task id from the shell.
+    assert text.count("--run-dir 'runs/a b_'\"${SLURM_ARRAY_TASK_ID}\" &\n") == 1, text
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    assert "--array" not in render(spec.replace(array=""))
+
+
+@pytest.mark.parametrize("value", ["0-3\n", "1,,2", "-1", "0-3%", "a", "0-3 %2", "0-３"])
+def test_an_array_outside_slurms_form_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"array {value!r}: expected Slurm")):
+        JobSpec(array=value, args=["--run-dir", "r"])
+
+
+def test_an_array_of_trainer_runs_needs_a_run_dir_and_is_not_followed_by_submit() -> None:
+    with pytest.raises(ConfigError, match="each task trains into <run dir>_<task id>"):
+        JobSpec(array="0-1")
+    from hpc_ddp.deploy.api import describe, submit
+
+    spec = JobSpec(array="0-1", args=["--run-dir", "r"])
+    assert describe(spec).run_paths is None  # one run dir per task
+    with pytest.raises(ConfigError, match="an array's tasks are separate jobs"):
+        submit(spec, wait=False)

@@ -290,3 +290,36 @@ def test_broken_launch_env_fails_in_preflight_not_in_training(
     assert "preflight failed, not starting training" in log
     assert "step ended" not in log
     assert time.monotonic() - start < 30
+
+
+def test_array_tasks_train_into_their_own_run_dirs_and_requeue_alone(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """A 2-task array (``array = "0-1"``) of the tiny run, 1 node x 2 processes per task: each
+    task trains into run_<task id> and logs to %x-%A_<task id>.out. USR1 to task 1 only: its
+    trainer requeues ``<array>_1`` (hpc_ddp.runtime.preemption's array-aware id) while task 0 is
+    still holding with no restart; then task 0 gets its own signal. Both end resumed, each once."""
+    (tmp_path / "logs").mkdir()
+    spec = train_spec(
+        "arr", nodes=1, output="logs/%x-%j.out", array="0-1",
+        args=train_args("data", "run", "--debug-hold-at-step", "3"),
+    )  # fmt: skip
+    array_id, _ = submit_spec(spec, tmp_path, slurm_cluster.env)
+    tasks = [f"{array_id}_{i}" for i in (0, 1)]
+    for i in (0, 1):
+        wait_for(lambda i=i: progress_status(tmp_path / f"run_{i}") == "holding", 120, f"task {i}")
+    slurm_cluster.run(["scancel", "--signal=USR1", tasks[1]])
+    wait_for(lambda: slurm_cluster.job_info(tasks[1]).get("Restarts") == "1", 120, "1 requeued")
+    task0 = slurm_cluster.job_info(tasks[0])
+    assert (task0["JobState"], task0["Restarts"]) == ("RUNNING", "0"), task0
+    slurm_cluster.run(["scancel", "--signal=USR1", tasks[0]])
+    for i, task in enumerate(tasks):
+        log = tmp_path / "logs" / f"arr-{array_id}_{i}.out"
+        done = wait_job(task, slurm_cluster.env, timeout_s=180, output=log)
+        assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log.read_text()
+        result = read_result(tmp_path / f"run_{i}")
+        assert (result["status"], result["interruptions"], result["world_size"]) == (
+            "finished", 1, 2,
+        )  # fmt: skip
+        assert "resumed from" in log.read_text()
+    assert not (tmp_path / "run").exists()  # no task used the spec's run dir itself

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
 from hpc_ddp.deploy.safe_text import control_problem, directive_problem
-from hpc_ddp.deploy.trainer_args import listened_signals
+from hpc_ddp.deploy.trainer_args import listened_signals, trainer_flags
 from hpc_ddp.errors import ConfigError
 
 Launcher = Literal["srun", "torchrun"]
@@ -40,6 +40,9 @@ _TIME = re.compile(
 )
 _MEM = re.compile(r"\d+[KMGT]?", re.ASCII)
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+# Slurm's --array: indexes and ranges (with a step), comma-separated, an optional %max running.
+_ARRAY_ITEM = r"\d+(-\d+(:\d+)?)?"
+_ARRAY = re.compile(rf"{_ARRAY_ITEM}(,{_ARRAY_ITEM})*(%\d+)?", re.ASCII)
 # One #SBATCH option, long form: --exclusive or --gres=gpu:a100:8 (the value is checked further).
 _EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
 # Fields written into #SBATCH lines, which sbatch parses (name and extra_sbatch are checked apart).
@@ -106,6 +109,12 @@ class JobSpec(ProcessSpec):
     preflight: bool = field(
         default=True,
         metadata=_doc("first run a torch-free step where every task prints its rank and master"),
+    )
+    array: str = field(
+        default="",
+        metadata=_doc(
+            "job array (--array), e.g. 0-3 or 0,4,8%2; each task trains into <run dir>_<task id>"
+        ),
     )
     extra_sbatch: list[str] = field(
         default_factory=list, metadata=_doc("extra #SBATCH options, e.g. --exclusive")
@@ -178,6 +187,10 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"exit_wait_s must be >= 0, got {s.exit_wait_s}")
     if not s.output:
         p.append("output must name a log file, e.g. '%x-%j.out'")
+    if s.array and not _ARRAY.fullmatch(s.array):
+        p.append(
+            f"array {s.array!r}: expected Slurm's --array form, e.g. 0-3, 1,3,5, 0-15:4 or 0-7%2"
+        )
     if s.resv_ports and s.launcher != "srun":
         p.append("resv_ports needs launcher srun (torchrun's port is chosen before any step)")
     if s.per_rank_logs and s.launcher != "srun":
@@ -210,8 +223,14 @@ def _check_trainer_args(s: JobSpec) -> list[str]:
         return []
     try:
         names = listened_signals(s.args)
+        run_dir = getattr(trainer_flags(s.args), "run_dir", None)
     except ConfigError as err:
         return [f"args: {err.message}"]
+    if s.array and not run_dir:
+        return [
+            f"array {s.array!r}: each task trains into <run dir>_<task id>; give the run dir "
+            "in args ('--run-dir runs/NAME')"
+        ]
     if s.signal_lead_s and s.signal not in names:
         return [
             f"the job warns with SIG{s.signal} but the trainer listens for {', '.join(names)}: "

@@ -9,6 +9,7 @@ The ``SlurmJob`` handle reads ``scontrol show job``, so it needs no accounting (
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import tempfile
 from collections.abc import Mapping
@@ -22,10 +23,13 @@ from hpc_ddp.deploy.sbatch.submit import sbatch, script_workdir, wait_job
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import submission_env, with_this_python
 from hpc_ddp.deploy.trainer_args import trainer_args_in_script, trainer_run_paths
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import SlurmClient
 
 DEFAULT_PRODUCER = "hpc_ddp.submit"
+# An #SBATCH line asking for a job array (long or short form).
+_ARRAY_DIRECTIVE = re.compile(r"^#SBATCH[ \t]+(--array|-a)\b", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class SbatchBackend(Backend):
             args = trainer_args_in_script(script.text)
         # Resolved now: arguments the trainer would refuse fail before anything is queued.
         run_paths = trainer_run_paths(args, workdir) if args is not None else None
+        if _ARRAY_DIRECTIVE.search(script.text):
+            run_paths = None  # one run dir per task: <run dir>_<task id>
         return DryRun(
             "sbatch",
             script.text,
@@ -81,6 +87,12 @@ class SbatchBackend(Backend):
 
     def submit(self, plan: DryRun) -> SlurmJob:
         script: _Script = plan.request
+        if _ARRAY_DIRECTIVE.search(script.text):
+            raise ConfigError(
+                "hpc_ddp.submit follows one job; an array's tasks are separate jobs",
+                hint="render the spec (hpc-ddp render -o job.sbatch) and run `sbatch job.sbatch`; "
+                "task N trains into <run dir>_N and logs to %x-%A_N.out",
+            )
         path = script.path
         if path is None:  # sbatch copies the script at submission: a temporary file will do
             fd, tmp = tempfile.mkstemp(prefix=f"{Path(script.name).stem}-", suffix=".sbatch")

@@ -14,6 +14,7 @@ from hpc_ddp import __version__
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
+from hpc_ddp.deploy.trainer_args import trainer_flags
 from hpc_ddp.env_vars import launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 
@@ -71,6 +72,8 @@ def sbatch_directives(spec: JobSpec) -> list[str]:
     if spec.mem:
         d.append(f"--mem={spec.mem}")
     d.append(f"--time={spec.time}")
+    if spec.array:
+        d.append(f"--array={spec.array}")
     # No shell quoting in #SBATCH lines: sbatch parses them itself, and JobSpec has refused
     # every character it would interpret (hpc_ddp.deploy.safe_text).
     for key in ("partition", "account", "qos", "constraint"):
@@ -83,13 +86,19 @@ def sbatch_directives(spec: JobSpec) -> list[str]:
     d.append("--requeue" if spec.requeue else "--no-requeue")
     # A requeued job writes to the same file; without append the first run's log is lost.
     d.append("--open-mode=append")
-    d.append(f"--output={spec.output}")
+    d.append(f"--output={log_name(spec, spec.output)}")
     if spec.error:
-        d.append(f"--error={spec.error}")
+        d.append(f"--error={log_name(spec, spec.error)}")
     if spec.workdir:
         d.append(f"--chdir={spec.workdir}")
     d.extend(spec.extra_sbatch)
     return d
+
+
+def log_name(spec: JobSpec, pattern: str) -> str:
+    """An array's tasks share the array's job id: ``%j`` becomes ``%A_%a`` (array id, task id),
+    so each task appends to its own log and the logs sort by array."""
+    return pattern.replace("%j", "%A_%a") if spec.array else pattern
 
 
 def task_cpus(spec: JobSpec) -> int:
@@ -122,7 +131,7 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
         # A port no other step on these nodes holds, as MASTER_PORT; bare --resv-ports means 0.
         argv.append("--resv-ports=1")
     if spec.per_rank_logs and logs:
-        argv += [f"--output={spec.output}.rank%t", "--open-mode=append"]
+        argv += [f"--output={log_name(spec, spec.output)}.rank%t", "--open-mode=append"]
     return argv
 
 
@@ -133,7 +142,17 @@ def step_command(spec: JobSpec) -> str:
         argv += spec.program
     else:
         argv = [*_srun_prefix(spec), spec.python, "-u", *spec.program]
-    return _wrap(shlex.join(argv))
+    return _wrap(shlex.join(argv)) + array_run_dir(spec)
+
+
+def array_run_dir(spec: JobSpec) -> str:
+    """For an array of trainer runs, one more ``--run-dir`` (the trainer's last one wins): the
+    spec's run dir with ``_<task id>`` appended, expanded by the batch shell. Only the task id
+    variable is unquoted; the spec's value stays one quoted word."""
+    if not spec.array or not spec.runs_trainer:
+        return ""
+    run_dir = trainer_flags(spec.args).run_dir  # JobSpec requires it for an array
+    return f' \\\n  --run-dir {shlex.quote(run_dir + "_")}"${{SLURM_ARRAY_TASK_ID}}"'
 
 
 def preflight_command(spec: JobSpec) -> str:

@@ -15,22 +15,21 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import submitit
 
 from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.sbatch.submit import LogFollower
-from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
+from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
+from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters, not_used
 from hpc_ddp.deploy.submitit.task import TrainTask
 from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
-
-Kind = Literal["submitit", "local"]
 
 
 @dataclass(frozen=True)
@@ -39,43 +38,6 @@ class _Request:
     folder: Path
     parameters: dict[str, Any]
     task: TrainTask
-
-
-def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
-    """submitit's ``update_parameters`` for ``spec``; ConfigError for what submitit cannot run."""
-    if spec.launcher != "srun":
-        raise ConfigError(
-            "submitit starts one task per process itself: launcher must be srun",
-            hint="drop launcher = 'torchrun' from the spec for --executor submitit/local",
-        )
-    minutes = max(1, _minutes(spec.time))
-    if kind == "local":
-        if spec.nodes != 1:
-            raise ConfigError(
-                f"the local executor runs on one machine; the spec asks for {spec.nodes} nodes",
-                hint="set nodes = 1 (and procs_per_node) or use --executor submitit",
-            )
-        return dict(
-            timeout_min=minutes, tasks_per_node=spec.ppn, signal_delay_s=spec.signal_lead_s or 30
-        )
-    params: dict[str, Any] = dict(
-        timeout_min=minutes, tasks_per_node=spec.ppn, nodes=spec.nodes, name=spec.name
-    )
-    if spec.gpus_per_node:
-        params["gpus_per_node"] = spec.gpus_per_node
-    if spec.cpus_per_task:
-        params["cpus_per_task"] = spec.cpus_per_task
-    if spec.partition:
-        params["slurm_partition"] = spec.partition
-    params["slurm_signal_delay_s"] = spec.signal_lead_s or 90
-    if spec.account:
-        params["slurm_account"] = spec.account
-    return params
-
-
-def _minutes(limit: str) -> int:
-    secs = time_limit_seconds(limit)
-    return 60 * 24 * 365 if secs is None else (secs + 59) // 60
 
 
 class SubmititBackend(Backend):
@@ -123,6 +85,7 @@ class SubmititBackend(Backend):
                 "# every task runs, with "
                 + " ".join(f"{k}={shlex.quote(v)}" for k, v in task.env.items()) + ":",
                 shlex.join(task.trainer_argv()),
+                *(f"# not used: {note}" for note in not_used(spec, self.kind)),
                 "",
             ]
         )  # fmt: skip

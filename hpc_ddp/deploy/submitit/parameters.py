@@ -1,0 +1,147 @@
+"""A ``JobSpec`` as submitit's ``update_parameters``: every field reaches Slurm, is replaced by
+submitit's own mechanism (said so in ``describe``), or is refused with the field's name.
+
+submitit writes the sbatch script itself, so the spec's Slurm settings travel as its parameters:
+``slurm_qos``, ``slurm_constraint``, ``slurm_setup`` (shell lines before srun), ``slurm_srun_args``
+and ``slurm_additional_parameters`` (any other ``#SBATCH --key=value``). Memory keeps Slurm's own
+string (``64G``) through the additional parameters: submitit's ``mem_gb`` is a float of GB.
+Pure Python; never imports submitit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from hpc_ddp.deploy.core import problem_list
+from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
+from hpc_ddp.errors import ConfigError
+
+Kind = Literal["submitit", "local"]
+
+# Fields the rendered sbatch script has and submitit replaces with its own mechanism.
+REPLACED = {
+    "output": "submitit writes every task's log in its folder (<job>_<task>_log.out/.err)",
+    "error": "submitit writes every task's log in its folder (<job>_<task>_log.out/.err)",
+    "per_rank_logs": "submitit always writes one log per task",
+    "signal": "submitit's warning signal is USR2 (the trainer is told to listen for it)",
+    "preflight": "submitit's sbatch script has no preflight step",
+}
+# Slurm settings that mean nothing without Slurm: the local executor ignores them (and says so).
+SLURM_ONLY = (
+    "name", "partition", "account", "qos", "constraint", "mem", "gpus_per_node", "gpu_binding",
+    "cpus_per_task", "workdir", "setup", "extra_sbatch", "exit_wait_s", "requeue",
+)  # fmt: skip
+# #SBATCH options submitit writes itself (its logs, its signal, its arrays): extra_sbatch may not.
+SUBMITIT_OWNED = ("output", "error", "open-mode", "signal", "array", "wckey")
+# submitit's minimum: one minute.
+_NO_LIMIT_MINUTES = 60 * 24 * 365
+
+
+def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
+    """submitit's ``update_parameters`` for ``spec``; ConfigError for what submitit cannot do."""
+    problems = refused(spec, kind)
+    if problems:
+        raise ConfigError(
+            f"the submitit executor ({kind}) cannot run this spec:" + problem_list(problems),
+            hint="change the fields named above, or use --executor sbatch",
+        )
+    minutes = timeout_minutes(spec.time)
+    if kind == "local":
+        return dict(
+            timeout_min=minutes, tasks_per_node=spec.ppn, signal_delay_s=spec.signal_lead_s or 30
+        )
+    params: dict[str, Any] = dict(
+        timeout_min=minutes, tasks_per_node=spec.ppn, nodes=spec.nodes, name=spec.name
+    )
+    if spec.gpus_per_node:
+        if spec.gpu_binding == "gpus-per-task":
+            params["slurm_gpus_per_task"] = spec.gpus_per_process
+        else:
+            params["gpus_per_node"] = spec.gpus_per_node
+    if spec.cpus_per_task:
+        params["cpus_per_task"] = spec.cpus_per_task
+    if spec.partition:
+        params["slurm_partition"] = spec.partition
+    params["slurm_signal_delay_s"] = spec.signal_lead_s or 90
+    for key in ("account", "qos", "constraint"):
+        if value := getattr(spec, key):
+            params[f"slurm_{key}"] = value
+    if spec.setup:
+        params["slurm_setup"] = list(spec.setup)
+    # srun --wait as in the rendered scripts: a stuck exit cannot hold the allocation.
+    params["slurm_srun_args"] = [f"--wait={spec.exit_wait_s}"]
+    extra: dict[str, Any] = {"requeue": True}
+    if spec.mem:
+        extra["mem"] = spec.mem
+    if spec.workdir:
+        extra["chdir"] = spec.workdir
+    extra.update(extra_sbatch_parameters(spec.extra_sbatch))
+    params["slurm_additional_parameters"] = extra
+    return params
+
+
+def refused(spec: JobSpec, kind: Kind) -> list[str]:
+    """Why submitit cannot honour ``spec``, one line per field; empty when it can."""
+    p: list[str] = []
+    if spec.launcher != "srun":
+        p.append("launcher: submitit starts one task per process itself; use launcher = 'srun'")
+    if spec.resv_ports:
+        p.append("resv_ports: submitit's srun gets no reserved port; set resv_ports = false")
+    if not spec.requeue:
+        p.append("requeue = false: submitit requeues a preempted job itself (scontrol requeue)")
+    if spec.array:
+        p.append(
+            f"array {spec.array!r}: submitit writes --array itself; use Executor.map_array for "
+            "a sweep of functions, or --executor sbatch for an array of trainer runs"
+        )
+    if spec.python != "python":
+        p.append(
+            f"python {spec.python!r}: submitit runs the submitter's interpreter (it unpickles "
+            "the call); leave python at its default"
+        )
+    if kind == "local" and spec.nodes != 1:
+        p.append(
+            f"nodes: the local executor runs on one machine; the spec asks for {spec.nodes} "
+            "nodes (set nodes = 1, or use --executor submitit)"
+        )
+    for i, opt in enumerate(spec.extra_sbatch):
+        key = opt[2:].partition("=")[0]
+        if key in SUBMITIT_OWNED:
+            p.append(
+                f"extra_sbatch[{i}] {opt!r}: submitit writes --{key} itself "
+                f"(it owns {', '.join('--' + k for k in SUBMITIT_OWNED)})"
+            )
+    return p
+
+
+def extra_sbatch_parameters(options: list[str]) -> dict[str, Any]:
+    """``["--exclusive", "--comment=x"]`` -> ``{"exclusive": True, "comment": "x"}``: the form of
+    submitit's additional parameters (JobSpec has checked each option already)."""
+    parsed: dict[str, Any] = {}
+    for opt in options:
+        key, eq, value = opt[2:].partition("=")
+        parsed[key] = value if eq else True
+    return parsed
+
+
+def not_used(spec: JobSpec, kind: Kind) -> list[str]:
+    """The fields set in ``spec`` that this executor replaces or ignores, each with why."""
+    default = JobSpec()
+    notes = [
+        f"{name}: {why}"
+        for name, why in REPLACED.items()
+        if getattr(spec, name) != getattr(default, name)
+    ]
+    if kind == "local":
+        notes += [
+            f"{name}: no Slurm under the local executor"
+            for name in SLURM_ONLY
+            if getattr(spec, name) != getattr(default, name)
+        ]
+    return notes
+
+
+def timeout_minutes(limit: str) -> int:
+    """A Slurm time limit in whole minutes (rounded up, at least 1), submitit's unit."""
+    secs = time_limit_seconds(limit)
+    return _NO_LIMIT_MINUTES if secs is None else max(1, (secs + 59) // 60)
