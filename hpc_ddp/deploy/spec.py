@@ -247,5 +247,5 @@ def build_spec(
     data: dict[str, Any] = dict(load_spec_file(file)) if file else {}
     source = str(file) if file else "flags"
     if overrides:
-        data.update(overrides)
+        data = schema.merge(data, overrides)
     return JobSpec.from_mapping(data, source=source)

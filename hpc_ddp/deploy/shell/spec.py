@@ -120,6 +120,9 @@ class LaunchSpec(ProcessSpec):
         flag = "--" + name.replace("_", "-")
         return flag if item is None else f"{flag}[{item}]"
 
+    def container_label(self, name: str) -> str:
+        return f"--container-{name}"
+
     def _launch_problems(self) -> list[str]:
         p: list[str] = []
         for name, value, valid in (
