@@ -252,7 +252,7 @@ def add_arguments(
             continue
         kind, _ = _optional(kinds[f.name])
         if dataclasses.is_dataclass(kind):
-            _add_table_arguments(parser, f.name, kind)
+            add_table_arguments(parser, f.name, kind)
             continue
         help_text = f.metadata.get("help", "")
         if show_defaults:
@@ -292,7 +292,7 @@ def add_arguments(
             parser.add_argument(flag_of(f), type=kind, metavar=metavar, **kw)
 
 
-def _add_table_arguments(
+def add_table_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str, table: type
 ) -> None:
     """The flags of a nested table: ``--PREFIX-FIELD``, stored as ``PREFIX.FIELD``."""
@@ -313,6 +313,12 @@ def _add_table_arguments(
             parser.add_argument(flag, metavar="VALUE", **kw)
 
 
+def given_table(args: argparse.Namespace, prefix: str, table: type) -> dict[str, Any]:
+    """The fields of a nested table given as ``--PREFIX-FIELD`` flags (add_table_arguments)."""
+    dests = {name: f"{prefix}.{name}" for name in field_names(table)}
+    return {name: getattr(args, dest) for name, dest in dests.items() if hasattr(args, dest)}
+
+
 def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of ``cls`` given as flags, with KEY=VALUE lists turned into tables (and a
     nested table's flags gathered into its table)."""
@@ -321,12 +327,7 @@ def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         kind, _ = _optional(kinds[f.name])
         if dataclasses.is_dataclass(kind):
-            nested = {
-                name: getattr(args, f"{f.name}.{name}")
-                for name in field_names(kind)
-                if hasattr(args, f"{f.name}.{name}")
-            }
-            if nested:
+            if nested := given_table(args, f.name, kind):
                 out[f.name] = nested
             continue
         if not hasattr(args, f.name):

@@ -2,18 +2,19 @@
 
 PyTorch's ProcessGroupNCCL keeps a ring buffer of the last collectives of every rank (the
 "flight recorder"). With ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` a rank whose collective times out
-writes that buffer, and asks every other rank to write theirs, to ``<TORCH_FR_DUMP_TEMP_FILE><rank>``
-(torch 2.14 spells the older ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``
-as ``TORCH_FR_BUFFER_SIZE`` / ``TORCH_FR_DUMP_TEMP_FILE``). A hang then leaves one file per rank
-in the run directory instead of nothing.
+writes that buffer, and asks every other rank to write theirs, to
+``<TORCH_FR_DUMP_TEMP_FILE><rank>``. (torch 2.14 reads ``TORCH_FR_BUFFER_SIZE`` and
+``TORCH_FR_DUMP_TEMP_FILE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` and
+``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` are their deprecated names.) A hang then leaves one file per
+rank in the run directory instead of nothing.
 
 A dump is a pickle of plain data: ``{"version": "2.x", "pg_config": {...}, "entries": [...]}``,
-each entry a dict with ``record_id``, ``collective_seq_id``, ``profiling_name`` (``nccl:all_reduce``),
-``state`` (scheduled/started/completed), ``input_sizes``, ``process_group`` and more (torch's
-c10d FlightRecorder ``dump_entries``). Data never becomes code: it is read with an unpickler that
-refuses every global, so only dicts, lists, tuples, strings, numbers and None can come out;
-torch's own reader (torch.distributed.flight_recorder) calls ``pickle.load``, which can run code.
-Torch-free.
+each entry a dict with ``record_id``, ``collective_seq_id``, ``profiling_name``
+(``nccl:all_reduce``), ``state`` (scheduled/started/completed), ``input_sizes``,
+``process_group`` and more (torch's c10d FlightRecorder ``dump_entries``). Data never becomes
+code: it is read with an unpickler that refuses every global, so only dicts, lists, tuples,
+strings, numbers and None can come out; torch's own reader (torch.distributed.flight_recorder)
+calls ``pickle.load``, which can run code. Torch-free.
 """
 
 from __future__ import annotations
