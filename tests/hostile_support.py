@@ -2,10 +2,11 @@
 
 What is under test is how bash (and sbatch, for ``#SBATCH`` lines) parse the text hpc-ddp
 renders, so the commands the scripts call are stubs on PATH: srun, scontrol, scancel, python,
-torchrun, pdsh, clush, ssh and apptainer (which runs the command after its image). The stubs still hand their command on the way the real tool would,
-so every quoting layer is executed: srun runs the task's argv; pdsh and clush substitute
-%h/%n/%% and run the command once per host (pdsh ``-R exec`` as an argv, pdsh ssh and clush
-through a shell, ssh through ``sh -c`` as sshd does); python and torchrun only record their
+torchrun, pdsh, clush, ssh and apptainer. The stubs still hand their command on the way the real
+tool would, so every quoting layer is executed: srun runs the task's argv, apptainer the command
+after its image; pdsh and clush substitute %h/%n/%% and run the command once per host (pdsh
+``-R exec`` as an argv, pdsh ssh and clush through a shell, ssh through ``sh -c`` as sshd
+does); python and torchrun only record their
 argv, working directory and environment. ``pwned`` is the injected command of every hostile
 value: it creates the canary file. The directives are read by the real sbatch (``-vvv`` prints
 every argument it finds in the script), stopped before it would contact a controller. The real
