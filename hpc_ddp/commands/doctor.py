@@ -19,9 +19,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs per node the job will use")
     parser.add_argument("--port", type=int, default=None, help="master port to check")
     parser.add_argument("--no-torch", action="store_true", help="skip importing torch")
+    parser.add_argument(
+        "--nccl-dump",
+        type=Path,
+        metavar="PATH",
+        help="read NCCL flight recorder dumps (a rank_N file or <run_dir>/nccl_trace) instead: "
+        "per rank the last collective entered and completed, and which ranks lag",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nccl_dump is not None:
+        from hpc_ddp.deploy.flight_recorder import report
+
+        print("\n".join(report(args.nccl_dump)))
+        return 0
     checks = run_checks(
         Options(
             run_dir=args.run_dir,

@@ -20,6 +20,7 @@ calls ``pickle.load``, which can run code. Torch-free.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import re
 from collections.abc import Mapping, Sequence
@@ -185,3 +186,26 @@ def summarize(traces: list[RankTrace]) -> list[str]:
         "a rank-dependent branch, a crash in their log)"
     )
     return lines
+
+
+def run_step_line(dump_dir: Path) -> str | None:
+    """Where training was: rank 0's progress.json, when the dumps sit in <run_dir>/nccl_trace."""
+    progress = dump_dir.parent / "progress.json" if dump_dir.name == DUMP_DIR else None
+    if progress is None or not progress.is_file():
+        return None
+    try:
+        info = json.loads(progress.read_text())
+        step, epoch = int(info["step"]), int(info["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return f"training: rank 0 last reported global step {step} (epoch {epoch}) in {progress}"
+
+
+def report(path: Path) -> list[str]:
+    """``hpc-ddp doctor --nccl-dump PATH``: the dumps at ``path`` read and summarized."""
+    files = dump_files(path)
+    traces = [read_dump(f) for f in files]
+    lines = [f"{len(traces)} flight recorder dump(s) in {path} (version {traces[0].version})"]
+    lines += summarize(traces)
+    step = run_step_line(path if path.is_dir() else path.parent)
+    return lines + ([step] if step else [])
