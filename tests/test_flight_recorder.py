@@ -95,7 +95,7 @@ def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
 
     bad = tmp_path / "rank_0"
     bad.write_bytes(pickle.dumps({"version": "2.10", "entries": [Evil()]}))
-    with pytest.raises(ConfigError, match="refused posix.system|refused os.system"):
+    with pytest.raises(ConfigError, match=r"refused (posix|os)\.system"):
         read_dump(bad)
     assert not canary.exists()
     (tmp_path / "rank_1").write_bytes(b"not a pickle")
