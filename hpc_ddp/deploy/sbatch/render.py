@@ -109,14 +109,15 @@ def task_cpus(spec: JobSpec) -> int:
     return spec.cpus_per_task * (spec.ppn if spec.launcher == "torchrun" else 1)
 
 
-def job_env(spec: JobSpec) -> list[tuple[str, str]]:
-    """Derived settings first, then the spec's own env (which wins by coming last)."""
+def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str]]:
+    """Derived settings first, then the spec's own env (which wins by coming last).
+    ``batch_script``: for this module's sbatch script, whose shell may do the requeue."""
     env: dict[str, str] = {}
     # One BLAS/OpenMP thread pool per process sized to its CPUs, not to the whole node.
     env["OMP_NUM_THREADS"] = str(spec.cpus_per_task or 1)
     if spec.layout == "per-node":
         env["HPC_DDP_GPUS_PER_PROCESS"] = str(spec.gpus_per_process)
-    if requeue_from_batch(spec):
+    if batch_script and requeue_from_batch(spec):
         # The trainer leaves the requeue to this script's shell (hpc_ddp.runtime.preemption).
         env[REQUEUE_BY_VAR] = "batch"
     if spec.gpus_per_node:
@@ -219,7 +220,7 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         command=comment_text(command),  # a comment line, whatever the command held
         layout_text=layout_text(spec),
         directives=sbatch_directives(spec),
-        env=job_env(spec),
+        env=job_env(spec, batch_script=True),
         step_command=step_command(spec),
         preflight_command=preflight_command(spec),
         python_q=shlex.quote(spec.python),

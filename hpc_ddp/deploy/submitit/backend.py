@@ -43,6 +43,12 @@ class _Request:
 
 def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
     """submitit's ``update_parameters`` for ``spec``; ConfigError for what submitit cannot run."""
+    if spec.container is not None:
+        raise ConfigError(
+            "submitit runs the trainer with this Python, not in a container image",
+            hint="submit a spec with a [container] table with the sbatch executor "
+            "(`hpc-ddp submit --executor sbatch`)",
+        )
     if spec.launcher != "srun":
         raise ConfigError(
             "submitit starts one task per process itself: launcher must be srun",
