@@ -158,3 +158,22 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
     assert sum("-u -m hpc_ddp.train" in c for c in apptainer) == 8
     pyxis_head = f"srun --container-image={IMAGE} --container-mounts=/tmp:/scratch:ro -- "
     assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
+
+
+def test_torchrun_job_runs_torchrun_in_the_apptainer_image(slurm_cluster, tmp_path: Path) -> None:
+    """torchrun layout: the host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each
+    node, the batch shell gets the rendezvous port from the image's python; training finishes."""
+    env = _standin_env(tmp_path, slurm_cluster.env)
+    cwd = tmp_path / "job"
+    cwd.mkdir()
+    spec = train_spec("ctr-torchrun", launcher="torchrun", container=ContainerSpec(image=IMAGE))
+    job_id, out = submit_spec(spec, cwd, env)
+    done = wait_job(job_id, env, timeout_s=240, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    assert read_result(cwd / "run")["world_size"] == 4
+    calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
+    head, python = f"apptainer exec {IMAGE} ", spec.python
+    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.port") for c in calls) == 1, calls
+    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.preflight") for c in calls) == 2
+    assert sum(c.startswith(head + "torchrun --nnodes=2 --nproc-per-node=2") for c in calls) == 2
