@@ -30,6 +30,8 @@ job submitted from inside another must not inherit its place in that job.
 |                            | layout (batch shell)             | proctrack/cgroup the task      |
 |                            |                                  | shell forwards signals to      |
 |                            |                                  | torchrun's workers             |
+| `HPC_DDP_REQUEUE_BY`       | sbatch jobs whose batch shell    | `batch`: the trainer leaves    |
+|                            | requeues a step that exits 75    | the requeue to the batch shell |
 
 * in ``--mode processes`` only: in torchrun mode torchrun gives its workers their variables.
 The host script writes the node rank as pdsh/clush's ``%n`` placeholder, which the tool fills in
@@ -71,6 +73,10 @@ MASTER_ADDR_VAR = "HPC_DDP_MASTER_ADDR"
 MASTER_PORT_VAR = "HPC_DDP_MASTER_PORT"
 RDZV_ENDPOINT_VAR = "HPC_DDP_RDZV_ENDPOINT"
 PROCTRACK_VAR = "HPC_DDP_PROCTRACK"  # spelt in templates/torchrun.sbatch.j2 (a test checks)
+# "batch": the job's batch shell requeues a step that exits 75 (it runs on the host, where
+# scontrol exists even when the step runs in a container without it), so the trainer's
+# requeue=auto does not ask too: one request per preemption keeps the restart count honest.
+REQUEUE_BY_VAR = "HPC_DDP_REQUEUE_BY"
 
 # In the order launch_environ writes them (the order of the host script's export lines).
 LAUNCH_VARS: tuple[str, ...] = (
@@ -89,7 +95,7 @@ LAUNCH_VARS: tuple[str, ...] = (
 )
 # Written by a job's batch shell for its own task shells, never by launch_environ; a job
 # submitted from inside must not inherit it either.
-JOB_SHELL_VARS: tuple[str, ...] = (PROCTRACK_VAR,)
+JOB_SHELL_VARS: tuple[str, ...] = (PROCTRACK_VAR, REQUEUE_BY_VAR)
 
 # The values of HPC_DDP_LAUNCHER: `hpc-ddp launch pdsh|clush`, and the workers that
 # `hpc-ddp train --nproc-per-node N` forks (hpc_ddp.spawn).

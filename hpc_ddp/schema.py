@@ -10,7 +10,10 @@ float); a float field takes an int or a float; a bool field takes true/false onl
 string; ``list[str]`` a list of strings (or, for fields marked ``split=","``, one comma-separated
 string); ``dict[str, str]`` a table whose values are strings or numbers; ``X | None`` also None;
 a ``Literal`` of strings takes a string (the class itself says which ones are valid, so that all
-of its problems are reported together, with its own field names).
+of its problems are reported together, with its own field names). A field whose type is another
+settings dataclass is a nested table (``[container]`` in TOML) checked by the same rules; its
+flags carry the field's name as a prefix (``--container-image``), and ``merge`` lays flags over a
+file's table key by key.
 """
 
 from __future__ import annotations
@@ -100,6 +103,16 @@ def coerce(
     if value is None and optional:
         return None
     origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        if isinstance(value, kind):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a table of settings, got {value!r}")
+        try:
+            return kind(**from_mapping(kind, value, source="table"))
+        except ConfigError as err:
+            valid = ", ".join(field_names(kind))
+            raise TypeError(f"{err.message.removeprefix('table: ')} (valid: {valid})") from None
     if literal_choices(kind) is not None:
         kind = str
     if kind is bool:
@@ -173,6 +186,18 @@ def from_mapping(
     return values
 
 
+def merge(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` over ``data``; a nested table (a dict on both sides) is merged key by key,
+    so ``--container-image`` keeps the file's ``[container]`` mounts."""
+    out = dict(data)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
 def _toml_loads(text: str) -> Any:
     if sys.version_info >= (3, 11):
         import tomllib
@@ -232,6 +257,9 @@ def add_arguments(
         if f.name in skip or f.metadata.get("cli") is False:
             continue
         kind, _ = _optional(kinds[f.name])
+        if dataclasses.is_dataclass(kind):
+            add_table_arguments(parser, f.name, kind)
+            continue
         help_text = f.metadata.get("help", "")
         if show_defaults:
             help_text = f"{help_text} (default: {default_of(f)!r})".replace("%", "%%")
@@ -270,11 +298,44 @@ def add_arguments(
             parser.add_argument(*flags_of(f), type=kind, metavar=metavar, **kw)
 
 
+def add_table_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str, table: type
+) -> None:
+    """The flags of a nested table: ``--PREFIX-FIELD``, stored as ``PREFIX.FIELD``."""
+    kinds = field_types(table)
+    for f in dataclasses.fields(table):
+        kind, _ = _optional(kinds[f.name])
+        kw: dict[str, Any] = {
+            "dest": f"{prefix}.{f.name}",
+            "default": argparse.SUPPRESS,
+            "help": f"[{prefix}] {f.metadata.get('help', '')}".replace("%", "%%"),
+        }
+        flag = f"--{prefix}-{f.name}".replace("_", "-")
+        if typing.get_origin(kind) is list:
+            parser.add_argument(flag, action="append", metavar="VALUE", **kw)
+        elif (choices := literal_choices(kind)) is not None:
+            parser.add_argument(flag, metavar="{" + ",".join(choices) + "}", **kw)
+        else:
+            parser.add_argument(flag, metavar="VALUE", **kw)
+
+
+def given_table(args: argparse.Namespace, prefix: str, table: type) -> dict[str, Any]:
+    """The fields of a nested table given as ``--PREFIX-FIELD`` flags (add_table_arguments)."""
+    dests = {name: f"{prefix}.{name}" for name in field_names(table)}
+    return {name: getattr(args, dest) for name, dest in dests.items() if hasattr(args, dest)}
+
+
 def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` given as flags, with KEY=VALUE lists turned into tables."""
+    """The fields of ``cls`` given as flags, with KEY=VALUE lists turned into tables (and a
+    nested table's flags gathered into its table)."""
     kinds = field_types(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        kind, _ = _optional(kinds[f.name])
+        if dataclasses.is_dataclass(kind):
+            if nested := given_table(args, f.name, kind):
+                out[f.name] = nested
+            continue
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)

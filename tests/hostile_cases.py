@@ -89,6 +89,15 @@ def _env_key(spec: dict[str, Any], v: str) -> None:
     spec["env"] = {v: "1"}
 
 
+def _container(key: str, as_list: bool = False) -> Callable[[dict[str, Any], str], None]:
+    """A [container] table (apptainer: the stub runs the command) with ``key`` = the value."""
+
+    def put(spec: dict[str, Any], v: str) -> None:
+        spec["container"] = {"runtime": "apptainer", "image": "img.sif", key: [v] if as_list else v}
+
+    return put
+
+
 def _nowhere(_target: Any, _v: str) -> None:
     """The runner places it: a file name, a command argument, an inherited variable."""
 
@@ -111,6 +120,11 @@ RENDER_FIELDS = [
     Field("args", _first_arg, "args[0]", ("{v}",)),
     Field("env value", _env_value, "env['HOSTILE']", ("HOSTILE={v}",)),
     Field("env key", _env_key, "env key", ("{v}=1",)),
+    Field("container runtime", _container("runtime"), "container.runtime"),
+    Field("container image", _container("image"), "container.image", ("{v}",)),
+    Field("container mounts", _container("mounts", True), "container.mounts[0]", ("{v}",), "/m{p}"),
+    Field("container workdir", _container("workdir"), "container.workdir", ("{v}",), "/w{p}"),
+    Field("container env", _container("env", True), "container.env[0]"),
     Field("spec file name (recorded command)", _nowhere, "", value="{dir}/job{p}.json"),
 ]
 # JobSpec's text fields that are shell by design, not data: tested in test_render.py.
@@ -119,6 +133,16 @@ SHELL_BY_DESIGN = {"setup"}
 
 def _flag(flag: str) -> Callable[[list[str], str], None]:
     return lambda argv, v: argv.append(f"{flag}={v}")
+
+
+def _container_flag(flag: str) -> Callable[[list[str], str], None]:
+    """A --container-* flag, with an image unless the flag is the image."""
+
+    def put(argv: list[str], v: str) -> None:
+        argv.extend([] if flag == "--container-image" else ["--container-image=img.sif"])
+        argv.append(f"{flag}={v}")
+
+    return put
 
 
 def _env_value_flag(argv: list[str], v: str) -> None:
@@ -145,6 +169,23 @@ LAUNCH_FIELDS = [
     _launch("--state-dir", ("dir:{v}",), value="{dir}/state{p}"),
     _launch("--tool-path", ("{v}",), value="{dir}/tool{p}", stub="pdsh"),
     Field("command argument", _nowhere, "command argument 1", ("{v}",)),
+    Field("--container-runtime", _container_flag("--container-runtime"), "--container-runtime"),
+    Field("--container-image", _container_flag("--container-image"), "--container-image", ("{v}",)),
+    Field(
+        "--container-mounts",
+        _container_flag("--container-mounts"),
+        "--container-mounts[0]",
+        ("{v}",),
+        "/m{p}",
+    ),
+    Field(
+        "--container-workdir",
+        _container_flag("--container-workdir"),
+        "--container-workdir",
+        ("{v}",),
+        "/w{p}",
+    ),
+    Field("--container-env", _container_flag("--container-env"), "--container-env[0]"),
     *(Field(f, _flag(f), f"argument {f}: invalid choice:") for f in ("--mode", "--rcmd")),
     Field("--render-script file name", _nowhere, "", value="{dir}/launch{p}.sh"),
 ]

@@ -2,10 +2,11 @@
 
 What is under test is how bash (and sbatch, for ``#SBATCH`` lines) parse the text hpc-ddp
 renders, so the commands the scripts call are stubs on PATH: srun, scontrol, scancel, python,
-torchrun, pdsh, clush and ssh. The stubs still hand their command on the way the real tool would,
-so every quoting layer is executed: srun runs the task's argv; pdsh and clush substitute
-%h/%n/%% and run the command once per host (pdsh ``-R exec`` as an argv, pdsh ssh and clush
-through a shell, ssh through ``sh -c`` as sshd does); python and torchrun only record their
+torchrun, pdsh, clush, ssh and apptainer. The stubs still hand their command on the way the real
+tool would, so every quoting layer is executed: srun runs the task's argv, apptainer the command
+after its image; pdsh and clush substitute %h/%n/%% and run the command once per host (pdsh
+``-R exec`` as an argv, pdsh ssh and clush through a shell, ssh through ``sh -c`` as sshd
+does); python and torchrun only record their
 argv, working directory and environment. ``pwned`` is the injected command of every hostile
 value: it creates the canary file. The directives are read by the real sbatch (``-vvv`` prints
 every argument it finds in the script), stopped before it would contact a controller. The real
@@ -86,8 +87,18 @@ done
 exit "$worst"
 """
 )
+# apptainer exec [options] IMAGE CMD...: runs CMD (without an image) after recording the argv.
+_APPTAINER = (
+    _RECORD
+    + """shift
+while [ $# -gt 0 ]; do case $1 in --nv) shift ;; --bind|--pwd) shift 2 ;; *) break ;; esac; done
+shift
+exec "$@"
+"""
+)
 STUBS = {
     "srun": _SRUN,
+    "apptainer": _APPTAINER,
     "scontrol": _RECORD + "echo node0\n",
     "scancel": _RECORD,
     "python": _PROGRAM,

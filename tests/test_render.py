@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -223,21 +222,19 @@ def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_render_never_imports_torch_and_is_fast() -> None:
+def test_render_never_imports_torch() -> None:
+    """What keeps render fast is that it never imports torch; its latency is a benchmark
+    (benchmarks/README.md), not a timed test."""
     code = (
-        "import sys, time; t = time.perf_counter(); from hpc_ddp.cli import main; "
+        "import sys; from hpc_ddp.cli import main; "
         "import contextlib, io\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    rc = main(['render', '--nodes=2', '--gpus-per-node=8', '--launcher=torchrun'])\n"
-        "print(rc, 'torch' in sys.modules, time.perf_counter() - t)"
+        "print(rc, 'torch' in sys.modules)"
     )
-    start = time.perf_counter()
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
-    wall = time.perf_counter() - start
-    rc, torch_loaded, inner = proc.stdout.split()
+    rc, torch_loaded = proc.stdout.split()
     assert rc == "0" and torch_loaded == "False", proc.stderr
-    assert float(inner) < 0.5, f"render took {inner} s in-process"
-    assert wall < 5  # interpreter start included; generous for a loaded 2-core machine
 
 
 def test_spec_file_given_as_positional_is_refused(tmp_path: Path) -> None:

@@ -74,7 +74,8 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
     * torchrun layout: USR1 to the batch shell only (``--batch``, what ``--signal=B:USR1@N``
       does), which the template forwards; torchrun ignores it, its workers checkpoint.
 
-    Then: ranks agree, checkpoint, rank 0 ``scontrol requeue``s, all exit 75; the job comes back
+    Then: ranks agree, checkpoint, all exit 75, and ``scontrol requeue`` comes from the batch
+    shell (srun layout) or from rank 0 (torchrun, which reports 75 as 1); the job comes back
     with SLURM_RESTART_COUNT=1, resumes, and ends with the uninterrupted reference's weights."""
     cases = {"srun": [], "torchrun": ["--batch"]}
     jobs = {}

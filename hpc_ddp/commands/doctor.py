@@ -30,9 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and torch), data dir and run dir here; run it inside an allocation, after the job's "
         "setup lines",
     )
+    parser.add_argument(
+        "--nccl-dump",
+        type=Path,
+        metavar="PATH",
+        help="read NCCL flight recorder dumps (a rank_N file or <run_dir>/nccl_trace) instead: "
+        "per rank the last collective entered and completed, and which ranks lag",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nccl_dump is not None:
+        from hpc_ddp.deploy.flight_recorder import report
+
+        print("\n".join(report(args.nccl_dump)))
+        return 0
     job = _job_assumptions(args.job) if args.job else None
     run_dir = args.run_dir
     if job is not None and job.trainer is not None:

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc_ddp import schema
+from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.shell.backend import ShellBackend
 from hpc_ddp.deploy.shell.runner import TAG
@@ -117,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="with --render-script: overwrite an existing FILE"
     )
+    # --container-image and the rest: the job spec's [container] table (apptainer only here)
+    schema.add_table_arguments(parser, "container", ContainerSpec)
     parser.usage = "hpc-ddp launch {pdsh,clush,stop} --hosts HOSTS [options] [-- COMMAND...]"
     # argparse cannot take options, then '--', then a command whose own options it must not
     # read (a positional after '--' is "unrecognized"); so split at the first '--' ourselves.
@@ -148,6 +152,14 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
+def _container(args: argparse.Namespace) -> ContainerSpec | None:
+    """The --container-* flags as a ContainerSpec (checked with the launch), or None."""
+    given = schema.given_table(args, "container", ContainerSpec)
+    if not given:
+        return None
+    return ContainerSpec(**schema.from_mapping(ContainerSpec, given, source="--container-*"))
+
+
 def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     stopping = args.action == "stop"
@@ -177,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         rendezvous_timeout_s=args.rendezvous_timeout,
         stop_grace_s=args.stop_grace,
         tool_path=args.tool_path,
+        container=_container(args),
     )
     if stopping:
         from hpc_ddp.deploy.shell.runner import stop_all

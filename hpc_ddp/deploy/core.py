@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
+from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import HpcDdpError
@@ -61,6 +62,10 @@ class ProcessSpec:
     module: str = field(default=TRAIN_MODULE, metadata=_doc("module to run (python -m)"))
     script: str = field(default="", metadata=_doc("script to run instead of a module"))
     args: list[str] = field(default_factory=list, metadata=_doc("arguments of the program"))
+    container: ContainerSpec | None = field(
+        default=None,
+        metadata=_doc("run every process in this image ([container] table; docs/layouts.md)"),
+    )
 
     # --- derived layout ------------------------------------------------------------------
     @property
@@ -91,6 +96,10 @@ class ProcessSpec:
         return self.module == TRAIN_MODULE and not self.script
 
     # --- rules -----------------------------------------------------------------------------
+    def container_label(self, name: str) -> str:
+        """How a problem names a field of the container table (the spec file's spelling)."""
+        return f"container.{name}"
+
     def label(self, name: str, item: str | int | None = None) -> str:
         """How a problem names field ``name`` (``item``: a key of env, an index of a list)."""
         if item is None:
@@ -145,6 +154,8 @@ class ProcessSpec:
                 f"{lab('module')} {self.module!r}: expected a dotted Python module name "
                 "(hpc_ddp.train)"
             )
+        if self.container is not None:
+            p += self.container.problems(self.container_label)
         return p + self._text_problems()
 
     def _text_problems(self) -> list[str]:

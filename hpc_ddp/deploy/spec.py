@@ -300,7 +300,7 @@ def build_spec(
         for given, other in (("script", "module"), ("module", "script")):
             if overrides.get(given) and other not in overrides:
                 data.pop(other, None)  # a flag's program replaces the file's (flags win)
-        data.update(overrides)
+        data = schema.merge(data, overrides)
     if data.get("script") and "module" not in data:
         data["module"] = ""  # a script replaces the default program (the trainer module)
     return JobSpec.from_mapping(data, source=source)

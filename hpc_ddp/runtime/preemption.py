@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
+from hpc_ddp.env_vars import REQUEUE_BY_VAR
 from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
 from hpc_ddp.train.config import parse_signal
 
@@ -62,14 +63,17 @@ def under_submitit(environ: Mapping[str, str]) -> bool:
 def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
     """Ask the scheduler to run this job again; returns a sentence saying what happened.
 
-    auto: ``scontrol requeue`` inside a Slurm job unless submitit manages requeueing; elsewhere
-    nothing. scontrol: always try. none: never (the caller's launcher decides, e.g. submitit).
+    auto: ``scontrol requeue`` inside a Slurm job unless submitit or the batch script (which says
+    so in REQUEUE_BY_VAR) requeues on exit 75; elsewhere nothing. scontrol: always try. none:
+    never (the caller's launcher decides, e.g. submitit).
     """
     environ = os.environ if environ is None else environ
     if mode == "none":
         return "requeue=none: not requeueing; exit 75 tells the launcher to restart the job"
     job = slurm_job_to_requeue(environ)
     if mode == "auto":
+        if environ.get(REQUEUE_BY_VAR) == "batch":
+            return "exit 75 asks the batch script, which requeues the job from the host shell"
         if under_submitit(environ):
             return "running under submitit, which requeues through its own checkpoint path"
         if job is None:

@@ -11,11 +11,17 @@ import shlex
 from dataclasses import dataclass
 
 from hpc_ddp import __version__
+from hpc_ddp.deploy.container import (
+    apptainer_env_lines,
+    apptainer_exec_argv,
+    pyxis_srun_options,
+)
+from hpc_ddp.deploy.flight_recorder import flight_recorder_env
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
 from hpc_ddp.deploy.trainer_args import trainer_flags
-from hpc_ddp.env_vars import launch_environ
+from hpc_ddp.env_vars import REQUEUE_BY_VAR, launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 
 TEMPLATES = {
@@ -41,7 +47,12 @@ class RenderContext:
     step_command: str
     preflight_command: str
     python_q: str
+    port_command: str
+    task_exec: str
+    container_env_lines: list[str]
+    requeue_from_batch: bool
     exit_requeue: int = EXIT_REQUEUE
+    env_requeue_by: str = REQUEUE_BY_VAR
 
 
 def layout_text(spec: JobSpec) -> str:
@@ -108,15 +119,42 @@ def task_cpus(spec: JobSpec) -> int:
     return spec.cpus_per_task * (spec.ppn if spec.launcher == "torchrun" else 1)
 
 
-def job_env(spec: JobSpec) -> list[tuple[str, str]]:
-    """Derived settings first, then the spec's own env (which wins by coming last)."""
+def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str]]:
+    """Derived settings first, then the spec's own env (which wins by coming last).
+    ``batch_script``: for this module's sbatch script, whose shell may do the requeue."""
     env: dict[str, str] = {}
     # One BLAS/OpenMP thread pool per process sized to its CPUs, not to the whole node.
     env["OMP_NUM_THREADS"] = str(spec.cpus_per_task or 1)
     if spec.layout == "per-node":
         env |= launch_environ(gpus_per_process=spec.gpus_per_process)
+    if batch_script and requeue_from_batch(spec):
+        # The trainer leaves the requeue to this script's shell (hpc_ddp.runtime.preemption).
+        env[REQUEUE_BY_VAR] = "batch"
+    if spec.gpus_per_node:
+        env.update(flight_recorder_env(spec.args, runs_trainer=spec.runs_trainer))
     env.update(spec.env)
     return list(env.items())
+
+
+def requeue_from_batch(spec: JobSpec) -> bool:
+    """Whether the batch shell requeues the job when the step exits 75. It runs on the host,
+    where scontrol exists even when the step runs in a container without it. Not under torchrun,
+    which reports its workers' 75 as 1: there the trainer's rank 0 asks for the requeue."""
+    return spec.requeue and spec.launcher == "srun"
+
+
+def _container_srun(spec: JobSpec) -> list[str]:
+    """pyxis: srun options that put every task of the step in the image."""
+    c = spec.container
+    return pyxis_srun_options(c) if c is not None and c.runtime == "pyxis" else []
+
+
+def _container_exec(spec: JobSpec) -> list[str]:
+    """apptainer: the words in front of each process's command."""
+    c = spec.container
+    if c is None or c.runtime != "apptainer":
+        return []
+    return apptainer_exec_argv(c, gpus=spec.gpus_per_node > 0)
 
 
 def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
@@ -132,7 +170,7 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
         argv.append("--resv-ports=1")
     if spec.per_rank_logs and logs:
         argv += [f"--output={log_name(spec, spec.output)}.rank%t", "--open-mode=append"]
-    return argv
+    return argv + _container_srun(spec)
 
 
 def step_command(spec: JobSpec) -> str:
@@ -141,7 +179,7 @@ def step_command(spec: JobSpec) -> str:
         argv = [*_srun_prefix(spec), "bash", "-c", 'torchrun_task "$@"', "torchrun"]
         argv += spec.program
     else:
-        argv = [*_srun_prefix(spec), spec.python, "-u", *spec.program]
+        argv = [*_srun_prefix(spec), *_container_exec(spec), spec.python, "-u", *spec.program]
     return _wrap(shlex.join(argv)) + array_run_dir(spec)
 
 
@@ -159,8 +197,24 @@ def preflight_command(spec: JobSpec) -> str:
     """The same task geometry as the training step, running the torch-free preflight."""
     if not spec.preflight:
         return ""
-    argv = [*_srun_prefix(spec, logs=False), spec.python, "-m", "hpc_ddp.deploy.preflight"]
-    return _wrap(shlex.join(argv))
+    argv = [*_srun_prefix(spec, logs=False), *_container_exec(spec), spec.python]
+    return _wrap(shlex.join([*argv, "-m", "hpc_ddp.deploy.preflight"]))
+
+
+def container_env_lines(spec: JobSpec) -> list[str]:
+    c = spec.container
+    return apptainer_env_lines(c) if c is not None and c.runtime == "apptainer" else []
+
+
+def port_command(spec: JobSpec) -> str:
+    """torchrun's rendezvous port, computed where hpc_ddp is installed: in the image if any."""
+    argv = [spec.python, "-m", "hpc_ddp.deploy.port"]
+    c = spec.container
+    if c is not None and c.runtime == "pyxis":  # only a step can enter a pyxis container
+        argv = ["srun", "--nodes=1", "--ntasks=1", *pyxis_srun_options(c), *argv]
+    else:
+        argv = [*_container_exec(spec), *argv]
+    return shlex.join(argv)
 
 
 def _wrap(line: str, width: int = 100) -> str:
@@ -186,10 +240,14 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         command=comment_text(command),  # a comment line, whatever the command held
         layout_text=layout_text(spec),
         directives=sbatch_directives(spec),
-        env=job_env(spec),
+        env=job_env(spec, batch_script=True),
         step_command=step_command(spec),
         preflight_command=preflight_command(spec),
         python_q=shlex.quote(spec.python),
+        port_command=port_command(spec),
+        task_exec=shlex.join(_container_exec(spec)) if spec.launcher == "torchrun" else "",
+        container_env_lines=container_env_lines(spec),
+        requeue_from_batch=requeue_from_batch(spec),
     )
     template = get_template(TEMPLATES[spec.layout])
     # Optional sections leave empty lines behind; keep at most one blank line between sections.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 
+from hpc_ddp.deploy.container import apptainer_env_lines, apptainer_exec_argv
 from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.env_vars import LAUNCH_TAG_VAR, launch_environ
 from hpc_ddp.private_paths import SHELL_FUNCTIONS
@@ -44,7 +45,20 @@ def _finish(lines: list[str]) -> str:
 
 
 def payload_argv(spec: LaunchSpec) -> list[str]:
-    """What the host script starts in its own session: torchrun or the node agent."""
+    """What the host script starts in its own session: torchrun or the node agent, in the
+    container image when the launch names one (apptainer exec in front)."""
+    return [*_container_exec(spec), *_payload(spec)]
+
+
+def _container_exec(spec: LaunchSpec) -> list[str]:
+    if spec.container is None:
+        return []
+    # --gpus-per-node counts process slots even on CPU-only hosts, so GPUs are not known here:
+    # --nv always (apptainer only warns where it finds no NVIDIA driver).
+    return apptainer_exec_argv(spec.container, gpus=True)
+
+
+def _payload(spec: LaunchSpec) -> list[str]:
     if spec.mode == "torchrun":
         return [
             spec.python,
@@ -124,6 +138,8 @@ def host_script(spec: LaunchSpec) -> str:
             f" exit {EXIT_SETUP_FAILED}; }}"
         )
     lines += [f"export {k}={q(v)}" for k, v in launcher_env.items()]
+    if spec.container is not None:  # host values that win over the image's
+        lines += apptainer_env_lines(spec.container)
     lines += [
         # Own session: its process group id is its pid, recorded so `hpc-ddp launch stop`
         # (or the launcher, when another host fails) can end everything it started here.

@@ -121,6 +121,9 @@ class LaunchSpec(ProcessSpec):
         flag = "--" + name.replace("_", "-")
         return flag if item is None else f"{flag}[{item}]"
 
+    def container_label(self, name: str) -> str:
+        return f"--container-{name}"
+
     def _launch_problems(self) -> list[str]:
         p: list[str] = []
         for name, value, valid in (
@@ -130,6 +133,12 @@ class LaunchSpec(ProcessSpec):
         ):
             if value not in valid:
                 p.append(f"{name} {value!r} is not supported; valid: {', '.join(valid)}")
+        if self.container is not None and self.container.runtime != "apptainer":
+            p.append(
+                f"--container-runtime {self.container.runtime!r}: pyxis is a plugin of srun and "
+                "cannot start processes without Slurm; use --container-runtime apptainer here, "
+                "or submit the job with `hpc-ddp submit` for pyxis"
+            )
         if not self.hosts:
             p.append("no hosts to launch on: pass --hosts 'node[01-02]'")
         elif self.nodes != len(self.hosts):
@@ -215,10 +224,12 @@ def make_spec(
     - master port: derived from the launch id (hpc_ddp.cluster.master_port), so two launches sharing
       a host pick different ports without talking to each other.
     - command: one that starts with an option is trainer arguments: ``python -m hpc_ddp.train``.
+    - python: this interpreter, or with a container the image's ``python``.
     """
     host_list = canonical_hosts(hosts)
     launch_id = launch_id or new_launch_id()
-    python = python or sys.executable
+    # In an image the launching machine's interpreter path means nothing: the image's python.
+    python = python or ("python" if kwargs.get("container") else sys.executable)
     if master_addr is None:
         master_addr = "127.0.0.1" if rcmd == "exec" else host_list[0]
     port = master_port if master_port is not None else derive_port(launch_id)

@@ -83,6 +83,11 @@ def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
 def refused(spec: JobSpec, kind: Kind) -> list[str]:
     """Why submitit cannot honour ``spec``, one line per field; empty when it can."""
     p: list[str] = []
+    if spec.container is not None:
+        p.append(
+            "container: submitit runs the task with this Python, not in a container image; "
+            "submit a spec with a [container] table through --executor sbatch"
+        )
     if spec.launcher != "srun":
         p.append("launcher: submitit starts one task per process itself; use launcher = 'srun'")
     if spec.resv_ports:

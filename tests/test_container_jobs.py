@@ -1,0 +1,179 @@
+"""Container jobs on the real local Slurm cluster, through stand-in container runtimes.
+
+Neither apptainer nor pyxis/enroot can be installed here, so two stand-ins take their place,
+first on the job's PATH: ``apptainer`` (the command) and an ``srun`` wrapper that takes pyxis's
+``--container-*`` options off before calling the real srun. Each records the argv it got and runs
+the command it wraps, as a runtime would, but in the host's file system, with a PATH that
+holds no ``scontrol``: many images have none, and that is what the batch-shell requeue is for.
+What is real: slurmctld + 2 slurmd, sbatch, srun, the preemption signal, ``scontrol requeue``
+from the batch shell, the restart, Gloo training and its bit-exact resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from deploy_support import (
+    progress_status,
+    read_result,
+    reference_run_fixture,  # noqa: F401  (the reference_run fixture)
+    submit_spec,
+    train_spec,
+)
+
+from hpc_ddp.deploy.container import ContainerSpec
+from hpc_ddp.deploy.sbatch.submit import wait_job
+from hpc_ddp.localslurm import wait_for
+from hpc_ddp.slurm_client import TERMINAL
+
+pytestmark = pytest.mark.slurm
+
+IMAGE = "/images/train.sif"
+
+APPTAINER = """#!/bin/bash
+# Stand-in for apptainer: record the argv, then run the command as `apptainer exec` would,
+# minus the image: in the host's file system, with the image's PATH (no scontrol there).
+printf 'apptainer %s\\n' "$*" >> "$STANDIN_LOG"
+[ "$1" = exec ] || { echo "stand-in apptainer: only exec" >&2; exit 64; }
+shift
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nv) shift ;;
+    --bind) shift 2 ;;
+    --pwd) cd "$2" || exit 65; shift 2 ;;
+    -*) echo "stand-in apptainer: unknown option $1" >&2; exit 64 ;;
+    *) break ;;
+  esac
+done
+[ "$1" = "$STANDIN_IMAGE" ] || { echo "stand-in apptainer: image $1" >&2; exit 66; }
+shift
+exec /usr/bin/env PATH="$STANDIN_PATH" "$@"
+"""
+
+PYXIS_SRUN = """#!/bin/bash
+# Stand-in for srun with the pyxis plugin: record the --container-* options, take them off and
+# run the task's command through the real srun with the image's PATH (no scontrol there).
+opts=(); pyxis=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --container-*) pyxis+=("$1") ;;
+    -*) opts+=("$1") ;;
+    *) break ;;
+  esac
+  shift
+done
+if [ ${#pyxis[@]} -eq 0 ]; then exec "$REAL_SRUN" "${opts[@]}" "$@"; fi
+printf 'srun %s -- %s\\n' "${pyxis[*]}" "$*" >> "$STANDIN_LOG"
+exec "$REAL_SRUN" "${opts[@]}" /usr/bin/env PATH="$STANDIN_PATH" "$@"
+"""
+
+
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def _standin_env(tmp_path: Path, base: dict[str, str]) -> dict[str, str]:
+    """The job's environment: the stand-ins first on PATH, and the "image"'s PATH: the venv's
+    bin dir (python, torchrun) plus the few tools a task shell uses, without scontrol."""
+    tools = tmp_path / "standins"
+    image_bin = tmp_path / "image-bin"
+    tools.mkdir()
+    image_bin.mkdir()
+    _executable(tools / "apptainer", APPTAINER)
+    _executable(tools / "srun", PYXIS_SRUN)
+    for tool in ("bash", "grep", "pgrep", "pkill", "cat", "sleep", "mkdir"):
+        found = shutil.which(tool, path=base["PATH"])
+        assert found, tool
+        (image_bin / tool).symlink_to(found)
+    venv_bin = Path(shutil.which("python", path=base["PATH"]) or "").parent
+    assert not (venv_bin / "scontrol").exists()
+    return {
+        **base,
+        "PATH": f"{tools}{os.pathsep}{base['PATH']}",
+        "REAL_SRUN": shutil.which("srun", path=base["PATH"]) or "srun",
+        "STANDIN_LOG": str(tmp_path / "runtime-argv.log"),
+        "STANDIN_IMAGE": IMAGE,
+        "STANDIN_PATH": f"{venv_bin}{os.pathsep}{image_bin}",
+    }
+
+
+def test_container_jobs_run_and_the_batch_shell_requeues_them(
+    slurm_cluster, reference_run, tmp_path: Path
+) -> None:
+    """Two jobs at once (their ~11 s requeue waits overlap), each preempted at step 3 with USR1:
+
+    * per-process srun under the apptainer stand-in;
+    * per-process srun under the pyxis stand-in.
+
+    Inside the "container" there is no scontrol, so the trainer cannot requeue its job; its step
+    exits 75 and the batch shell, on the host, runs ``scontrol requeue``. Each job comes back
+    (restart 1), resumes, and ends with the uninterrupted reference's weights. On the code before
+    the batch-shell requeue the step's 75 ended the job (FAILED, never requeued)."""
+    env = _standin_env(tmp_path, slurm_cluster.env)
+    jobs = {}
+    for runtime in ("apptainer", "pyxis"):
+        cwd = tmp_path / runtime
+        cwd.mkdir()
+        container = ContainerSpec(runtime=runtime, image=IMAGE, mounts=["/tmp:/scratch:ro"])
+        spec = train_spec(f"ctr-{runtime}", container=container)
+        spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+        jobs[runtime] = (cwd, *submit_spec(spec, cwd, env))
+    for runtime, (cwd, _, _) in jobs.items():
+        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{runtime} hold")
+    for _, job_id, _ in jobs.values():
+        slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+    states: dict[str, list[str]] = {job_id: [] for _, job_id, _ in jobs.values()}
+
+    def all_ended() -> bool:
+        for job_id, seen in states.items():
+            seen.append(slurm_cluster.job_state(job_id))
+        return all(seen[-1] in TERMINAL for seen in states.values())
+
+    wait_for(all_ended, 180, "both preempted container jobs to finish", interval_s=0.2)
+    reference = read_result(reference_run[0] / "run")["params_sha256"]
+    for runtime, (cwd, job_id, out) in jobs.items():
+        done = wait_job(job_id, env, timeout_s=10, output=out)
+        log = out.read_text()
+        assert "PENDING" in states[job_id], states[job_id]
+        assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+        assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
+        assert "batch script, which requeues the job" in log, log  # the trainer left it there
+        assert "resumed from" in log, log
+        result = read_result(cwd / "run")
+        assert (result["interruptions"], result["world_size"]) == (1, 4)
+        assert result["params_sha256"] == reference, runtime
+    calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
+    apptainer = [c for c in calls if c.startswith("apptainer ")]
+    pyxis = [c for c in calls if c.startswith("srun ")]
+    exec_head = f"apptainer exec --bind /tmp:/scratch:ro {IMAGE} "
+    # 4 tasks x (preflight + training) x 2 runs, every one in the image
+    assert len(apptainer) == 16, calls
+    assert all(c.startswith(exec_head) for c in apptainer), apptainer
+    assert sum("-m hpc_ddp.deploy.preflight" in c for c in apptainer) == 8
+    assert sum("-u -m hpc_ddp.train" in c for c in apptainer) == 8
+    pyxis_head = f"srun --container-image={IMAGE} --container-mounts=/tmp:/scratch:ro -- "
+    assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
+
+
+def test_torchrun_job_runs_torchrun_in_the_apptainer_image(slurm_cluster, tmp_path: Path) -> None:
+    """torchrun layout: the host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each
+    node, the batch shell gets the rendezvous port from the image's python; training finishes."""
+    env = _standin_env(tmp_path, slurm_cluster.env)
+    cwd = tmp_path / "job"
+    cwd.mkdir()
+    spec = train_spec("ctr-torchrun", launcher="torchrun", container=ContainerSpec(image=IMAGE))
+    job_id, out = submit_spec(spec, cwd, env)
+    done = wait_job(job_id, env, timeout_s=240, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    assert read_result(cwd / "run")["world_size"] == 4
+    calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
+    head, python = f"apptainer exec {IMAGE} ", spec.python
+    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.port") for c in calls) == 1, calls
+    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.preflight") for c in calls) == 2
+    assert sum(c.startswith(head + "torchrun --nnodes=2 --nproc-per-node=2") for c in calls) == 2

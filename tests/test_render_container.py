@@ -1,0 +1,200 @@
+"""The ``[container]`` table in every layout, its flags, its checks; the batch-shell requeue.
+
+pyxis and apptainer cannot be installed here: these tests read the rendered commands (parsed
+with shlex, as bash would split them) and run the requeue block of a rendered script with bash,
+``srun`` and ``scontrol`` replaced by stubs that record their argv. The real local Slurm cluster
+runs container jobs through stand-in runtimes in test_container_jobs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import schema
+from hpc_ddp.cli import main
+from hpc_ddp.deploy.container import ContainerSpec
+from hpc_ddp.deploy.sbatch.render import port_command, preflight_command, render, step_command
+from hpc_ddp.deploy.shell.host_scripts import host_script, payload_argv
+from hpc_ddp.deploy.shell.spec import make_spec
+from hpc_ddp.deploy.spec import JobSpec, build_spec
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.preemption import requeue
+
+APPTAINER = ContainerSpec(
+    runtime="apptainer", image="/img/t.sif", mounts=["/data:/data:ro"], workdir="/w"
+)
+PYXIS = ContainerSpec(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3", mounts=["/d"])
+LAYOUTS = {
+    "per-gpu": dict(gpus_per_node=4),
+    "per-node": dict(gpus_per_node=4, gpus_per_process=4),
+    "cpu": dict(procs_per_node=2),
+    "torchrun": dict(gpus_per_node=4, launcher="torchrun"),
+}
+
+
+def _words(command: str) -> list[str]:
+    return shlex.split(command.replace("\\\n", " "))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_apptainer_wraps_every_process_in_every_layout(layout: str) -> None:
+    spec = JobSpec(nodes=2, container=APPTAINER, **LAYOUTS[layout])  # type: ignore[arg-type]
+    assert spec.layout == layout
+    nv = ["--nv"] if spec.gpus_per_node else []
+    head = ["apptainer", "exec", *nv, "--bind", "/data:/data:ro", "--pwd", "/w", "/img/t.sif"]
+    pre = _words(preflight_command(spec))
+    at = pre.index("apptainer")
+    assert pre[at : at + len(head)] == head
+    assert pre[at + len(head) :] == ["python", "-m", "hpc_ddp.deploy.preflight"]
+    text = render(spec)
+    if layout == "torchrun":  # the task shell stays on the host; torchrun runs in the image
+        assert shlex.join(head) + " \\\n  torchrun --nnodes" in text
+        assert _words(port_command(spec)) == [*head, "python", "-m", "hpc_ddp.deploy.port"]
+        assert "apptainer" not in _words(step_command(spec))
+    else:
+        step = _words(step_command(spec))
+        at = step.index("apptainer")
+        assert step[0] == "srun" and step[at + len(head) :][:3] == ["python", "-u", "-m"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pyxis_puts_each_step_in_the_image_in_every_layout(layout: str) -> None:
+    spec = JobSpec(nodes=2, container=PYXIS, **LAYOUTS[layout])  # type: ignore[arg-type]
+    opts = ["--container-image=nvcr.io#nvidia/pytorch:24.05-py3", "--container-mounts=/d"]
+    for command in (preflight_command(spec), step_command(spec)):
+        words = _words(command)
+        program = words.index("python") if "python" in words else words.index("bash")
+        assert words[0] == "srun" and words[program - 2 : program] == opts, words
+    assert "apptainer" not in render(spec)
+    if layout == "torchrun":  # the batch shell is on the host: the port comes from a step
+        assert _words(port_command(spec))[:3] == ["srun", "--nodes=1", "--ntasks=1"]
+
+
+def test_no_container_renders_as_before() -> None:
+    text = render(JobSpec(nodes=2, gpus_per_node=4))
+    assert "--container-" not in text and "apptainer" not in text
+
+
+def test_a_spec_file_table_and_flags_merge(tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text(
+        'nodes = 2\n[container]\nruntime = "pyxis"\nimage = "a.sqsh"\nmounts = ["/scratch"]\n'
+    )
+    parser = __import__("argparse").ArgumentParser()
+    schema.add_arguments(parser, JobSpec)
+    flags = schema.given_values(
+        parser.parse_args(["--container-image", "b.sqsh", "--container-env", "WANDB_API_KEY"]),
+        JobSpec,
+    )
+    spec = build_spec(spec_file, flags)
+    assert spec.container == ContainerSpec(
+        runtime="pyxis", image="b.sqsh", mounts=["/scratch"], env=["WANDB_API_KEY"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "needle"),
+    [
+        ({"runtime": "docker", "image": "a.sif"}, "container.runtime 'docker' is not one of"),
+        ({"image": "-it"}, "container.image '-it'"),
+        ({"image": "a b.sif"}, "container.image 'a b.sif'"),
+        ({"image": "a.sif", "mounts": ["data:/data"]}, "container.mounts[0] 'data:/data'"),
+        ({"image": "a.sif", "mounts": ["/a,/b"]}, "container.mounts[0] '/a,/b'"),
+        ({"image": "a.sif", "mounts": ["/a:/b:rx"]}, "container.mounts[0] '/a:/b:rx'"),
+        ({"image": "a.sif", "workdir": "w"}, "container.workdir 'w'"),
+        ({"image": "a.sif", "env": ["A-B"]}, "container.env[0] 'A-B' is not a variable name"),
+        ({"image": "a.sif", "imgae": "x"}, "unknown key 'imgae' (did you mean 'image'?)"),
+        ({"image": "a.sif", "mounts": "/a"}, "mounts: expected a list of strings"),
+    ],
+)
+def test_bad_container_values_are_named(table: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec.from_mapping({"container": table})
+    assert needle in str(err.value)
+
+
+def test_the_batch_shell_requeues_srun_layouts_only() -> None:
+    srun = render(JobSpec(nodes=2, procs_per_node=2))
+    assert "export HPC_DDP_REQUEUE_BY=batch" in srun
+    assert 'scontrol requeue "${requeue_id}"' in srun
+    for spec in (JobSpec(launcher="torchrun"), JobSpec(requeue=False)):
+        text = render(spec)
+        assert "HPC_DDP_REQUEUE_BY" not in text and "scontrol requeue" not in text
+
+
+def test_the_trainer_leaves_the_requeue_to_the_batch_shell() -> None:
+    env = {"SLURM_JOB_ID": "5", "HPC_DDP_REQUEUE_BY": "batch", "PATH": "/nonexistent"}
+    assert "batch script, which requeues" in requeue("auto", env)
+    # asked explicitly (--requeue scontrol), the trainer still tries itself (and fails here)
+    assert "batch script" not in requeue("scontrol", env)
+    assert "scontrol" in requeue("scontrol", env)
+
+
+def _stub(path: Path, text: str) -> None:
+    path.write_text("#!/bin/bash\n" + text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.mark.parametrize(
+    ("array", "requeued"), [({}, "requeue 41"), ({"SLURM_ARRAY_JOB_ID": "40"}, "requeue 40_3")]
+)
+def test_a_step_exiting_75_is_requeued_by_the_batch_shell(
+    tmp_path: Path, array: dict, requeued: str
+) -> None:
+    """bash runs the rendered script; srun (runs its command) and scontrol (records) are stubs."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    log = tmp_path / "scontrol.log"
+    _stub(stubs / "srun", 'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    _stub(stubs / "scontrol", f'echo "$*" >> {shlex.quote(str(log))}\n')
+    worker = tmp_path / "w.py"
+    worker.write_text("import sys\nsys.exit(75)\n")
+    spec = JobSpec(module="", script=str(worker), python=sys.executable, preflight=False)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(spec))
+    env = {
+        "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "41",
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_JOB_NODELIST": "n1",
+        **array,
+    }
+    done = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 75, done.stderr
+    assert log.read_text().splitlines() == [requeued]
+    assert f"step exited 75 (checkpointed): {requeued.replace('requeue', 'requeueing job')}" in (
+        done.stdout
+    )
+
+
+def test_launch_wraps_the_payload_in_apptainer_and_refuses_pyxis(tmp_path: Path) -> None:
+    container = ContainerSpec(image="/img/t.sif", env=["NCCL_DEBUG"])
+    spec = make_spec(tool="pdsh", hosts="n[1-2]", command=["--epochs", "1"], container=container)
+    assert spec.python == "python"  # the image's interpreter, not this machine's venv path
+    argv = payload_argv(spec)
+    assert argv[:4] == ["apptainer", "exec", "--nv", "/img/t.sif"]
+    assert argv[4:7] == ["python", "-m", "torch.distributed.run"]
+    assert 'export APPTAINERENV_NCCL_DEBUG="${NCCL_DEBUG}"' in host_script(spec)
+    with pytest.raises(ConfigError, match="--container-runtime 'pyxis': pyxis is a plugin of srun"):
+        make_spec(tool="pdsh", hosts="n1", command=["x"], container=ContainerSpec(runtime="pyxis"))
+
+
+def test_launch_cli_takes_the_container_flags(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "l.sh"
+    rc = main(
+        ["launch", "pdsh", "--hosts", "n[1-2]", "--container-image", "/img/t.sif",
+         "--container-mounts", "/a:/b", "--render-script", str(out), "--", "--epochs", "1"]
+    )  # fmt: skip
+    assert rc == 0
+    assert "setsid apptainer exec --nv --bind /a:/b /img/t.sif python -m" in out.read_text()
+    rc = main(["launch", "pdsh", "--hosts", "n1", "--container-image", "x y", "--", "true"])
+    assert rc == 2 and "--container-image 'x y'" in capsys.readouterr().err
