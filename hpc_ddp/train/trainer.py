@@ -405,12 +405,15 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
 
     - ``gradient_as_bucket_view``: gradients live in DDP's all-reduce buckets, instead of being
       copied in and out of them by one kernel per parameter and direction every step.
-    - ``broadcast_buffers=False`` when every buffer is a normalization layer's running
+    - ``forward_sync_buffers=False`` when every buffer is a normalization layer's running
       statistics: in training those layers use the batch's statistics, so rank 0's buffers and
       every gradient are what they would be with DDP's broadcast before each forward (one
       NCCL broadcast plus a copy per buffer). Rank 0's buffers reach the other ranks where they
       are read: before each evaluation (``Comm.broadcast_buffers``); checkpoints hold rank 0's.
       Any other buffer may be read in training, so such a model keeps DDP's broadcast.
+      (torch 2.13 renamed ``broadcast_buffers`` to this; the old name warns on every rank.
+      Unlike ``broadcast_buffers=False`` it still broadcasts buffers once at construction:
+      the model is built from the same seed on every rank, so that copies equal values.)
 
     tests/test_train_ddp.py checks both against DDP's defaults, bit for bit. A model split
     across a process's GPUs keeps DDP's defaults: only the one-device case was measured and
@@ -422,7 +425,7 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
     owners = [m for m in net.modules() if next(m.buffers(recurse=False), None) is not None]
     return {
         "gradient_as_bucket_view": True,
-        "broadcast_buffers": not all(isinstance(m, norm) for m in owners),
+        "forward_sync_buffers": not all(isinstance(m, norm) for m in owners),
     }
 
 
