@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
-from hpc_ddp.runtime.preemption import PreemptionFlag, requeue
+from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
 from hpc_ddp.runtime.sampler import ShardPlan
 from hpc_ddp.train import cuda_graphs, results
 from hpc_ddp.train.config import TrainConfig
@@ -203,7 +204,7 @@ class Trainer:
             ckpt.close(timeout=HOLD_TIMEOUT_S)
 
     # ----------------------------------------------------------------- loop
-    def write_progress(self, progress: Progress, status: str) -> None:
+    def write_progress(self, progress: Progress, status: str, **extra: str) -> None:
         """Rank 0: progress.json, for monitors and tests; routine updates at most every 0.5 s
         (a rename per step would load a parallel filesystem), status changes always."""
         now = time.monotonic()
@@ -212,8 +213,23 @@ class Trainer:
         self._progress_at = now
         if self.rank == 0:
             info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
-            info.update(pids=self.pids, world_size=self.world_size, start=progress.start)
+            info.update(pids=self.pids, world_size=self.world_size, start=progress.start, **extra)
             results.write_json(self.run_dir / results.PROGRESS, info)
+
+    def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
+        """Rank 0, training stopped by ``error``: progress.json says so (``interrupted`` after
+        Ctrl-C, else ``failed``) and when, instead of a ``training`` with dead pids."""
+        progress = getattr(self, "progress", None)
+        if progress is None:  # stopped before training: progress.json was never written
+            return
+        interrupted = ctrl_c or isinstance(error, KeyboardInterrupt)
+        status = "interrupted" if interrupted else "failed"
+        why = "SIGINT (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+        stopped_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        try:
+            self.write_progress(progress, status, stopped_at=stopped_at, reason=why)
+        except OSError as err:  # the run dir may be what failed: the error below still counts
+            self.log(f"could not record the stop in {results.PROGRESS}: {err}")
 
     def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
@@ -226,7 +242,7 @@ class Trainer:
 
     def run(self, flag: PreemptionFlag) -> results.Result:
         self.pids = self.comm.gather_objects(os.getpid())
-        progress = self.restore()
+        self.progress = progress = self.restore()  # record_stop reads it
         cfg, plan = self.cfg, self.plan
         steps_per_epoch = plan.steps_per_epoch()
         self.log(
@@ -458,6 +474,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     if prefetch is not None:
         prefetch.process_group_ready()
     flag = PreemptionFlag.install(config.requeue_signals)
+    ctrl_c = CtrlC.install(flag)
     trainer = Trainer(config, ctx)
     try:
         if not trainer.setup():
@@ -465,10 +482,12 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             trainer.log("\n".join(finished_answer(config.run_dir, result.to_dict())))
             return result
         result = trainer.run(flag)
-    except BaseException:
+    except BaseException as err:
+        trainer.record_stop(err, ctrl_c=ctrl_c.received)
         trainer.abandon_checkpoint()
         raise
     finally:
+        ctrl_c.uninstall()
         flag.uninstall()
         trainer.lock.release()
     if own_group:
