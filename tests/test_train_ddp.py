@@ -136,6 +136,25 @@ def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err
     assert "[rank 1/2" in err and "other rank(s) failed while staging the dataset" in err, err
+    assert err.index("does not exist") < err.index("other rank(s) failed"), err  # cause first
+
+
+def test_the_cause_is_printed_before_another_rank_failed(tmp_path: Path, data_dir: Path) -> None:
+    """Rank 0 alone finds the run dir's settings differ (rank 1 has nothing to compare): its
+    error comes before rank 1's "other rank(s) failed", on the one stderr both write to, and the
+    job exits 2 (bad input) whichever rank exits first. Three real 2-rank runs: before, the
+    order and the code were a race that either rank won."""
+    run_dir = tmp_path / "run"
+    first = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    assert first.returncode == 0, first.stderr
+    for _ in range(3):
+        argv = [*train_args(run_dir, data_dir, epochs=1, lr=0.5), "--nproc-per-node", "2"]
+        done = run(single_cmd(argv))
+        err = done.stderr
+        cause = re.search(r"^\[rank 0/2 \S+\] error: run dir .* different settings", err, re.M)
+        peer = re.search(r"^\[rank 1/2 \S+\] error: 1 other rank\(s\) failed while open", err, re.M)
+        assert cause and peer and cause.start() < peer.start(), err
+        assert done.returncode == 2, err
 
 
 def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
