@@ -8,6 +8,7 @@ that fails alone is reported by name instead of leaving the others in a collecti
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -35,7 +36,7 @@ from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Stepper, Times, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
-from hpc_ddp.train.progress import Progress
+from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
@@ -57,12 +58,15 @@ class Trainer:
         self.base_wall = 0.0  # wall seconds of earlier attempts (from the checkpoint)
         self.plotting: threading.Thread | None = None
         self._progress_at = float("-inf")  # when progress.json was last written
+        self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
 
     def elapsed(self) -> float:
         return self.base_wall + time.perf_counter() - self.t_start
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
+            if self.bar is not None:
+                self.bar.clear()
             print(msg, flush=True)
 
     # ---------------------------------------------------------------- setup
@@ -251,6 +255,9 @@ class Trainer:
             f"global batch {plan.micro_batch * plan.accum_steps * self.world_size}, "
             f"device {self.ctx.device}, backend {self.ctx.backend}"
         )
+        if self.rank == 0 and wants_live_bar(sys.stdout, os.environ):
+            global_batch = plan.micro_batch * plan.accum_steps * self.world_size
+            self.bar = LiveBar(sys.stdout, cfg.epochs, global_batch)
         self.model.train()
         agree = AgreeSchedule(self.world_size)
         pending = PendingSteps()
@@ -272,6 +279,8 @@ class Trainer:
                 pending.add(loss_sum, n)
                 progress.train_seconds += time.perf_counter() - t0
                 self.write_progress(progress, "training")
+                if self.bar is not None:
+                    self.bar.update(progress.epoch + 1, done, steps_per_epoch)
                 logging = done % cfg.log_every == 0 or last
                 every = cfg.checkpoint_every_steps
                 saving = bool(every) and not last and progress.global_step % every == 0
@@ -281,6 +290,8 @@ class Trainer:
                 if last or logging or saving or hold or due:
                     vote = 0.0 if last else float(flag.requested)
                     preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
+                    if self.bar is not None:
+                        self.bar.loss = loss
                     if logging:
                         self.log_step(progress, steps_per_epoch, done, loss)
                     if preempt:
@@ -483,6 +494,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             return result
         result = trainer.run(flag)
     except BaseException as err:
+        if trainer.bar is not None:
+            trainer.bar.clear()  # the error starts a line of its own
         trainer.record_stop(err, ctrl_c=ctrl_c.received)
         trainer.abandon_checkpoint()
         raise
