@@ -105,6 +105,8 @@ def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
     assert rc != 0 and "exitcode  : -9" in text, text
     assert time.monotonic() - started < 60, "the surviving rank hung instead of failing"
     assert not (run_dir / "result.json").exists()
+    stopped = read_json(run_dir / "progress.json")  # rank 0 survived the peer: says it failed
+    assert stopped["status"] == "failed" and stopped["stopped_at"] and stopped["reason"], stopped
 
     resumed = run(torchrun_cmd(2, args))
     assert resumed.returncode == 0, resumed.stderr
