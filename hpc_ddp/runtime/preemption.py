@@ -69,6 +69,8 @@ class CtrlC:
         return ctrl_c
 
     def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.received:  # the same Ctrl-C again (a launcher forwards the terminal's): the
+            return  # first is already unwinding; raising again could cut its recording short
         self.received = True
         raise KeyboardInterrupt
 
