@@ -17,7 +17,8 @@ from hpc_ddp.errors import HpcDdpError
 # name -> one-line help. The module hpc_ddp.commands.<name> does the work.
 COMMANDS: dict[str, str] = {
     "env": "show the distributed environment this process was launched into",
-    "train": "run the resumable DDP trainer (CIFAR) in this process",
+    "train": "run the resumable DDP trainer (CIFAR): one process of a launched job, "
+    "or N on this machine with --nproc-per-node N",
     "render": "render an sbatch script from a job description",
     "submit": "render and submit a job to Slurm (or a local cluster) through sbatch or submitit",
     "status": "show a submitted job's state, requeues, nodes, progress and result",

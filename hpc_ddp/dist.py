@@ -251,13 +251,40 @@ def rank_prefix() -> str:
     return f"[rank {rank}/{world} {socket.gethostname()}]"
 
 
-def _print_rank_traceback() -> None:
-    """The exception being handled, every line prefixed with ``rank_prefix()`` (ranks' logs are
-    often merged into one file, where an unprefixed traceback belongs to nobody)."""
+def _print_rank_traceback(err: BaseException) -> None:
+    """``err``'s traceback, every line prefixed with ``rank_prefix()`` (ranks' logs are often
+    merged into one file, where an unprefixed traceback belongs to nobody)."""
     prefix = rank_prefix()
-    text = traceback.format_exc()
+    text = "".join(traceback.format_exception(err))
     sys.stderr.write("".join(f"{prefix} {line}\n" for line in text.splitlines()))
     sys.stderr.flush()
+
+
+def error_exit_code(err: BaseException) -> int:
+    """2 bad input (an HpcDdpError's own code), 130 Ctrl-C, 1 anything else (a crash)."""
+    if isinstance(err, HpcDdpError):
+        return err.exit_code
+    return 130 if isinstance(err, KeyboardInterrupt) else 1
+
+
+def report_error(err: BaseException) -> int:
+    """Print ``err`` with this rank's prefix, once (a second call for the same error prints
+    nothing), and return its exit code. ``Comm.check`` prints a rank's own error this way
+    before the other ranks say that a peer failed, so the cause comes first in a merged log."""
+    code = error_exit_code(err)
+    if isinstance(err, HpcDdpError):
+        text = f"{rank_prefix()} error: {err}"
+    elif isinstance(err, KeyboardInterrupt):
+        text = f"{rank_prefix()} interrupted"
+    else:
+        text = ""  # a crash: its traceback
+    if not getattr(err, "_hpc_ddp_reported", False):
+        if text:
+            print(text, file=sys.stderr, flush=True)
+        else:
+            _print_rank_traceback(err)
+        err._hpc_ddp_reported = True  # type: ignore[attr-defined]
+    return code
 
 
 def exit_code_of(main: Callable[[], int | None]) -> int:
@@ -267,17 +294,10 @@ def exit_code_of(main: Callable[[], int | None]) -> int:
     """
     try:
         return int(main() or 0)
-    except HpcDdpError as err:
-        print(f"{rank_prefix()} error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print(f"{rank_prefix()} interrupted", file=sys.stderr, flush=True)
-        return 130
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        _print_rank_traceback()
-        return 1
+    except BaseException as err:
+        return report_error(err)
 
 
 def run_main(main: Callable[[], int | None]) -> NoReturn:

@@ -21,8 +21,32 @@ for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
+TORCH_PINS=("torch==2.14.1" "torchvision==0.29.1")
+# Whether .venv already holds the pinned torch pair: then pip only checks (quietly, seconds).
+pinned() {
+  [ -x .venv/bin/python ] && .venv/bin/python - "${TORCH_PINS[@]}" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+sys.exit(any(version(n) != v for n, v in (pin.split("==") for pin in sys.argv[1:])))
+PY
+}
+
+# Say up front what this run will do and roughly how big it is.
+echo "install: hpc-ddp${extras} into .venv (editable from $PWD)"
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "install: apt-get install ${missing[*]}"
+  echo "install:   apt packages: ${missing[*]} (with dependencies, about 30 MB)"
+else
+  echo "install:   apt packages: all present (${APT_PACKAGES[*]})"
+fi
+if pinned; then
+  echo "install:   ${TORCH_PINS[*]}: present in .venv, nothing to download"
+else
+  echo "install:   ${TORCH_PINS[*]} with their CUDA libraries: a download of a few GB" \
+    "(about 5.5 GB in .venv), minutes on a fast link"
+fi
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install: apt-get update && apt-get install ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
@@ -37,6 +61,16 @@ done
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch 2.14.1 + torchvision 0.29.1: on x86_64 the newest pair whose torchvision imports beside
 # its torch from the wheels this installer can reach (torch 2.13.0+cpu has no working torchvision).
+# A download shows pip's lines (one per package) and, on a terminal only, its progress bars: a CI
+# log gets the lines without the bars. A rerun, with the pair present, only checks, quietly.
+if pinned; then
+  pip_output=(-q)
+else
+  echo "install: pip install ${TORCH_PINS[*]} -e .${extras}"
+  pip_output=(--progress-bar off)
+  [ -t 1 ] && pip_output=(--progress-bar on)
+fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -e ".${extras}"
+.venv/bin/python -m pip install "${pip_output[@]}" "${TORCH_PINS[@]}" -e ".${extras}"
 echo "install: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+echo "install: the commands are in .venv/bin: source .venv/bin/activate (or run .venv/bin/hpc-ddp)"

@@ -63,3 +63,17 @@ def test_every_help_page_renders(argv: list[str], capsys: pytest.CaptureFixture[
         main(argv)
     assert stop.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: hpc-ddp {argv[0]}")
+
+
+def test_train_help_says_nproc_per_node_forks_workers() -> None:
+    """``hpc-ddp train --help`` as a user runs it: it does not claim to train "in this process"
+    when ``--nproc-per-node`` forks workers."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp.cli", "train", "--help"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    page = " ".join(done.stdout.split())  # argparse wraps lines
+    assert "in this process" not in page, page
+    assert "or N on this machine with --nproc-per-node N" in page, page
+    assert "fork N worker processes on this machine" in page, page

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.slurm
 
 PREFLIGHT = re.compile(
     r"hpc-ddp preflight: rank=(\d+)/(\d+) local_rank=(\d+)/(\d+) node_rank=(\d+)/(\d+) "
-    r"node=(\S+) master=(\S+):(\d+) .*gpus=(\S+) gpus_per_process=(\d+) CUDA_VISIBLE_DEVICES=(\S+)"
+    r"node=(\S+) master=(\S+):(\d+) .*"
+    r"(?:device=CPU|gpus=(\S+) gpus_per_process=(\d+) CUDA_VISIBLE_DEVICES=(\S+))"
 )
 
 
@@ -54,6 +55,7 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
     assert (done.state, done.exit_code) == ("COMPLETED", 0), log
     ranks = _ranks(log)
     assert sorted(ranks) == [0, 1, 2, 3], log
+    assert log.count(" device=CPU") == 4 and "gpus=-" not in log, log  # a CPU job says so
     for rank, g in ranks.items():
         assert g[1] == "4" and g[3] == "2" and g[5] == "2"  # world 4, 2 per node, 2 nodes
         assert int(g[2]) == rank % 2 and int(g[4]) == rank // 2  # local rank, node rank

@@ -105,6 +105,8 @@ def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
     assert rc != 0 and "exitcode  : -9" in text, text
     assert time.monotonic() - started < 60, "the surviving rank hung instead of failing"
     assert not (run_dir / "result.json").exists()
+    stopped = read_json(run_dir / "progress.json")  # rank 0 survived the peer: says it failed
+    assert stopped["status"] == "failed" and stopped["stopped_at"] and stopped["reason"], stopped
 
     resumed = run(torchrun_cmd(2, args))
     assert resumed.returncode == 0, resumed.stderr
@@ -136,6 +138,25 @@ def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err
     assert "[rank 1/2" in err and "other rank(s) failed while staging the dataset" in err, err
+    assert err.index("does not exist") < err.index("other rank(s) failed"), err  # cause first
+
+
+def test_the_cause_is_printed_before_another_rank_failed(tmp_path: Path, data_dir: Path) -> None:
+    """Rank 0 alone finds the run dir's settings differ (rank 1 has nothing to compare): its
+    error comes before rank 1's "other rank(s) failed", on the one stderr both write to, and the
+    job exits 2 (bad input) whichever rank exits first. Three real 2-rank runs: before, the
+    order and the code were a race that either rank won."""
+    run_dir = tmp_path / "run"
+    first = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    assert first.returncode == 0, first.stderr
+    for _ in range(3):
+        argv = [*train_args(run_dir, data_dir, epochs=1, lr=0.5), "--nproc-per-node", "2"]
+        done = run(single_cmd(argv))
+        err = done.stderr
+        cause = re.search(r"^\[rank 0/2 \S+\] error: run dir .* different settings", err, re.M)
+        peer = re.search(r"^\[rank 1/2 \S+\] error: 1 other rank\(s\) failed while open", err, re.M)
+        assert cause and peer and cause.start() < peer.start(), err
+        assert done.returncode == 2, err
 
 
 def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
@@ -175,15 +196,18 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
 def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     """The trainer's DDP settings (gradient buckets as the gradients, no buffer broadcast before
     each forward: trainer.ddp_options) give a BatchNorm model the same weights, statistics and
-    test metrics as DDP's defaults, bit for bit."""
+    test metrics as DDP's defaults, bit for bit, under torch's current argument names (no rank
+    prints the FutureWarning of the deprecated ``broadcast_buffers``)."""
     model = models.build_model("resnet18", 10, sync_bn=False)
-    assert ddp_options(model) == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+    assert ddp_options(model) == {"gradient_as_bucket_view": True, "forward_sync_buffers": False}
     model.register_buffer("mask", torch.ones(3))  # read in training, for all DDP knows
-    assert ddp_options(model)["broadcast_buffers"] is True
+    assert ddp_options(model)["forward_sync_buffers"] is True
     assert ddp_options(model, one_device=False) == {}  # split across GPUs: DDP's defaults
 
     ours, theirs = tmp_path / "ours", tmp_path / "defaults"
-    reference_run(ours, data_dir, timeout=300, model="resnet18")
+    done = run(torchrun_cmd(2, train_args(ours, data_dir, model="resnet18")), 300)
+    assert done.returncode == 0, done.stderr
+    assert "FutureWarning" not in done.stderr, done.stderr
     worker = str(Path(__file__).parent / "workers" / "ddp_defaults_train.py")
     done = run(torchrun_cmd(2, train_args(theirs, data_dir, model="resnet18"), worker), 300)
     assert done.returncode == 0, done.stderr

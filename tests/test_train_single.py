@@ -135,3 +135,13 @@ def test_run_process_returns_exit_codes_with_the_rank_named(tmp_path: Path, data
     )  # fmt: skip
     assert "OK 2" in bad.stdout, bad.stdout + bad.stderr
     assert "[rank 0/1 " in bad.stderr and "does not exist" in bad.stderr, bad.stderr
+
+
+def test_a_missing_synthetic_data_dir_is_created_and_said(tmp_path: Path) -> None:
+    """docs/training.md, Data staging: with --synthetic a missing --data-dir (parents included)
+    is created, and the log says so; a real dataset's is an error (test_cli_rejects_bad_config)."""
+    data_dir = tmp_path / "new" / "data"
+    done = run(single_cmd(train_args(tmp_path / "r", data_dir, epochs=1)), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert f"created data dir {data_dir} for the synthetic cifar10" in done.stdout, done.stdout
+    assert (data_dir / ".hpc-ddp-staging.lock").exists()

@@ -108,8 +108,11 @@ def data_root(cfg: TrainConfig) -> Path:
 def stage(cfg: TrainConfig) -> Path:
     """Make the dataset present under ``data_root(cfg)``; call on local rank 0 only."""
     data_dir = Path(cfg.data_dir)
-    if cfg.synthetic:  # we write the data ourselves: a missing folder is no typo to catch
+    if cfg.synthetic and not data_dir.is_dir():
+        # We write every file of it ourselves: created (said, not silent), a typo costs nothing.
+        # A real dataset's missing folder stays an error below: a typo there would hide a copy.
         data_dir.mkdir(parents=True, exist_ok=True)
+        print(f"created data dir {data_dir} for the synthetic {cfg.dataset}", flush=True)
     if not data_dir.is_dir():
         raise ConfigError(
             f"data dir {data_dir} does not exist",

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="start N processes on this machine (one per GPU), forked after the imports; "
-        "not under another launcher (default: 1, this process alone)",
+        help="fork N worker processes on this machine (one per GPU) after the imports, and wait "
+        "for them; not under another launcher (default: 1: no fork, this process trains)",
     )
 
 

@@ -45,9 +45,17 @@ def line(environ: dict[str, str] | None = None) -> str:
         f"hpc-ddp preflight: rank={d.rank}/{d.world_size} local_rank={d.local_rank}"
         f"/{d.local_world_size} node_rank={d.node_rank}/{d.num_nodes} node={node} "
         f"master={d.master_addr}:{d.master_port} ({addr}) source={d.source} "
-        f"gpus={','.join(map(str, d.gpus)) or '-'} gpus_per_process={d.gpus_per_process} "
-        f"CUDA_VISIBLE_DEVICES={cvd}"
+        + _devices(d.gpus, d.gpus_per_process, cvd)
     )
+
+
+def _devices(gpus: tuple[int, ...], gpus_per_process: int, cvd: str) -> str:
+    """``device=CPU`` when no GPU is bound (a count of GPUs per process means nothing then);
+    a CUDA_VISIBLE_DEVICES that is set anyway stays visible, as it explains why."""
+    if not gpus:
+        return "device=CPU" + (f" CUDA_VISIBLE_DEVICES={cvd}" if cvd != "-" else "")
+    listed = ",".join(map(str, gpus))
+    return f"gpus={listed} gpus_per_process={gpus_per_process} CUDA_VISIBLE_DEVICES={cvd}"
 
 
 def main() -> int:

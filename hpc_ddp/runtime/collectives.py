@@ -7,11 +7,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_ddp.dist import report_error
 from hpc_ddp.errors import HpcDdpError
 
 
 class PeerFailed(HpcDdpError):
-    """Another rank reported an error in a step all ranks take together; its log says which."""
+    """Another rank reported an error in a step all ranks take together; its log says which.
+    Exits with that rank's code (``Comm.check`` sets it), 1 where unknown."""
 
     exit_code = 1
 
@@ -30,6 +32,13 @@ class Comm:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.active:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.active:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
 
     def barrier(self) -> None:
@@ -54,10 +63,21 @@ class Comm:
         """All ranks agree whether any rank failed ``what``; every rank then raises.
 
         Without this, one rank failing alone (a locked run dir, a missing dataset) would leave
-        the others waiting in their next collective until the timeout.
+        the others waiting in their next collective until the timeout. The failing ranks print
+        their errors before a second collective that the others wait in: the cause comes first
+        in a merged log, before any rank's "another rank failed" (each error is printed once).
+        That collective also gives the others the failing ranks' exit code (2 for bad input),
+        so the job's code is the cause's whichever rank exits first.
         """
         failed = self.sum([1.0 if error is not None else 0.0])[0]
+        if not failed:
+            return
+        code = 0.0
+        if error is not None:
+            code = float(report_error(error))
+        code = self.max([code])[0]
         if error is not None:
             raise error
-        if failed:
-            raise PeerFailed(f"{int(failed)} other rank(s) failed while {what}; see their errors")
+        peer = PeerFailed(f"{int(failed)} other rank(s) failed while {what}; see their errors")
+        peer.exit_code = int(code)
+        raise peer

@@ -8,9 +8,11 @@ that fails alone is reported by name instead of leaving the others in a collecti
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +27,7 @@ from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
-from hpc_ddp.runtime.preemption import PreemptionFlag, requeue
+from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
 from hpc_ddp.runtime.sampler import ShardPlan
 from hpc_ddp.train import cuda_graphs, results
 from hpc_ddp.train.config import TrainConfig
@@ -34,7 +36,7 @@ from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Stepper, Times, grouped, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
-from hpc_ddp.train.progress import Progress
+from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
@@ -56,12 +58,15 @@ class Trainer:
         self.base_wall = 0.0  # wall seconds of earlier attempts (from the checkpoint)
         self.plotting: threading.Thread | None = None
         self._progress_at = float("-inf")  # when progress.json was last written
+        self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
 
     def elapsed(self) -> float:
         return self.base_wall + time.perf_counter() - self.t_start
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
+            if self.bar is not None:
+                self.bar.clear()
             print(msg, flush=True)
 
     # ---------------------------------------------------------------- setup
@@ -203,7 +208,7 @@ class Trainer:
             ckpt.close(timeout=HOLD_TIMEOUT_S)
 
     # ----------------------------------------------------------------- loop
-    def write_progress(self, progress: Progress, status: str) -> None:
+    def write_progress(self, progress: Progress, status: str, **extra: str) -> None:
         """Rank 0: progress.json, for monitors and tests; routine updates at most every 0.5 s
         (a rename per step would load a parallel filesystem), status changes always."""
         now = time.monotonic()
@@ -212,8 +217,23 @@ class Trainer:
         self._progress_at = now
         if self.rank == 0:
             info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
-            info.update(pids=self.pids, world_size=self.world_size, start=progress.start)
+            info.update(pids=self.pids, world_size=self.world_size, start=progress.start, **extra)
             results.write_json(self.run_dir / results.PROGRESS, info)
+
+    def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
+        """Rank 0, training stopped by ``error``: progress.json says so (``interrupted`` after
+        Ctrl-C, else ``failed``) and when, instead of a ``training`` with dead pids."""
+        progress = getattr(self, "progress", None)
+        if progress is None:  # stopped before training: progress.json was never written
+            return
+        interrupted = ctrl_c or isinstance(error, KeyboardInterrupt)
+        status = "interrupted" if interrupted else "failed"
+        why = "SIGINT (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+        stopped_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        try:
+            self.write_progress(progress, status, stopped_at=stopped_at, reason=why)
+        except OSError as err:  # the run dir may be what failed: the error below still counts
+            self.log(f"could not record the stop in {results.PROGRESS}: {err}")
 
     def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
@@ -226,7 +246,7 @@ class Trainer:
 
     def run(self, flag: PreemptionFlag) -> results.Result:
         self.pids = self.comm.gather_objects(os.getpid())
-        progress = self.restore()
+        self.progress = progress = self.restore()  # record_stop reads it
         cfg, plan = self.cfg, self.plan
         steps_per_epoch = plan.steps_per_epoch()
         self.log(
@@ -235,6 +255,9 @@ class Trainer:
             f"global batch {plan.micro_batch * plan.accum_steps * self.world_size}, "
             f"device {self.ctx.device}, backend {self.ctx.backend}"
         )
+        if self.rank == 0 and wants_live_bar(sys.stdout, os.environ):
+            global_batch = plan.micro_batch * plan.accum_steps * self.world_size
+            self.bar = LiveBar(sys.stdout, cfg.epochs, global_batch)
         self.model.train()
         agree = AgreeSchedule(self.world_size)
         pending = PendingSteps()
@@ -256,6 +279,8 @@ class Trainer:
                 pending.add(loss_sum, n)
                 progress.train_seconds += time.perf_counter() - t0
                 self.write_progress(progress, "training")
+                if self.bar is not None:
+                    self.bar.update(progress.epoch + 1, done, steps_per_epoch)
                 logging = done % cfg.log_every == 0 or last
                 every = cfg.checkpoint_every_steps
                 saving = bool(every) and not last and progress.global_step % every == 0
@@ -265,6 +290,8 @@ class Trainer:
                 if last or logging or saving or hold or due:
                     vote = 0.0 if last else float(flag.requested)
                     preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
+                    if self.bar is not None:
+                        self.bar.loss = loss
                     if logging:
                         self.log_step(progress, steps_per_epoch, done, loss)
                     if preempt:
@@ -405,12 +432,15 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
 
     - ``gradient_as_bucket_view``: gradients live in DDP's all-reduce buckets, instead of being
       copied in and out of them by one kernel per parameter and direction every step.
-    - ``broadcast_buffers=False`` when every buffer is a normalization layer's running
+    - ``forward_sync_buffers=False`` when every buffer is a normalization layer's running
       statistics: in training those layers use the batch's statistics, so rank 0's buffers and
       every gradient are what they would be with DDP's broadcast before each forward (one
       NCCL broadcast plus a copy per buffer). Rank 0's buffers reach the other ranks where they
       are read: before each evaluation (``Comm.broadcast_buffers``); checkpoints hold rank 0's.
       Any other buffer may be read in training, so such a model keeps DDP's broadcast.
+      (torch 2.13 renamed ``broadcast_buffers`` to this; the old name warns on every rank.
+      Unlike ``broadcast_buffers=False`` it still broadcasts buffers once at construction:
+      the model is built from the same seed on every rank, so that copies equal values.)
 
     tests/test_train_ddp.py checks both against DDP's defaults, bit for bit. A model split
     across a process's GPUs keeps DDP's defaults: only the one-device case was measured and
@@ -422,7 +452,7 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
     owners = [m for m in net.modules() if next(m.buffers(recurse=False), None) is not None]
     return {
         "gradient_as_bucket_view": True,
-        "broadcast_buffers": not all(isinstance(m, norm) for m in owners),
+        "forward_sync_buffers": not all(isinstance(m, norm) for m in owners),
     }
 
 
@@ -455,6 +485,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     if prefetch is not None:
         prefetch.process_group_ready()
     flag = PreemptionFlag.install(config.requeue_signals)
+    ctrl_c = CtrlC.install(flag)
     trainer = Trainer(config, ctx)
     try:
         if not trainer.setup():
@@ -462,10 +493,14 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             trainer.log("\n".join(finished_answer(config.run_dir, result.to_dict())))
             return result
         result = trainer.run(flag)
-    except BaseException:
+    except BaseException as err:
+        if trainer.bar is not None:
+            trainer.bar.clear()  # the error starts a line of its own
+        trainer.record_stop(err, ctrl_c=ctrl_c.received)
         trainer.abandon_checkpoint()
         raise
     finally:
+        ctrl_c.uninstall()
         flag.uninstall()
         trainer.lock.release()
     if own_group:

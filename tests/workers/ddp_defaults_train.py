@@ -12,7 +12,7 @@ from hpc_ddp.train import trainer
 
 
 def torch_defaults(net: object, **_: object) -> dict[str, bool]:
-    """{}: broadcast_buffers=True, gradient_as_bucket_view=False; says so, so the test knows
+    """{}: forward_sync_buffers=True, gradient_as_bucket_view=False; says so, so the test knows
     this replacement is what the trainer called."""
     print("DDP built with torch's defaults", flush=True)
     return {}

@@ -1,0 +1,42 @@
+"""Ctrl-C on a real run: a real SIGINT to the process group (what a terminal sends) of a real
+``hpc-ddp train``, alone and with ``--nproc-per-node 2`` (2 Gloo ranks); progress.json then says
+``interrupted`` and when, not ``training`` with dead pids."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from trainer_helpers import finish, job_env, read_json, single_cmd, train_args, wait_for_progress
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_leaves_progress_saying_interrupted(
+    tmp_path: Path, data_dir: Path, nproc: int
+) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    args = [*train_args(run_dir, data_dir, epochs=100), "--nproc-per-node", str(nproc)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            single_cmd(args), env=job_env(), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )  # fmt: skip
+    try:
+        wait_for_progress(run_dir, lambda p: p["status"] == "training" and p["step"] > 3, proc)
+        before = datetime.now(timezone.utc).replace(microsecond=0)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc, text = finish(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert rc == 130, text  # 128 + SIGINT, as a shell reports it
+    progress = read_json(run_dir / "progress.json")
+    assert progress["status"] == "interrupted" and progress["reason"] == "SIGINT (Ctrl-C)", progress
+    assert progress["step"] > 3 and len(progress["pids"]) == nproc, progress
+    stopped = datetime.fromisoformat(progress["stopped_at"])
+    assert before <= stopped <= datetime.now(timezone.utc), progress
