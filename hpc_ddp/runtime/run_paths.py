@@ -36,11 +36,12 @@ PLOT = "plot.png"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # inside checkpoints/
 MANIFEST = "manifest.json"  # inside each checkpoint directory
+STEP_PREFIX = "step-"  # a committed checkpoint directory: step-NNNNNNNN
 
 
 def step_dir_name(step: int) -> str:
     """``step-00000040``: the name of the committed checkpoint of optimizer step ``step``."""
-    return f"step-{step:08d}"
+    return f"{STEP_PREFIX}{step:08d}"
 
 
 @dataclass(frozen=True, init=False)
