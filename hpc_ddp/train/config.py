@@ -64,7 +64,8 @@ class TrainConfig:
         default="data", metadata=_opt("directory holding cifar-10-batches-py/ etc.")
     )
     dataset: str = field(
-        default="cifar10", metadata=_opt(f"one of {', '.join(registry.names('dataset'))}")
+        default="cifar10",
+        metadata=_opt(f"{', '.join(registry.names('dataset'))} or MODULE:FUNCTION (your own)"),
     )
     synthetic: bool = field(
         default=False,
@@ -81,7 +82,8 @@ class TrainConfig:
     )
     download: bool = field(default=True, metadata=_opt("download the dataset if it is missing"))
     model: str = field(
-        default="lenet", metadata=_opt(f"one of {', '.join(registry.names('model'))}")
+        default="lenet",
+        metadata=_opt(f"{', '.join(registry.names('model'))} or MODULE:FUNCTION (your own)"),
     )
     epochs: int = field(default=10, metadata=_opt("training epochs"))
     batch_size: int = field(default=64, metadata=_opt("micro-batch size per process"))

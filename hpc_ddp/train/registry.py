@@ -2,7 +2,7 @@
 
 An entry is a name and a ``module:attribute`` target, imported only when a run builds it, so
 this registry (and the config validation that consults it) stays torch-free. The CIFAR demo
-registers its entries from ``hpc_ddp.cifar``. A name of the form ``MODULE:FUNCTION`` is a
+declares its entries in ``hpc_ddp/cifar/entries.py``. A name of the form ``MODULE:FUNCTION`` is a
 user's plug-in (plugin_spec.py: its syntax, checked without importing it; plugins.py: the
 contract, checked when a run builds it).
 
@@ -37,7 +37,12 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        importlib.import_module("hpc_ddp.cifar")  # registers lenet, resnet18, cifar10, cifar100
+        from hpc_ddp.cifar import entries  # lenet, resnet18, cifar10, cifar100
+
+        for name, target in entries.MODELS.items():
+            register("model", name, target)
+        for name, target in entries.DATASETS.items():
+            register("dataset", name, target)
 
 
 def names(kind: Kind) -> tuple[str, ...]:
