@@ -82,7 +82,14 @@ import hpc_ddp.dist as hdist  # noqa: E402
 from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.checkpoint import checkpointer  # noqa: E402
 from hpc_ddp.cifar import data, gpu_data  # noqa: E402
-from hpc_ddp.train import config, cuda_graphs, loop  # noqa: E402
+from hpc_ddp.runtime.run_paths import RunPaths  # noqa: E402
+from hpc_ddp.train import (  # noqa: E402
+    config,
+    cuda_graphs,
+    loop,
+)
+from hpc_ddp.train import report as train_report  # noqa: E402
+from hpc_ddp.train import state as train_state  # noqa: E402
 from hpc_ddp.train import trainer as tr  # noqa: E402
 
 T_IMPORTS = time.time()
@@ -119,8 +126,8 @@ def instrument(no_ddp: bool) -> None:
     timed(data, "prepare", "data_stage")
     timed(gpu_data, "load_splits", "data_read")  # torchvision's classes or gpu_data's reader
     timed(gpu_data, "choose", "data_to_device")
-    timed(tr.Trainer, "build", "build")  # model + optimizer + data path
-    timed(tr.Trainer, "restore", "restore")
+    timed(tr, "build_state", "build")  # model + optimizer + data path
+    timed(tr, "restore", "restore")
     timed(tr.Trainer, "finish", "finish")
     timed(cuda_graphs.GraphedStepper, "close", "release_graphs")
     for cls in (loop.Stepper, cuda_graphs.GraphedStepper):
@@ -173,7 +180,7 @@ def instrument(no_ddp: bool) -> None:
             def __new__(cls, module: Any, **_: Any) -> Any:
                 return module
 
-        tr.DDP = BareModel  # type: ignore[misc,assignment]
+        train_state.DDP = BareModel  # type: ignore[misc,assignment]
 
 
 def report(path: str, cfg: config.TrainConfig, code: int) -> None:
@@ -228,10 +235,10 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
     out["saves"] = SAVES
     out["torch_dynamo"] = DYNAMO
     out["steps_this_attempt"] = STATE["steps"]
-    result = tr.Path(cfg.run_dir) / "result.json"
+    result = RunPaths(cfg.run_dir).result
     if result.exists():
         out["result"] = json.loads(result.read_text())
-    metrics = tr.Path(cfg.run_dir) / "metrics.jsonl"
+    metrics = RunPaths(cfg.run_dir).metrics
     if metrics.exists():
         out["history"] = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     tmp = f"{path}.tmp"
@@ -284,7 +291,7 @@ def main() -> None:
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
     if pargs.probe_ddp_defaults:
-        tr.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
+        train_state.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:
         from hpc_ddp.train import optim
 
@@ -297,7 +304,7 @@ def main() -> None:
     if pargs.probe_store_backoff:
         hdist._wait_until_listening = lambda *_: None  # type: ignore[attr-defined]
     if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
-        tr.Trainer.write_progress = lambda self, progress, status: None  # type: ignore[method-assign]
+        train_report.ProgressFile.write = lambda self, progress, status: None  # type: ignore[method-assign]
     destroy = torch.distributed.destroy_process_group
     done: list[int] = []
 

@@ -136,7 +136,7 @@ def test_a_rank_of_a_larger_launch_leaves_the_answer_to_the_ranks_together(
     """Rank 0 of 2 (a launcher's variables): its peers may not see the run dir the same way, so
     it does not answer alone; the trainer decides through the process group, with torch."""
     run_dir, _ = finished
-    launcher = worker_environ(0, 2, 29500)
+    launcher = worker_environ(0, 2, 29500, 1)
     done = run(
         module_cmd(*train_args(run_dir, data_dir)), torch_blocked=True, tmp=tmp_path, **launcher
     )

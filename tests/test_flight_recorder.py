@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.deploy.flight_recorder import DUMP_DIR, flight_recorder_env, read_dump, report
+from hpc_ddp.deploy.flight_recorder import flight_recorder_env, read_dump, report
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.run_paths import NCCL_TRACE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def _dump(entries: list[dict]) -> bytes:
 
 def _hang(run_dir: Path) -> Path:
     """4 ranks: 0, 1, 3 wait in all-reduce #8; rank 2 last entered #7 (and completed it)."""
-    dumps = run_dir / DUMP_DIR
+    dumps = run_dir / NCCL_TRACE
     dumps.mkdir(parents=True)
     for rank in range(4):
         entries = [_entry(s, "completed") for s in range(1, 8)]
@@ -120,13 +121,13 @@ def test_gpu_jobs_switch_the_recorder_on_with_dumps_in_the_run_dir() -> None:
     gpu = dict(job_env(JobSpec(gpus_per_node=4, args=["--run-dir", "runs/a"])))
     assert gpu["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert gpu["TORCH_FR_DUMP_TEMP_FILE"] == f"runs/a/{DUMP_DIR}/rank_"
+    assert gpu["TORCH_FR_DUMP_TEMP_FILE"] == f"runs/a/{NCCL_TRACE}/rank_"
     cpu = dict(job_env(JobSpec(args=["--run-dir", "runs/a"])))
     assert not any(k.startswith("TORCH_FR_") for k in cpu)  # Gloo has no flight recorder
     own = dict(job_env(JobSpec(gpus_per_node=1, env={"TORCH_FR_BUFFER_SIZE": "0"})))
     assert own["TORCH_FR_BUFFER_SIZE"] == "0"  # the spec's env wins
     assert flight_recorder_env([], runs_trainer=False)["TORCH_FR_DUMP_TEMP_FILE"] == (
-        f"{DUMP_DIR}/rank_"
+        f"{NCCL_TRACE}/rank_"
     )
 
 

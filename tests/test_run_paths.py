@@ -1,11 +1,12 @@
 """``RunPaths`` names every file a real trainer run leaves, where it leaves it; torch-free.
 
-The trainer and the checkpoint package still spell some of these names themselves (they move to
-RunPaths next): the run below, and the constants compared here, fail the day the two disagree.
+The trainer and the checkpoint package read every name from RunPaths; the run below fails the
+day a file lands elsewhere, the scan below the day another module spells a name itself.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -47,16 +48,23 @@ def test_a_real_run_leaves_every_file_where_run_paths_says(tmp_path: Path, data_
     assert os.fspath(paths) == str(paths.root)
 
 
-def test_the_names_agree_with_the_trainer_and_the_checkpoints() -> None:
-    from hpc_ddp.checkpoint import lock, manifest
-    from hpc_ddp.train import results, run_marker
+def test_each_name_is_spelled_only_in_run_paths() -> None:
+    """No other module of the package spells a run dir name: the trainer, the checkpoints and
+    deploy read them from RunPaths, so the layout cannot drift between them."""
+    from hpc_ddp.runtime import run_paths
 
-    paths = RunPaths("r")
-    assert paths.marker.name == run_marker.MARKER
-    assert (paths.lock.name, paths.lock_owner.name) == (lock.LOCK_FILE, lock.OWNER_FILE)
-    assert paths.config.name == results.CONFIG and paths.result.name == results.RESULT
-    assert (paths.metrics.name, paths.plot.name) == (results.METRICS, results.PLOT)
-    assert paths.progress.name == results.PROGRESS
-    assert paths.latest.name == manifest.LATEST
-    assert paths.manifest(12).name == manifest.MANIFEST
-    assert paths.step_dir(12).name == manifest.step_dir_name(12)
+    names = [run_paths.MARKER, run_paths.LOCK, run_paths.LOCK_OWNER, run_paths.CONFIG]
+    names += [run_paths.PROGRESS, run_paths.METRICS, run_paths.RESULT, run_paths.PLOT]
+    names += [run_paths.CHECKPOINTS, run_paths.LATEST, run_paths.MANIFEST]
+    package = Path(run_paths.__file__).parents[1]
+    spelled = [
+        f"{path.relative_to(package)}:{node.lineno}: {node.value}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "run_paths.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert not spelled, spelled
+    from hpc_ddp.checkpoint import manifest
+
+    assert manifest.step_dir_name(12) == RunPaths("r").step_dir(12).name

@@ -29,7 +29,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.cifar import models
-from hpc_ddp.train.trainer import ddp_options
+from hpc_ddp.train.state import ddp_options
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
 
 def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     """The trainer's DDP settings (gradient buckets as the gradients, no buffer broadcast before
-    each forward: trainer.ddp_options) give a BatchNorm model the same weights, statistics and
+    each forward: state.ddp_options) give a BatchNorm model the same weights, statistics and
     test metrics as DDP's defaults, bit for bit, under torch's current argument names (no rank
     prints the FutureWarning of the deprecated ``broadcast_buffers``)."""
     model = models.build_model("resnet18", 10, sync_bn=False)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_ddp.log import get_logger
+
 from . import layout
 from .asyncsave import BackgroundSave, start_snapshot
 from .comm import Agree, Agreement, choose_agree, dist_ready
@@ -70,7 +72,7 @@ class Checkpointer:
         world_size: int,
         keep: int = 2,
         barrier: Callable[[], None] = lambda: None,
-        log: Log = print,
+        log: Log | None = None,
         agree: Agree | None = None,
         on_phase: Phase | None = None,
         async_save: bool = False,
@@ -89,7 +91,11 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self.log = log
+        # Default: the toolkit's logger (rank 0's lines, every rank's warnings: hpc_ddp.log); a
+        # ``log`` callback given gets every line instead.
+        logger = get_logger("checkpoint")
+        self.log: Log = log if log is not None else logger.info
+        self.warn: Log = log if log is not None else logger.warning
         self._barrier = barrier
         self._agree: Agreement = choose_agree(world_size, agree, barrier)
         self._custom_agree = agree
@@ -211,7 +217,7 @@ class Checkpointer:
             return None
         job.join()
         if job.error is not None:
-            self.log(f"checkpoint: the background save of step {job.step} failed (reported now)")
+            self.warn(f"checkpoint: the background save of step {job.step} failed (reported now)")
             raise job.error
         return job.result
 
@@ -223,12 +229,12 @@ class Checkpointer:
             return
         t0 = time.monotonic()
         if not job.join(timeout):
-            self.log(
+            self.warn(
                 f"checkpoint: background save of step {job.step} still running after "
                 f"{time.monotonic() - t0:.0f} s; abandoning it (the previous checkpoint is intact)"
             )
         elif job.error is not None:
-            self.log(f"checkpoint: background save of step {job.step} failed: {job.error}")
+            self.warn(f"checkpoint: background save of step {job.step} failed: {job.error}")
 
     def _background_agreement(self) -> Agreement:
         """The agreement background saves use, created once (collectively, on every rank)."""
@@ -286,7 +292,7 @@ class Checkpointer:
             layout.clean_leftovers(self.root, self.log)
             layout.prune(self.root, step, self.keep, self.log)
         except OSError as exc:  # the checkpoint is committed; pruning can wait for next time
-            self.log(f"checkpoint: pruning failed ({exc}); will retry at the next save")
+            self.warn(f"checkpoint: pruning failed ({exc}); will retry at the next save")
 
     def _phase(self, name: str, step: int, body: Callable[[], None], agree: Agreement) -> None:
         """Run one phase locally, then agree; raise on every rank if any rank failed."""

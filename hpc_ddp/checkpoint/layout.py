@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.regular_file import read_small
+from hpc_ddp.runtime.run_paths import LATEST, STEP_PREFIX
 
 from .fsutil import fsync_dir, remove_tree, write_bytes_durably
-from .manifest import LATEST, TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs
+from .manifest import TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs
 
 Log = Callable[[str], None]
 LATEST_MAX_BYTES = 4096  # it holds one directory name
@@ -20,7 +21,8 @@ LATEST_MAX_BYTES = 4096  # it holds one directory name
 # "<TRASH_PREFIX><step dir>-<pid>" for one being replaced or pruned. Anything else that merely
 # starts with ".tmp-" is not ours to delete.
 _LEFTOVER = re.compile(
-    rf"{re.escape(TMP_PREFIX)}step-[0-9]{{8,}}|{re.escape(TRASH_PREFIX)}step-[0-9]{{8,}}-[0-9]+"
+    rf"{re.escape(TMP_PREFIX + STEP_PREFIX)}[0-9]{{8,}}"
+    rf"|{re.escape(TRASH_PREFIX + STEP_PREFIX)}[0-9]{{8,}}-[0-9]+"
 )
 
 

@@ -21,12 +21,11 @@ from types import TracebackType
 import filelock
 
 from hpc_ddp.regular_file import read_small
+from hpc_ddp.runtime.run_paths import RunPaths
 
 from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
 from .fsutil import raising_io, write_bytes_durably
 
-LOCK_FILE = ".run.lock"
-OWNER_FILE = ".run.lock.owner"
 OWNER_MAX_BYTES = 64 << 10  # pid, host, time, argv, job id
 
 
@@ -52,9 +51,10 @@ class RunDirLock:
     with ``-o flock``) to protect against a second job on another node.
     """
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self._lock = filelock.FileLock(str(self.root / LOCK_FILE), timeout=0)
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.paths = RunPaths(root)
+        self.root = self.paths.root
+        self._lock = filelock.FileLock(str(self.paths.lock), timeout=0)
 
     def acquire(self) -> RunDirLock:
         with raising_io("create the run directory", self.root):
@@ -67,7 +67,7 @@ class RunDirLock:
                 hint="wait for that run to finish, stop it, or give this run another directory",
             ) from None
         except OSError as exc:  # read-only directory or file system, a planted non-file
-            raise unwritable(self.root, self.root / LOCK_FILE, exc) from None
+            raise unwritable(self.root, self.paths.lock, exc) from None
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -78,17 +78,17 @@ class RunDirLock:
         try:
             # Replaced, not written in place: a symlink planted under this name is swapped out,
             # never followed into a file this toolkit did not write.
-            write_bytes_durably(self.root / OWNER_FILE, (json.dumps(owner) + "\n").encode())
+            write_bytes_durably(self.paths.lock_owner, (json.dumps(owner) + "\n").encode())
         except BaseException as exc:
             self._lock.release()
             if isinstance(exc, CheckpointWriteError) and isinstance(exc.__cause__, OSError):
-                raise unwritable(self.root, self.root / OWNER_FILE, exc.__cause__) from None
+                raise unwritable(self.root, self.paths.lock_owner, exc.__cause__) from None
             raise
         return self
 
     def _holder(self) -> str:
         try:
-            owner = json.loads(read_small(self.root / OWNER_FILE, OWNER_MAX_BYTES))
+            owner = json.loads(read_small(self.paths.lock_owner, OWNER_MAX_BYTES))
         except (OSError, ValueError, RecursionError):
             owner = None
         if not isinstance(owner, dict):
@@ -100,7 +100,7 @@ class RunDirLock:
         if self._lock.is_locked:
             # The lock itself is what matters; the owner file is informational.
             with contextlib.suppress(OSError):
-                (self.root / OWNER_FILE).unlink()
+                self.paths.lock_owner.unlink()
             self._lock.release()
 
     @property

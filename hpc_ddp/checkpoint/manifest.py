@@ -1,4 +1,5 @@
-"""Names inside a run directory, and the manifest that makes a checkpoint self-verifying.
+"""Names inside a checkpoint directory (the run dir's are hpc_ddp.runtime.run_paths'), and the
+manifest that makes a checkpoint self-verifying.
 
 ``manifest.json`` is written last, after every payload file is on disk and hashed, and it
 carries its own checksum: a directory whose manifest parses, self-verifies and matches every
@@ -22,27 +23,22 @@ import torch
 
 import hpc_ddp
 from hpc_ddp.regular_file import open_regular, read_small
+from hpc_ddp.runtime.run_paths import MANIFEST, STEP_PREFIX, step_dir_name
 
 from .errors import CheckpointError
 from .fsutil import sha256_stream
 
 FORMAT = "hpc-ddp-checkpoint/1"
-MANIFEST = "manifest.json"
 SHARED_FILE = "shared.pt"
-LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 # ASCII digits only (\d also matches other scripts' digits, which int() accepts), and at most 19:
 # every step fits in 64 bits, and no directory name can make int() work on thousands of digits.
-STEP_RE = re.compile(r"step-([0-9]{8,19})")
+STEP_RE = re.compile(rf"{STEP_PREFIX}([0-9]{{8,19}})")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # A manifest holds about 140 bytes per rank: 16 MiB is room for 100,000 ranks, and the most a
 # reader parses before it knows whether the manifest verifies.
 MAX_MANIFEST_BYTES = 16 << 20
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def tmp_dir_name(step: int) -> str:

@@ -18,24 +18,27 @@ import hashlib
 import pickle
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset
 
 from hpc_ddp.cifar import array_cache, safe_pickle, synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.log import get_logger
 from hpc_ddp.regular_file import open_regular
-from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
+from hpc_ddp.train import loader_data
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.loader_data import eval_batches  # noqa: F401  (the CIFAR tests' name)
 
 if TYPE_CHECKING:
     from torchvision.datasets import CIFAR10
+
+log = get_logger("data")
 
 # CIFAR-10's training-set statistics, the values the conventional scripts use for both sets.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -125,7 +128,7 @@ def stage(cfg: TrainConfig) -> Path:
             size = {"train_size": cfg.synthetic_train_size, "test_size": cfg.synthetic_test_size}
             kind = {**size, "variant": cfg.synthetic_variant}
             if not synthetic.is_current(root, cfg.dataset, seed=1234, **kind):
-                print(f"writing synthetic {cfg.dataset} ({kind}) to {root}", flush=True)
+                log.info(f"writing synthetic {cfg.dataset} ({kind}) to {root}")
                 synthetic.write_synthetic(root, cfg.dataset, **kind)
         elif not _present(cfg.dataset, root):
             cls = dataset_class(cfg.dataset, is_synthetic=False)  # names for the message
@@ -140,7 +143,7 @@ def stage(cfg: TrainConfig) -> Path:
 
 
 def _download(cls: type[CIFAR10], root: Path) -> None:
-    print(f"downloading {cls.url} into {root}", flush=True)
+    log.info(f"downloading {cls.url} into {root}")
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # urllib would otherwise wait forever
     try:
@@ -194,44 +197,14 @@ def _sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
 
 
-class TrainData(Protocol):
-    """What the loop reads; the GPU-resident path implements the same (see architecture.md)."""
+class LoaderTrainData(loader_data.LoaderTrainData):
+    """The generic loader path over ``CifarTensors``, whose augmentation is seeded per epoch."""
 
-    def batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
-
-
-@dataclass
-class LoaderTrainData:
-    """Training micro-batches from a DataLoader over this rank's ``ShardPlan`` indices."""
-
-    plan: ShardPlan
     data: CifarTensors
-    rank: int
-    device: torch.device
-    num_workers: int = 0
 
     def batches(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.data.epoch = epoch
-        sampler = ResumableDistributedSampler(self.plan, self.rank)
-        sampler.set_epoch(epoch, start)
-        loader = DataLoader(
-            self.data,
-            batch_size=self.plan.micro_batch,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
-        for x, y in loader:
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-
-def eval_batches(
-    data: CifarTensors, rank: int, world_size: int, batch_size: int, device: torch.device
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's exact share of the test set (no padding: the shards partition the set)."""
-    shard = Subset(data, list(eval_indices(len(data), rank, world_size)))
-    for x, y in DataLoader(shard, batch_size=batch_size, shuffle=False):
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return super().batches(epoch, start)
 
 
 # On-disk layout of the "python version" archives, as torchvision reads them.

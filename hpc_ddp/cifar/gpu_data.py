@@ -35,16 +35,17 @@ from hpc_ddp.cifar.data import (
     STD,
     CifarTensors,
     LoaderTrainData,
-    TrainData,
     _sample_seed,
-    eval_batches,
     load_cifar_arrays,
     load_datasets,
     read_arrays,
 )
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.log import get_logger
 from hpc_ddp.runtime.sampler import ShardPlan, eval_indices
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
+from hpc_ddp.train.data_source import TrainData
+from hpc_ddp.train.loader_data import LoaderEvalData
 
 PAD = 4  # RandomCrop(32, padding=4)
 
@@ -210,19 +211,6 @@ def load_split(
     return x, torch.from_numpy(labels).to(device)
 
 
-@dataclass
-class LoaderEvalData:
-    """The torchvision path's evaluation shard behind the same ``batches(size)`` interface."""
-
-    dataset: CifarTensors
-    rank: int
-    world_size: int
-    device: torch.device
-
-    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return eval_batches(self.dataset, self.rank, self.world_size, batch_size, self.device)
-
-
 def choose(
     cfg: TrainConfig,
     plan: ShardPlan,
@@ -232,7 +220,7 @@ def choose(
     rank: int,
     world_size: int,
     device: torch.device,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[TrainData, GpuEvalData | LoaderEvalData]:
     """The trainer's data: GPU-resident when ``data_path`` asks for it or ``auto`` finds it fits.
 
@@ -240,6 +228,7 @@ def choose(
     ``auto`` falls back to torchvision (CPU device, too little free GPU memory, loader workers
     asked for) and says why in the log.
     """
+    log = log or get_logger("data").info
     mode = cfg.data_path
     if mode not in DATA_PATHS:
         raise ConfigError(f"data_path={mode!r} is not valid", hint=f"use one of {DATA_PATHS}")

@@ -71,13 +71,11 @@ def resnet18(num_classes: int) -> nn.Sequential:
     )
 
 
-BUILDERS = {"lenet": lenet, "resnet18": resnet18}
-
-
 def build_model(name: str, num_classes: int, *, sync_bn: bool = False) -> nn.Sequential:
-    if name not in BUILDERS:
-        raise ConfigError(f"unknown model {name!r}", hint=f"use one of: {', '.join(BUILDERS)}")
-    model = BUILDERS[name](num_classes)
+    """A registered model (``hpc_ddp.train.registry``), SyncBatchNorm if asked for."""
+    from hpc_ddp.train import registry
+
+    model = registry.resolve("model", name)(num_classes)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.run_paths import NCCL_TRACE, RunPaths
 
-DUMP_DIR = "nccl_trace"
 DUMP_PREFIX = "rank_"
 # Entries kept per rank: enough to cover a few training steps of a DDP model (one all-reduce
 # per gradient bucket), small enough to cost nothing (torch's own suggestion is 2000).
@@ -45,7 +45,7 @@ def flight_recorder_env(
     """The variables a GPU job sets: buffer on, dump on timeout, dumps in the run directory
     (``<run_dir>/nccl_trace/rank_<N>``; relative to the job's working directory, like the run
     dir itself). torch creates the directory when it writes the first dump."""
-    base = DUMP_DIR
+    base = NCCL_TRACE
     if runs_trainer:
         from hpc_ddp.deploy.trainer_args import trainer_flags
 
@@ -54,7 +54,7 @@ def flight_recorder_env(
             from hpc_ddp.train.config import TrainConfig
 
             run_dir = TrainConfig().run_dir
-        base = f"{run_dir.rstrip('/')}/{DUMP_DIR}"
+        base = f"{run_dir.rstrip('/')}/{NCCL_TRACE}"
     return {
         "TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -190,7 +190,7 @@ def summarize(traces: list[RankTrace]) -> list[str]:
 
 def run_step_line(dump_dir: Path) -> str | None:
     """Where training was: rank 0's progress.json, when the dumps sit in <run_dir>/nccl_trace."""
-    progress = dump_dir.parent / "progress.json" if dump_dir.name == DUMP_DIR else None
+    progress = RunPaths(dump_dir.parent).progress if dump_dir.name == NCCL_TRACE else None
     if progress is None or not progress.is_file():
         return None
     try:

@@ -30,17 +30,19 @@ LOCK = ".run.lock"
 LOCK_OWNER = ".run.lock.owner"
 CONFIG = "config.json"
 PROGRESS = "progress.json"
+NCCL_TRACE = "nccl_trace"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
 PLOT = "plot.png"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # inside checkpoints/
 MANIFEST = "manifest.json"  # inside each checkpoint directory
+STEP_PREFIX = "step-"  # a committed checkpoint directory: step-NNNNNNNN
 
 
 def step_dir_name(step: int) -> str:
     """``step-00000040``: the name of the committed checkpoint of optimizer step ``step``."""
-    return f"step-{step:08d}"
+    return f"{STEP_PREFIX}{step:08d}"
 
 
 @dataclass(frozen=True, init=False)
@@ -91,6 +93,11 @@ class RunPaths:
     def plot(self) -> Path:
         """``plot.png``: loss and accuracy per epoch."""
         return self.root / PLOT
+
+    @property
+    def nccl_trace(self) -> Path:
+        """``nccl_trace/``: NCCL flight recorder dumps (``rank_N``), written on a timeout."""
+        return self.root / NCCL_TRACE
 
     @property
     def checkpoints(self) -> Path:

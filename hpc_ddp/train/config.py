@@ -16,9 +16,8 @@ from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.train import registry
 
-DATASETS = ("cifar10", "cifar100")
-MODELS = ("lenet", "resnet18")
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
@@ -66,7 +65,10 @@ class TrainConfig:
     data_dir: str = field(
         default="data", metadata=_opt("directory holding cifar-10-batches-py/ etc.")
     )
-    dataset: str = field(default="cifar10", metadata=_opt(f"one of {', '.join(DATASETS)}"))
+    dataset: str = field(
+        default="cifar10",
+        metadata=_opt(f"{', '.join(registry.names('dataset'))} or MODULE:FUNCTION (your own)"),
+    )
     synthetic: bool = field(
         default=False,
         metadata=_opt("write a synthetic, learnable dataset in CIFAR's on-disk format and use it"),
@@ -81,7 +83,10 @@ class TrainConfig:
         ),
     )
     download: bool = field(default=True, metadata=_opt("download the dataset if it is missing"))
-    model: str = field(default="lenet", metadata=_opt(f"one of {', '.join(MODELS)}"))
+    model: str = field(
+        default="lenet",
+        metadata=_opt(f"{', '.join(registry.names('model'))} or MODULE:FUNCTION (your own)"),
+    )
     epochs: int = field(default=10, metadata=_opt("training epochs"))
     batch_size: int = field(default=64, metadata=_opt("micro-batch size per process"))
     accum_steps: int = field(
@@ -180,8 +185,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         choices = {
-            "dataset": DATASETS,
-            "model": MODELS,
             "optimizer": OPTIMIZERS,
             "lr_schedule": SCHEDULES,
             "amp": AMP_MODES,
@@ -190,6 +193,13 @@ class TrainConfig:
             "synthetic_variant": SYNTHETIC_VARIANTS,
             "cuda_graphs": CUDA_GRAPHS_MODES,
         }
+        registry.check("dataset", self.dataset)
+        registry.check("model", self.model)
+        if self.synthetic and registry.is_plugin(self.dataset):
+            raise ConfigError(
+                f"--synthetic writes CIFAR's files; dataset={self.dataset!r} is a plug-in",
+                hint="drop --synthetic (a plug-in dataset makes its own data)",
+            )
         if isinstance(self.cuda_graphs, bool):
             self.cuda_graphs = "on" if self.cuda_graphs else "off"
         for key, allowed in choices.items():

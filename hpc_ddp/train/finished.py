@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.results import CONFIG, RESULT, read_json, summary_lines
+from hpc_ddp.train.results import read_json, summary_lines
 
 
 def launched_alone(cfg: TrainConfig) -> bool:
@@ -37,9 +38,9 @@ def launched_alone(cfg: TrainConfig) -> bool:
 
 def finished_result(cfg: TrainConfig) -> dict[str, Any] | None:
     """``result.json`` of ``cfg.run_dir`` when it holds a finished run of ``cfg``'s identity."""
-    run_dir = Path(cfg.run_dir)
+    paths = RunPaths(cfg.run_dir)
     try:
-        result, recorded = read_json(run_dir / RESULT), read_json(run_dir / CONFIG)
+        result, recorded = read_json(paths.result), read_json(paths.config)
     except (OSError, ValueError):
         return None
     if not isinstance(result, dict) or not isinstance(recorded, dict):

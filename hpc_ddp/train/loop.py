@@ -102,6 +102,9 @@ class Stepper:
     out_device: torch.device
     comm_timer: CommTimer = field(default_factory=CommTimer)
 
+    def close(self) -> None:
+        """Nothing to release before ``destroy_process_group`` (the graphed stepper has)."""
+
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
     ) -> tuple[torch.Tensor, int]:

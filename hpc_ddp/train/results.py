@@ -7,15 +7,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpc_ddp.private_paths import replace_file
-
-RESULT = "result.json"
-METRICS = "metrics.jsonl"
-PLOT = "plot.png"
-PROGRESS = "progress.json"
-CONFIG = "config.json"
+from hpc_ddp.runtime.run_paths import RunPaths
 
 # What a finished run shows of its result.json: the trainer at its end, a re-run of a finished
 # run's command (hpc_ddp.train.finished) and ``hpc-ddp submit`` print these lines.
@@ -31,11 +26,14 @@ RESULT_KEYS = (
 )
 
 
+Status = Literal["finished", "preempted"]  # preempted: checkpointed, exit code 75 (requeue)
+
+
 @dataclass
 class Result:
-    """The outcome of ``train()``; ``status`` is "finished" or "preempted" (exit code 75)."""
+    """The outcome of ``train()``."""
 
-    status: str
+    status: Status
     exit_code: int
     epochs: int
     steps: int
@@ -61,7 +59,7 @@ def result_lines(result: Mapping[str, Any]) -> list[str]:
 
 def summary_lines(result: Mapping[str, Any], run_dir: str | Path) -> list[str]:
     """``result (<run-dir>/result.json):`` and the RESULT_KEYS lines under it."""
-    return [f"result ({Path(run_dir) / RESULT}):", *result_lines(result)]
+    return [f"result ({RunPaths(run_dir).result}):", *result_lines(result)]
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -77,7 +75,7 @@ def read_json(path: Path) -> Any:
 def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
     """Rewrite metrics.jsonl from the checkpointed history, so a resume never duplicates lines."""
     lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in history)
-    replace_file(run_dir / METRICS, lines.encode())
+    replace_file(RunPaths(run_dir).metrics, lines.encode())
 
 
 def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
@@ -102,6 +100,6 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     png = io.BytesIO()  # matplotlib would open a path through a link: hand it bytes instead
     fig.savefig(png, format="png", dpi=80)
     plt.close(fig)
-    out = run_dir / PLOT
+    out = RunPaths(run_dir).plot
     replace_file(out, png.getvalue())
     return out

@@ -28,17 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import hpc_ddp
-from hpc_ddp.checkpoint.lock import LOCK_FILE, OWNER_FILE, unwritable
+from hpc_ddp.checkpoint.lock import unwritable
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.private_paths import create_file
+from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, MARKER, RunPaths
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.results import CONFIG
 
-MARKER = ".hpc-ddp-run"
 FORMAT = "hpc-ddp-run/1"
 _FORMAT_PREFIX = "hpc-ddp-run/"
 _MAX_MARKER_BYTES = 4096
-_LOCK_LEFTOVERS = frozenset({LOCK_FILE, OWNER_FILE})
+_LOCK_LEFTOVERS = frozenset({LOCK, LOCK_OWNER})
 # Settings every config.json since the first version recorded (tests/test_run_marker.py checks
 # that they still exist); together with "no key the trainer does not know" they tell the
 # toolkit's own config.json from someone else's.
@@ -116,7 +115,7 @@ def _check_marker(path: Path) -> None:
 
 def is_older_run_dir(run_dir: Path) -> bool:
     """A run dir of an hpc-ddp version that wrote no marker: recognised by its config.json."""
-    data = _read_regular(run_dir / CONFIG, 1 << 20)
+    data = _read_regular(RunPaths(run_dir).config, 1 << 20)
     try:
         saved = json.loads(data) if data is not None else None
     except ValueError:

@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.run_paths import STEP_PREFIX, RunPaths
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.results import CONFIG, RESULT, read_json, write_json
+from hpc_ddp.train.results import read_json, write_json
 from hpc_ddp.train.run_marker import claim_run_dir
 
 
@@ -30,10 +30,11 @@ class RunDirState:
 def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
     """Rank 0: claim the directory, take the lock, check it against ``cfg``, record
     ``config.json``."""
-    run_dir = Path(cfg.run_dir)
+    paths = RunPaths(cfg.run_dir)
+    run_dir = paths.root
     claim_run_dir(run_dir)  # before the lock, whose files would be the first written there
     lock.acquire()  # raises RunDirLockedError (exit 2) if another run holds it
-    saved_path = run_dir / CONFIG
+    saved_path = paths.config
     if saved_path.exists():
         try:
             saved = read_json(saved_path)
@@ -44,7 +45,7 @@ def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
             ) from None
         changed = cfg.identity_changes(saved)
         # Until a checkpoint or a result exists, nothing of the old settings is at stake.
-        started = (run_dir / RESULT).exists() or any((run_dir / "checkpoints").glob("step-*"))
+        started = paths.result.exists() or any(paths.checkpoints.glob(f"{STEP_PREFIX}*"))
         if changed and started:
             diffs = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
             raise ConfigError(
@@ -52,7 +53,7 @@ def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
                 hint="use a new --run-dir for a new experiment, or the original settings to "
                 "resume it (only settings such as paths, logging and requeue may change)",
             )
-    if (run_dir / RESULT).exists():
+    if paths.result.exists():
         return RunDirState(finished=True)
     write_json(saved_path, cfg.to_dict())
     return RunDirState(finished=False)

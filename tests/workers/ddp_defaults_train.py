@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from hpc_ddp.commands import train as command
-from hpc_ddp.train import trainer
+from hpc_ddp.train import state
 
 
 def torch_defaults(net: object, **_: object) -> dict[str, bool]:
@@ -18,7 +18,7 @@ def torch_defaults(net: object, **_: object) -> dict[str, bool]:
     return {}
 
 
-trainer.ddp_options = torch_defaults
+state.ddp_options = torch_defaults
 
 if __name__ == "__main__":
     command.main(sys.argv[1:])

@@ -20,6 +20,7 @@ from typing import Any
 
 from hpc_ddp.checkpoint import layout
 from hpc_ddp.commands import train as command
+from hpc_ddp.runtime import run_paths
 from hpc_ddp.train import results, trainer
 
 COMMIT_DELAY_S = 1.0
@@ -41,7 +42,7 @@ def slow_write_latest(root: Path, name: str) -> None:
 
 
 def recording_write_json(path: Path, data: Any) -> None:
-    if path.name == results.RESULT:
+    if path.name == run_paths.RESULT:
         record(path.parent, "result")
     write_json(path, data)
 

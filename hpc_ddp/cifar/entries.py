@@ -1,0 +1,15 @@
+"""The CIFAR demo's entries in the trainer's registry (hpc_ddp.train.registry loads them).
+
+Plain data, no imports: the registry, and so config validation, stay torch-free and free of
+import cycles. A model target is ``f(num_classes) -> nn.Module``, a dataset target
+``f(cfg, ctx, comm) -> data_source.Splits``.
+"""
+
+MODELS = {
+    "lenet": "hpc_ddp.cifar.models:lenet",
+    "resnet18": "hpc_ddp.cifar.models:resnet18",
+}
+DATASETS = {
+    "cifar10": "hpc_ddp.cifar.source:load",
+    "cifar100": "hpc_ddp.cifar.source:load",
+}

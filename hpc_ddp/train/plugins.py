@@ -1,0 +1,217 @@
+"""A user's model and dataset (``--model MODULE:FUNCTION --dataset MODULE:FUNCTION``), imported
+where training happens and held to their contract (plugin_spec.CONTRACTS):
+
+- model: ``FUNCTION(num_classes: int)`` returns a ``torch.nn.Module``;
+- dataset: ``FUNCTION(split)``, split ``"train"`` or ``"test"``, returns a map-style dataset
+  (``len`` and ``[i]``) of ``(input tensor, int label)`` pairs with a ``classes`` sequence,
+  whose length is the number of classes.
+
+A plug-in dataset takes the generic loader path (loader_data.py): none of the CIFAR demo's
+transforms (crop, flip, normalization) touch it. Each broken promise is a ConfigError (exit 2)
+naming the plug-in and the contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import numbers
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.collectives import Comm
+from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.data_source import EvalData, TrainData
+from hpc_ddp.train.loader_data import LoaderEvalData, LoaderTrainData
+from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec
+
+if TYPE_CHECKING:
+    from hpc_ddp.dist import DistContext
+
+SPLITS = ("train", "test")
+
+
+def _error(kind: str, spec: PluginSpec, problem: str) -> ConfigError:
+    return ConfigError(
+        f"{kind} plug-in {spec}: {problem}", hint=f"a {kind} plug-in is {CONTRACTS[kind]}"
+    )
+
+
+def _import(kind: str, spec: PluginSpec) -> ModuleType:
+    try:
+        if not spec.is_path:
+            # The working directory, as ``python -m`` has it, whichever way the trainer started.
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            return importlib.import_module(spec.module)
+        path = Path(spec.module).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {path}")
+        # One module per file, under a name of its own, so that a DataLoader worker or pickle
+        # finds it again in sys.modules.
+        name = "hpc_ddp_plugin_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+        if name in sys.modules:
+            return sys.modules[name]
+        found = importlib.util.spec_from_file_location(name, path)
+        if found is None or found.loader is None:
+            raise ImportError(f"{path} is not a Python module")
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        try:
+            found.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    except Exception as err:
+        raise _error(
+            kind, spec, f"cannot import {spec.module} ({type(err).__name__}: {err})"
+        ) from err
+
+
+def load_function(kind: str, spec: PluginSpec) -> Callable[..., Any]:
+    """The plug-in's FUNCTION, imported; ConfigError if it is not importable or not callable."""
+    module = _import(kind, spec)
+    if not hasattr(module, spec.function):
+        raise _error(kind, spec, f"{spec.module} has no {spec.function!r}")
+    function = getattr(module, spec.function)
+    if not callable(function):
+        raise _error(kind, spec, f"{spec.function} is a {type(function).__name__}, not callable")
+    return function  # type: ignore[no-any-return]
+
+
+def builder(kind: str, spec: PluginSpec) -> Callable[..., Any]:
+    """The registry's builder for a plug-in (registry.resolve)."""
+    return _model_builder(spec) if kind == "model" else _dataset_loader(spec)
+
+
+def _model_builder(spec: PluginSpec) -> Callable[[int], torch.nn.Module]:
+    function = load_function("model", spec)
+
+    def build(num_classes: int) -> torch.nn.Module:
+        net = function(num_classes)
+        if not isinstance(net, torch.nn.Module):
+            raise _error("model", spec, f"returned a {type(net).__name__}, not a torch.nn.Module")
+        return net
+
+    return build
+
+
+class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
+    """A plug-in split whose items are checked as they are read: (tensor, int in range)."""
+
+    def __init__(self, spec: PluginSpec, split: str, data: Any, num_classes: int) -> None:
+        self.spec, self.split, self.data, self.num_classes = spec, split, data, num_classes
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        item = self.data[index]
+        where = f'item {index} of split "{self.split}"'
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            shown = type(item).__name__
+            raise _error("dataset", self.spec, f"{where} is a {shown}, not an (input, label) pair")
+        x, y = item
+        if not isinstance(x, torch.Tensor):
+            raise _error(
+                "dataset", self.spec, f"{where}: input is a {type(x).__name__}, not a tensor"
+            )
+        if isinstance(y, bool) or not isinstance(y, numbers.Integral):
+            raise _error(
+                "dataset", self.spec, f"{where}: label is a {type(y).__name__}, not an int"
+            )
+        if not 0 <= int(y) < self.num_classes:
+            raise _error(
+                "dataset",
+                self.spec,
+                f"{where}: label {int(y)} is outside 0..{self.num_classes - 1} "
+                f"(len(classes) is {self.num_classes})",
+            )
+        return x, int(y)
+
+
+def _checked_split(spec: PluginSpec, split: str, data: Any) -> CheckedDataset:
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        shown = type(data).__name__
+        raise _error(
+            "dataset", spec, f'split "{split}" returned a {shown}, not a map-style dataset'
+        )
+    classes = getattr(data, "classes", None)
+    if classes is None:
+        raise _error("dataset", spec, f'split "{split}" has no `classes` attribute')
+    if not isinstance(classes, Sequence) or isinstance(classes, str) or not classes:
+        raise _error("dataset", spec, f'split "{split}": `classes` is not a non-empty sequence')
+    if len(data) < 1:
+        raise _error("dataset", spec, f'split "{split}" is empty')
+    checked = CheckedDataset(spec, split, data, len(classes))
+    checked[0]  # the first item now, before any process group waits on a broken dataset
+    return checked
+
+
+@dataclass
+class PluginSplits:
+    """The trainer's data of a plug-in dataset (``data_source.Splits``): the loader path."""
+
+    train_set: CheckedDataset
+    test_set: CheckedDataset
+    num_workers: int
+
+    @property
+    def n(self) -> int:
+        return len(self.train_set)
+
+    @property
+    def num_classes(self) -> int:
+        return self.train_set.num_classes
+
+    def make(
+        self, plan: ShardPlan, *, rank: int, world_size: int, device: torch.device
+    ) -> tuple[TrainData, EvalData]:
+        train = LoaderTrainData(plan, self.train_set, rank, device, self.num_workers)
+        return train, LoaderEvalData(self.test_set, rank, world_size, device)
+
+
+def _read(spec: PluginSpec, cfg: TrainConfig) -> PluginSplits:
+    if cfg.data_path == "gpu":
+        raise ConfigError(
+            f"--data-path gpu holds the CIFAR demo's arrays on the GPU; the plug-in dataset "
+            f"{spec} is read through a DataLoader",
+            hint="use --data-path auto (or torchvision) with a plug-in dataset",
+        )
+    function = load_function("dataset", spec)
+    train, test = (_checked_split(spec, s, function(s)) for s in SPLITS)
+    if train.num_classes != test.num_classes:
+        raise _error(
+            "dataset",
+            spec,
+            f'splits "train" and "test" have {train.num_classes} and {test.num_classes} classes',
+        )
+    return PluginSplits(train, test, cfg.num_workers)
+
+
+def _dataset_loader(spec: PluginSpec) -> Callable[[TrainConfig, DistContext, Comm], PluginSplits]:
+    def load(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> PluginSplits:
+        """Every rank reads both splits; a rank whose read fails fails them all (Comm.check)."""
+        error: BaseException | None = None
+        splits: PluginSplits | None = None
+        try:
+            splits = _read(spec, cfg)
+        except Exception as err:
+            error = err
+        comm.check(error, f"reading the dataset plug-in {spec}")
+        assert splits is not None  # check raised otherwise
+        return splits
+
+    return load

@@ -1,0 +1,86 @@
+"""What rank 0 tells the world while and after a run trains: progress.json and the Result."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Literal
+
+from hpc_ddp.log import get_logger
+from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.train import results
+from hpc_ddp.train.fingerprint import params_sha256
+from hpc_ddp.train.progress import Progress
+from hpc_ddp.train.resume import Clock
+from hpc_ddp.train.state import TrainState
+
+log = get_logger("train")
+ProgressStatus = Literal["training", "holding", "preempted", "finished", "interrupted", "failed"]
+ROUTINE_INTERVAL_S = 0.5
+
+
+class ProgressFile:
+    """progress.json, for monitors and tests (rank 0 writes, every rank calls). Routine updates
+    at most every 0.5 s (a rename per step would load a parallel filesystem); status changes
+    always."""
+
+    def __init__(self, paths: RunPaths, rank: int, world_size: int) -> None:
+        self.path = paths.progress
+        self.rank, self.world_size = rank, world_size
+        self.pids: list[int] = []  # every rank's, gathered when the run starts
+        self._written_at = float("-inf")
+
+    def write(self, progress: Progress, status: ProgressStatus, **extra: str) -> None:
+        now = time.monotonic()
+        if status == "training" and now - self._written_at < ROUTINE_INTERVAL_S:
+            return
+        self._written_at = now
+        if self.rank == 0:
+            info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
+            info.update(pids=self.pids, world_size=self.world_size, start=progress.start, **extra)
+            results.write_json(self.path, info)
+
+    def record_stop(self, progress: Progress, error: BaseException, *, ctrl_c: bool) -> None:
+        """Training stopped by ``error``: progress.json says so (``interrupted`` after Ctrl-C,
+        else ``failed``) and when, instead of a ``training`` with dead pids."""
+        interrupted = ctrl_c or isinstance(error, KeyboardInterrupt)
+        why = "SIGINT (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
+        stopped_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        status: ProgressStatus = "interrupted" if interrupted else "failed"
+        try:
+            self.write(progress, status, stopped_at=stopped_at, reason=why)
+        except OSError as err:  # the run dir may be what failed: the error itself still counts
+            log.warning(f"could not record the stop in {self.path}: {err}")
+
+
+def make_result(
+    state: TrainState,
+    progress: Progress,
+    status: results.Status,
+    code: int,
+    *,
+    world_size: int,
+    clock: Clock,
+    paths: RunPaths,
+) -> results.Result:
+    last = progress.history[-1] if progress.history else {}
+    return results.Result(
+        status=status,
+        exit_code=code,
+        epochs=progress.epoch,
+        steps=progress.global_step,
+        world_size=world_size,
+        train_loss=last.get("train_loss"),
+        test_loss=last.get("test_loss"),
+        test_accuracy=last.get("test_accuracy"),
+        test_samples=int(last.get("test_samples", 0)),
+        samples_per_second=progress.samples_total / max(progress.train_seconds, 1e-9),
+        wall_seconds=clock.elapsed(),
+        params_sha256=params_sha256(state.net.state_dict()),
+        run_dir=str(paths.root),
+        interruptions=progress.interruptions,
+        extra={
+            "allreduce_calls": state.stepper.comm_timer.bucket_calls,
+            "cuda_graphs": state.captured,
+        },
+    )

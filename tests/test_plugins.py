@@ -1,0 +1,214 @@
+"""Plug-in models and datasets (``--model MODULE:FUNCTION --dataset MODULE:FUNCTION``) on the
+trainer: a user's MLP and synthetic dataset, written to a temporary .py file, trained under
+real torchrun with 2 Gloo ranks, interrupted by a real signal mid-epoch and resumed; and each
+broken contract through the real ``hpc-ddp train``. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_helpers import (
+    HPC_DDP,
+    assert_resumed_like,
+    interrupt_at,
+    job_env,
+    read_result,
+    reference_run,
+    run,
+    single_cmd,
+    torchrun_cmd,
+    train_args,
+)
+
+PLUGIN = '''
+import torch
+from torch import nn
+
+
+def mlp(num_classes):
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, num_classes))
+
+
+def wider(num_classes):
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, num_classes))
+
+
+class Blobs(torch.utils.data.Dataset):
+    """Four Gaussian blobs in 8 dimensions: learnable, and the same on every rank."""
+
+    classes = ("north", "east", "south", "west")
+
+    def __init__(self, split):
+        g = torch.Generator().manual_seed({"train": 0, "test": 1}[split])
+        n = 256 if split == "train" else 101
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        centers = torch.randn(4, 8, generator=torch.Generator().manual_seed(42)) * 3
+        self.x = centers[self.y] + torch.randn(n, 8, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def blobs(split):
+    return Blobs(split)
+
+
+# Broken plug-ins, one broken promise each.
+not_a_function = 3
+
+
+def returns_a_list(num_classes):
+    return [nn.Linear(8, num_classes)]
+
+
+class NoClasses(Blobs):
+    classes = None
+
+
+def no_classes(split):
+    return NoClasses(split)
+
+
+class StrLabels(Blobs):
+    def __getitem__(self, i):
+        return self.x[i], "north"
+
+
+def str_labels(split):
+    return StrLabels(split)
+
+
+class ListInputs(Blobs):
+    def __getitem__(self, i):
+        return self.x[i].tolist(), int(self.y[i])
+
+
+def list_inputs(split):
+    return ListInputs(split)
+
+
+def not_a_dataset(split):
+    return 42
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Path:
+    path = tmp_path / "my_plugin.py"
+    path.write_text(PLUGIN)
+    return path
+
+
+def plugin_settings(plugin: Path) -> dict[str, object]:
+    """trainer_helpers.SMALL's run on the plug-ins (--data-dir is never read)."""
+    return {"model": f"{plugin}:mlp", "dataset": f"{plugin}:blobs", "synthetic": False,
+            "epochs": 3, "lr": 0.01}  # fmt: skip
+
+
+def plugin_args(run_dir: Path, plugin: Path, **overrides: object) -> list[str]:
+    return train_args(
+        run_dir, run_dir.parent / "no-data", **{**plugin_settings(plugin), **overrides}
+    )
+
+
+def test_plugin_resumed_after_a_signal_ends_bit_identical_and_learns(
+    tmp_path: Path, plugin: Path
+) -> None:
+    ref_dir = reference_run(
+        tmp_path / "ref", tmp_path / "no-data", timeout=300, **plugin_settings(plugin)
+    )
+    reference = read_result(ref_dir)
+    assert reference["test_accuracy"] >= 0.9, reference  # 4 classes: chance is 0.25
+
+    run_dir = tmp_path / "run"
+    args = plugin_args(run_dir, plugin)
+    # 256 samples / (2 ranks x 16) = 8 steps per epoch: step 5 is mid-epoch.
+    rc, log = interrupt_at(
+        torchrun_cmd(2, [*args, "--debug-hold-at-step", "5"]), run_dir, tmp_path / "1.log"
+    )
+    assert rc != 0 and "exitcode  : 75" in log, log  # torchrun reports its workers' 75
+    assert "preempted (SIGUSR1): checkpointed at step 5" in log, log
+
+    # The run's identity includes the plug-ins: another model is refused, nothing written.
+    other = run(torchrun_cmd(2, plugin_args(run_dir, plugin, model=f"{plugin}:wider")))
+    assert other.returncode != 0 and f"{plugin}:mlp' -> '{plugin}:wider'" in other.stderr
+
+    final = run(torchrun_cmd(2, args), timeout=300)
+    assert final.returncode == 0, final.stderr
+    assert "resumed from" in final.stdout and "step 5" in final.stdout
+    result = assert_resumed_like(run_dir, ref_dir, interruptions=1, steps=24)
+    assert result["test_accuracy"] == reference["test_accuracy"]
+
+    # Re-run, finished: answered from result.json, comparing the plug-in names unimported.
+    again = run(single_cmd(args))
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stderr
+
+
+BAD = [
+    # (model, dataset, what the error names)
+    ("{p}:mlp", "no_such_module_xyz:blobs", "cannot import no_such_module_xyz"),
+    ("{d}/missing.py:mlp", "{p}:blobs", "cannot import"),
+    ("{p}:nothing_here", "{p}:blobs", "has no 'nothing_here'"),
+    ("{p}:not_a_function", "{p}:blobs", "not_a_function is a int, not callable"),
+    ("{p}:returns_a_list", "{p}:blobs", "returned a list, not a torch.nn.Module"),
+    ("{p}:mlp", "{p}:not_a_dataset", "returned a int, not a map-style dataset"),
+    ("{p}:mlp", "{p}:no_classes", "has no `classes` attribute"),
+    ("{p}:mlp", "{p}:str_labels", "label is a str, not an int"),
+    ("{p}:mlp", "{p}:list_inputs", "input is a list, not a tensor"),
+    ("{p}:mlp", "my plugin:x;rm", "is not a registered dataset nor MODULE:FUNCTION"),
+]
+
+
+@pytest.mark.parametrize(("model", "dataset", "expected"), BAD)
+def test_a_bad_plugin_is_refused_naming_the_contract(
+    tmp_path: Path, plugin: Path, model: str, dataset: str, expected: str
+) -> None:
+    names = {"p": str(plugin), "d": str(tmp_path)}
+    run_dir = tmp_path / "run"
+    args = [*plugin_args(run_dir, plugin), "--epochs", "1"]
+    args += ["--model", model.format(**names), "--dataset", dataset.format(**names)]
+    done = subprocess.run(
+        [HPC_DDP, "train", *args], env=job_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert expected in done.stderr, done.stderr
+    assert "plug-in is" in done.stderr or "MODULE:FUNCTION" in done.stderr  # the contract
+    assert not (run_dir / "result.json").exists()
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_dotted_module_imports_from_the_working_directory(tmp_path: Path, plugin: Path) -> None:
+    """MODULE as a dotted name: found from the directory the command runs in."""
+    run_dir = tmp_path / "run"
+    args = plugin_args(run_dir, plugin, model="my_plugin:mlp", dataset="my_plugin:blobs")
+    done = subprocess.run(
+        [HPC_DDP, "train", *args, "--epochs", "1"],
+        env=job_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert read_result(run_dir)["status"] == "finished"
+
+
+def test_commands_that_do_not_train_never_import_the_plugin(tmp_path: Path) -> None:
+    """A config naming plug-ins is validated without importing them (nor torch)."""
+    marker = tmp_path / "imported"
+    (tmp_path / "loud.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef f(n): pass\n")
+    code = (
+        "import sys\nfrom hpc_ddp.train import TrainConfig\n"
+        f"TrainConfig(model={str(tmp_path / 'loud.py') + ':f'!r}, dataset='loud:f')\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    assert not marker.exists()
