@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from launch_support import Launch, kill_leftovers
 from slurm_support import SlurmTestCluster, require_local_slurm
 
 from hpc_ddp.localslurm import LocalCluster
@@ -56,3 +57,13 @@ def slurm_gpu_cluster() -> Iterator[SlurmTestCluster]:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trainer's --data-dir, shared by all runs of one test module."""
     return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    """Launches a test starts (append each); their processes are stopped afterwards, whatever
+    happened."""
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        kill_leftovers(launch.launch_id)

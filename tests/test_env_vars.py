@@ -13,11 +13,10 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from launch_support import Launch, hpc_ddp, json_by_host, kill_leftovers, launch_args
+from launch_support import Launch, hpc_ddp, json_by_host, launch_args
 
 from hpc_ddp import env_vars
 from hpc_ddp.deploy.submission_env import submission_env
@@ -127,14 +126,6 @@ def test_spawned_workers_read_the_parents_layout(
     assert [e["gpus_per_process"] for e in envs] == [2, 2]
     assert [e["gpus"] for e in envs] == [[0, 1], [2, 3]]
     assert {e["world_size"] for e in envs} == {2}
-
-
-@pytest.fixture
-def launches() -> Iterator[list[Launch]]:
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        kill_leftovers(launch.launch_id)
 
 
 def test_host_script_and_node_agent_children_read_their_places(

@@ -8,22 +8,13 @@ as root, so "another user's directory" is one chowned to ``nobody``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from launch_support import Launch, hpc_ddp, kill_leftovers, launch_args
+from launch_support import Launch, hpc_ddp, launch_args
 
 TOOLS = ("pdsh", "clush")
 NOBODY = 65534
-
-
-@pytest.fixture
-def launches() -> Iterator[list[Launch]]:
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        kill_leftovers(launch.launch_id)
 
 
 @pytest.mark.parametrize("tool", TOOLS)

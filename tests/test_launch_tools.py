@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from launch_support import (
     fake_ssh_dir,
     hpc_ddp,
     json_by_host,
-    kill_leftovers,
     launch_args,
     popen_hpc_ddp,
     processes_of,
@@ -35,14 +33,6 @@ from hpc_ddp.localslurm import wait_for
 
 TOOLS = ("pdsh", "clush")
 BOUND_S = 60  # a failed launch must end well within this (torchrun alone would wait 300 s)
-
-
-@pytest.fixture
-def launches() -> Iterator[list[Launch]]:
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        kill_leftovers(launch.launch_id)
 
 
 @pytest.mark.parametrize("mode", ["processes", "torchrun"])

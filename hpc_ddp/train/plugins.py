@@ -31,13 +31,13 @@ from torch.utils.data import Dataset
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.sampler import ShardPlan
-from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData, LoaderTrainData
 from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config -> registry -> plugins must not loop back
     from hpc_ddp.dist import DistContext
+    from hpc_ddp.train.config import TrainConfig
 
 SPLITS = ("train", "test")
 
