@@ -62,8 +62,19 @@ def _import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, (path, package) in modules.items():
         targets: set[str | None] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
+        tree = ast.parse(path.read_text())
+        # Imports under `if TYPE_CHECKING:` never run: annotations only, no cycle at run time.
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for stmt in node.body
+            for inner in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            elif isinstance(node, ast.Import):
                 targets |= {known(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
                 base = package

@@ -71,7 +71,7 @@ def test_status_logs_cancel_sbatch_jobs(slurm_cluster, tmp_path: Path) -> None:
     assert f"job {job_id} (sbatch): RUNNING" in by_dir, by_dir
     logs, _ = _run(["logs", job_id], env)
     assert f"==> {out} <==" in logs and f"job {job_id} restart 0 " in logs, logs
-    assert f"==> {out}.rank1 <==" in logs, logs  # the rank logs too
+    assert f"==> {out}.rank0 <==" in logs, logs  # the rank logs too (rank 0 logs the run)
     follower = _hpc_ddp(["logs", "-f", job_id, "--timeout", "200"], env)
 
     _, said = _run(["cancel", job_id], env)
