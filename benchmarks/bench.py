@@ -309,6 +309,16 @@ class Bench:
             self.resnet(f"resnet_{top}gpu_torchrun", top, launcher="torchrun")
         self.resnet("resnet_1gpu_noddp", 1, probe=["--probe-no-ddp"])
 
+    def suite_weak(self) -> None:
+        """ResNet-18 weak scaling as a user gets it (default flags: the captured step and
+        background checkpoints chosen automatically), 1 GPU and the largest count alternating,
+        ``--repeats`` times each: a drift of the machine lands on both sides, and the median
+        with its spread tells a real gap from run-to-run noise."""
+        top = max(self.gpus)
+        for r in range(1, self.args.repeats + 1):
+            for n in sorted({1, top}):
+                self.resnet(f"weak_{n}gpu_r{r}", n, "--cuda-graphs", "auto", "--async-checkpoint")
+
     def suite_ddpcost(self) -> None:
         """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it, DDP
         with torch's defaults; ``--ddpcost-extras``: with the all-reduce timing hook, with
@@ -409,6 +419,7 @@ class Bench:
             "ref": self.suite_ref,
             "scaling": self.suite_scaling,
             "ddpcost": self.suite_ddpcost,
+            "weak": self.suite_weak,
             "eager": self.suite_eager,
             "resume": self.suite_resume,
             "nccl": self.suite_nccl,
@@ -450,7 +461,12 @@ def main() -> None:
         "compared) or easy (learnt in an epoch)",
     )
     parser.add_argument("--ddpcost-extras", action="store_true", help="ddpcost: 2 more runs")
-    parser.add_argument("--repeats", type=int, default=3, help="ttfs: runs of the headline")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="ttfs: runs of the headline; weak: runs per GPU count",
+    )
     parser.add_argument(
         "--ttfs-ab", action="store_true", help="ttfs: each repeat also on TCPStore's backoff"
     )

@@ -156,6 +156,33 @@ def table_scaling(runs: dict, gpus: list[int]) -> list[str]:
     return out
 
 
+def table_weak(runs: dict) -> list[str]:
+    """Weak scaling over repeated runs (bench.py's weak suite): each run's steady rate, the
+    efficiency of the median N-GPU rate against N x the median 1-GPU rate, and its spread
+    (the worst and best pairing of runs)."""
+    rates: dict[int, list[float]] = {}
+    for key, run in runs.items():
+        if key.startswith("weak_") and _ok(run):
+            rate = steady_rate(run)
+            if rate:
+                rates.setdefault(int(key.split("_")[1].removesuffix("gpu")), []).append(rate)
+    if 1 not in rates or len(rates) < 2:
+        return []
+    out = ["", "### b2. ResNet-18 weak scaling, default flags, repeated runs", ""]
+    out += ["| GPUs | runs | samples/s each | median | efficiency (median) | spread |"]
+    out += ["|---|---|---|---|---|---|"]
+    one = median(rates[1])
+    for n in sorted(rates):
+        each = ", ".join(f"{r:.0f}" for r in rates[n])
+        eff = median(rates[n]) / (n * one)
+        lo, hi = min(rates[n]) / (n * max(rates[1])), max(rates[n]) / (n * min(rates[1]))
+        out.append(
+            f"| {n} | {len(rates[n])} | {each} | {median(rates[n]):.0f} | {100 * eff:.1f}% | "
+            f"{100 * lo:.1f}-{100 * hi:.1f}% |"
+        )
+    return out
+
+
 def table_ttfs(runs: dict) -> list[str]:
     out = ["", "### c. Time to first step (end of the first optimizer step)", ""]
     rows = [(k, r) for k, r in runs.items() if r.get("ttfs") and not k.startswith("resume")]
@@ -188,7 +215,7 @@ def table_ckpt(runs: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in runs.items():
-        if not key.startswith("resnet_") or not r.get("saves"):
+        if not key.startswith(("resnet_", "weak_")) or not r.get("saves"):
             continue
         saves, hist = r["saves"], r.get("history") or []
         epoch = mean(h["seconds"] for h in hist) if hist else None
@@ -299,6 +326,7 @@ def tables(results: dict) -> str:
     body = (
         table_ref(runs, gpus)
         + table_scaling(runs, gpus)
+        + table_weak(runs)
         + table_ttfs(runs)
         + table_ckpt(runs)
         + table_allreduce(runs, gpus)
