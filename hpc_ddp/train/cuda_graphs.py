@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -194,6 +195,10 @@ class GraphedStep:
         self.static_y: torch.Tensor | None = None
         self.eager_steps = 0
         self.replays = 0
+        # Called before capture: CUDA refuses other threads' allocations of pinned memory while
+        # a stream captures, so a background checkpoint save still copying to the host must
+        # finish first (a resumed run reaches capture after its first epoch-end save).
+        self.before_capture: Callable[[], object] | None = None
 
     def _autocast(self) -> AbstractContextManager:
         if self.amp_dtype is None:
@@ -238,6 +243,8 @@ class GraphedStep:
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.static_x = torch.empty_like(x)
         self.static_y = torch.empty_like(y)
+        if self.before_capture is not None:
+            self.before_capture()
         torch.cuda.synchronize(self.device)
         first = torch.cuda.CUDAGraph()
         with torch.cuda.graph(first):

@@ -124,6 +124,8 @@ def build_state(
         keep=cfg.keep_checkpoints,
         async_save=cfg.async_checkpoint,  # its Gloo group: created now, on every rank
     )
+    if isinstance(stepper, cuda_graphs.GraphedStepper):
+        stepper.graphed.before_capture = ckpt.wait  # no background save overlaps the capture
     return TrainState(amp, plan, net, model, choice.captured, stepper, train_data, eval_data, ckpt)
 
 
