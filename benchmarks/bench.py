@@ -251,24 +251,20 @@ class Bench:
         ``--ttfs-ab``: each repeat also with ``--probe-store-backoff`` (ranks > 0 connect to
         rank 0's store at once and retry on TCPStore's backoff), the order alternating.
         ``--ttfs-eager``: each repeat also as eager DDP (``--no-cuda-graphs``), with the
-        two-stage torch._dynamo prefetch and with the former one-stage one.
-        ``--ttfs-warmup``: each repeat also without the CUDA warm-up (HPC_DDP_CUDA_WARMUP=0)."""
+        two-stage torch._dynamo prefetch and with the former one-stage one."""
         top = max(self.gpus)
         for i in range(1, self.args.repeats + 1):
-            runs: list[tuple[str, list[str], list[str], dict | None]] = [("", [], [], None)]
+            runs: list[tuple[str, list[str], list[str]]] = [("", [], [])]
             if self.args.ttfs_ab:
-                runs.append(("_backoff", [], ["--probe-store-backoff"], None))
+                runs.append(("_backoff", [], ["--probe-store-backoff"]))
             if self.args.ttfs_eager:
                 eager = ["--no-cuda-graphs"]
-                runs.append(("_eager", eager, [], None))
-                runs.append(("_eager_onestage", eager, ["--probe-one-stage-prefetch"], None))
-            if self.args.ttfs_warmup:
-                runs.append(("_nowarmup", [], [], {"HPC_DDP_CUDA_WARMUP": "0"}))
+                runs.append(("_eager", eager, []))
+                runs.append(("_eager_onestage", eager, ["--probe-one-stage-prefetch"]))
             runs = runs[:: 1 if i % 2 else -1]
-            for suffix, step, probe, env in runs:
+            for suffix, step, probe in runs:
                 flags = [*self.lenet_flags(f"lenet{top}{suffix}r{i}", None), *step]  # defaults
-                name = f"ttfs_lenet_{top}gpu_async{suffix}_r{i}"
-                self.ours(name, top, flags, probe=probe, env=env)
+                self.ours(f"ttfs_lenet_{top}gpu_async{suffix}_r{i}", top, flags, probe=probe)
 
     def suite_refx(self) -> None:
         top = max(self.gpus)
@@ -478,9 +474,6 @@ def main() -> None:
         "--ttfs-eager",
         action="store_true",
         help="ttfs: each repeat also as eager DDP, with the two-stage and one-stage prefetch",
-    )
-    parser.add_argument(
-        "--ttfs-warmup", action="store_true", help="ttfs: each repeat also without the CUDA warm-up"
     )
     parser.add_argument("--resnet-batch", type=int, default=256, help="per GPU")
     parser.add_argument("--resnet-epochs", type=int, default=5)

@@ -51,8 +51,6 @@ per host. The node agent is ``hpc_ddp.deploy.shell.node_agent``; spawn is ``hpc_
 |                            |                                  | kernels in a captured step     |
 | `HPC_DDP_GRAPH_ALLREDUCE`  | hpc_ddp.train.cuda_graphs        | `0`: the all-reduce stays out  |
 |                            |                                  | of the captured graph          |
-| `HPC_DDP_CUDA_WARMUP`      | hpc_ddp.train.cuda_warmup        | `0`: no warm-up of the CUDA    |
-|                            |                                  | libraries during start-up      |
 
 Pure standard library: the node agent imports it on hosts where nothing else is known to work.
 """
@@ -110,7 +108,6 @@ SLURM_VAR = "HPC_DDP_SLURM"
 LOCAL_SLURM_DIR_VAR = "HPC_DDP_LOCAL_SLURM_DIR"
 GRAPH_FUSED_ADAM_VAR = "HPC_DDP_GRAPH_FUSED_ADAM"
 GRAPH_ALLREDUCE_VAR = "HPC_DDP_GRAPH_ALLREDUCE"
-CUDA_WARMUP_VAR = "HPC_DDP_CUDA_WARMUP"
 
 SETTINGS_VARS: tuple[str, ...] = (
     TEMPLATES_VAR,
@@ -118,7 +115,6 @@ SETTINGS_VARS: tuple[str, ...] = (
     LOCAL_SLURM_DIR_VAR,
     GRAPH_FUSED_ADAM_VAR,
     GRAPH_ALLREDUCE_VAR,
-    CUDA_WARMUP_VAR,
 )
 
 

@@ -67,9 +67,7 @@ def start_snapshot(obj: Any, *, device_staging: bool | None = None) -> Snapshot:
     devices: set[torch.device] = set()
     if device_staging is None:
         device_staging = _fits_on_devices(obj)
-    clones: list[tuple[torch.Tensor, torch.Tensor]] = []  # (clone, source) for device staging
-    out = _copy(obj, devices, device_staging, clones)
-    _copy_on_devices(clones)
+    out = _copy(obj, devices, device_staging)
     events = []
     for device in devices:
         event = torch.cuda.Event()
@@ -98,44 +96,23 @@ def _fits_on_devices(obj: Any) -> bool:
     )
 
 
-def _copy_on_devices(clones: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Fill the device clones with one multi-tensor copy per device instead of a kernel launch
-    per tensor: a model's state dict and optimizer state are hundreds of small tensors, and
-    their launches were most of a save's stall (ResNet-18: ~200 tensors)."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for clone, source in clones:
-        dsts, srcs = by_device.setdefault(source.device, ([], []))
-        dsts.append(clone)
-        srcs.append(source)
-    for device, (dsts, srcs) in by_device.items():
-        with torch.cuda.device(device):  # on that device's current stream: in stream order
-            torch._foreach_copy_(dsts, srcs)
-
-
-def _copy(
-    obj: Any,
-    devices: set[torch.device],
-    device_staging: bool,
-    clones: list[tuple[torch.Tensor, torch.Tensor]],
-) -> Any:
+def _copy(obj: Any, devices: set[torch.device], device_staging: bool) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.is_cuda:
             devices.add(t.device)
             if device_staging:
-                clone = torch.empty_like(t)  # filled by _copy_on_devices, as clone() would be
-                clones.append((clone, t))
-                return _OnDevice(clone)
+                return _OnDevice(t.clone())
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             return host.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
     if isinstance(obj, (bool, int, float, complex, str, bytes, type(None))):
         return obj  # immutable
     if type(obj) in (dict, OrderedDict):
-        items = [(k, _copy(v, devices, device_staging, clones)) for k, v in obj.items()]
+        items = [(k, _copy(v, devices, device_staging)) for k, v in obj.items()]
         return OrderedDict(items) if type(obj) is OrderedDict else dict(items)
     if type(obj) in (list, tuple):
-        return type(obj)(_copy(v, devices, device_staging, clones) for v in obj)
+        return type(obj)(_copy(v, devices, device_staging) for v in obj)
     return copy.deepcopy(obj)
 
 

@@ -13,10 +13,3 @@ DATASETS = {
     "cifar10": "hpc_ddp.cifar.source:load",
     "cifar100": "hpc_ddp.cifar.source:load",
 }
-# Each dataset's sample shape and number of classes, known before any file is read: the CUDA
-# warm-up (hpc_ddp.train.cuda_warmup) runs the model on zeros of this shape while the process
-# group comes up.
-SHAPES = {
-    "cifar10": ((3, 32, 32), 10),
-    "cifar100": ((3, 32, 32), 100),
-}

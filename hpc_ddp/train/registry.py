@@ -22,20 +22,15 @@ from hpc_ddp.train import plugin_spec
 
 Kind = Literal["model", "dataset"]
 _ENTRIES: dict[Kind, dict[str, str]] = {"model": {}, "dataset": {}}
-Shape = tuple[tuple[int, ...], int]  # one sample's input shape, number of classes
-_SHAPES: dict[str, Shape] = {}
 _builtins_loaded = False
 
 
-def register(kind: Kind, name: str, target: str, *, shape: Shape | None = None) -> None:
-    """Make ``name`` a ``--model``/``--dataset`` choice built by ``target`` (``module:attr``);
-    a dataset may declare ``shape`` (see ``dataset_shape``)."""
+def register(kind: Kind, name: str, target: str) -> None:
+    """Make ``name`` a ``--model``/``--dataset`` choice built by ``target`` (``module:attr``)."""
     module, _, attr = target.partition(":")
     if not module or not attr:
         raise ValueError(f"registry target {target!r} is not 'module:attribute'")
     _ENTRIES[kind][name] = target
-    if shape is not None:
-        _SHAPES[name] = shape
 
 
 def _load_builtins() -> None:
@@ -47,19 +42,12 @@ def _load_builtins() -> None:
         for name, target in entries.MODELS.items():
             register("model", name, target)
         for name, target in entries.DATASETS.items():
-            register("dataset", name, target, shape=entries.SHAPES.get(name))
+            register("dataset", name, target)
 
 
 def names(kind: Kind) -> tuple[str, ...]:
     _load_builtins()
     return tuple(_ENTRIES[kind])
-
-
-def dataset_shape(name: str) -> Shape | None:
-    """A registered dataset's sample shape and class count, known without reading it (None for
-    plug-ins and datasets that declare none)."""
-    _load_builtins()
-    return _SHAPES.get(name)
 
 
 def is_plugin(name: str) -> bool:

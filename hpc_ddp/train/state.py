@@ -7,6 +7,7 @@ data and the checkpointer: all made here, in this order, on every rank.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,9 +141,10 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
       NCCL broadcast plus a copy per buffer). Rank 0's buffers reach the other ranks where they
       are read: before each evaluation (``Comm.broadcast_buffers``); checkpoints hold rank 0's.
       Any other buffer may be read in training, so such a model keeps DDP's broadcast.
-      (torch 2.13 renamed ``broadcast_buffers`` to this; the old name warns on every rank.
-      Unlike ``broadcast_buffers=False`` it still broadcasts buffers once at construction:
-      the model is built from the same seed on every rank, so that copies equal values.)
+      (torch 2.13 renamed ``broadcast_buffers`` to this; the old name warns on every rank,
+      and older releases know only the old one, which they get. Unlike
+      ``broadcast_buffers=False`` it still broadcasts buffers once at construction: the model
+      is built from the same seed on every rank, so that copies equal values.)
 
     tests/test_train_ddp.py checks both against DDP's defaults, bit for bit. A model split
     across a process's GPUs keeps DDP's defaults: only the one-device case was measured and
@@ -154,5 +156,13 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
     owners = [m for m in net.modules() if next(m.buffers(recurse=False), None) is not None]
     return {
         "gradient_as_bucket_view": True,
-        "forward_sync_buffers": not all(isinstance(m, norm) for m in owners),
+        _SYNC_BUFFERS: not all(isinstance(m, norm) for m in owners),
     }
+
+
+# DDP's keyword for the broadcast of buffers before each forward, by torch release.
+_SYNC_BUFFERS = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else "broadcast_buffers"
+)

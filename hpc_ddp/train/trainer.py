@@ -28,7 +28,6 @@ from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.cuda_warmup import CudaWarmup
 from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
@@ -293,14 +292,13 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     """
     import torch.distributed as dist
 
-    from hpc_ddp.dist import init_distributed, process_device
+    from hpc_ddp.dist import init_distributed
 
     clock = Clock()
     own_group = ctx is None and not dist.is_initialized()
     env = ctx.env if ctx else detect_env(gpus_per_process=config.gpus_per_process or None)
     set_rank(env.rank)
     prefetch = DynamoPrefetch.start() if needs_dynamo(config, env) else None
-    warmup = CudaWarmup.start(config, process_device(env), len(env.gpus) or 1)
     if ctx is None:
         ctx = init_distributed(
             env,
@@ -322,10 +320,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             result = _finished_result(config)
             log.info("\n".join(finished_answer(config.run_dir, result.to_dict())))
             return result
-        splits = load_splits(config, ctx, comm)
-        if warmup is not None:
-            warmup.join()  # before the run's own model: nothing of the run overlaps it
-        state = build_state(config, ctx, comm, amp, splits)
+        state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
         trainer = Trainer(config, ctx, comm, state, clock)
         result = trainer.run(flag)
     except BaseException as err:
