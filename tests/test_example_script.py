@@ -193,7 +193,7 @@ def _spec_file(tmp: Path, procs: tuple[int, int], *args: str, script: str = EXAM
     toml_args = ", ".join(json.dumps(a) for a in args)
     spec.write_text(
         f'name = "example-sub"\nnodes = {procs[0]}\nprocs_per_node = {procs[1]}\n'
-        f'time = "10"\nscript = {json.dumps(script)}\nargs = [{toml_args}]\n'
+        f'time = "30"\nscript = {json.dumps(script)}\nargs = [{toml_args}]\n'
     )
     return spec
 
@@ -274,6 +274,9 @@ def test_submitit_job_preempted_with_usr1_requeues_to_the_same_weights(
     assert "preempted at step 3: checkpointed; exit 75" in rank0, rank0
     assert "running under submitit, which requeues" in rank0, rank0  # the script asked no one
     assert "Calling checkpoint method" in rank0 and "step-00000003: epoch 1, step 3" in rank0
+    # submitit's requeue path, told the signal: a preemption (30 min asked), not a time-out.
+    err = next(folder.glob(f"{job_id}_0_log.err")).read_text()
+    assert "Caught signal SIGUSR1" in err and "this job is preempted" in err, err
     result = _result(run_dir)
     assert (result["world_size"], result["steps"]) == (2, 18)
     assert result["params_sha256"] == reference["params_sha256"]

@@ -64,6 +64,7 @@ class ProgramTask(submitit.helpers.Checkpointable):
     env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _signalled: int = field(default=PREEMPT_SIGNAL, init=False, repr=False)  # the last passed on
 
     def command(self) -> list[str]:
         return [self.python, "-u", *self.program]
@@ -96,8 +97,9 @@ class ProgramTask(submitit.helpers.Checkpointable):
         requeue = previous[PREEMPT_SIGNAL]  # submitit's handler
         if code == EXIT_REQUEUE and rank == 0 and callable(requeue):
             # The program was stopped by a signal submitit's handler did not see (USR1, TERM):
-            # go through submitit's requeue path ourselves. It exits the process.
-            requeue(PREEMPT_SIGNAL, None)
+            # go through submitit's requeue path ourselves, naming that signal in its log. It
+            # exits the process.
+            requeue(self._signalled, None)
         if code not in (0, EXIT_REQUEUE):
             raise HpcDdpError(f"{self.name} (rank {rank}) exited with code {code}")
         return self.summary(code)
@@ -108,6 +110,7 @@ class ProgramTask(submitit.helpers.Checkpointable):
         previous = signal.getsignal(sig)
 
         def forward(signum: int, frame: FrameType | None) -> None:
+            self._signalled = signum
             if self._child is not None and self._child.poll() is None:
                 self._child.send_signal(signum)
             if callable(previous):
