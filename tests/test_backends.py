@@ -162,6 +162,14 @@ def test_submitit_describe_shows_the_task_and_creates_nothing(tmp_path: Path) ->
     assert f"{sys.executable} -u -m hpc_ddp.train --run-dir r --requeue none" in plan.text
     assert plan.run_paths == api.RunPaths(tmp_path / "r")
     assert not any(tmp_path.iterdir())
+    # Any other program runs as given: no trainer flags, no result.json to report.
+    (tmp_path / "mine.py").write_text("")
+    script = spec.replace(module="", script="mine.py", args=["--x", "a b"])
+    plan = api.describe(script, "submitit", folder=tmp_path / "logs", cwd=tmp_path)
+    assert f"\n{sys.executable} -u mine.py --x 'a b'\n" in plan.text
+    assert plan.run_paths is None and not (tmp_path / "logs").exists()
+    module = api.describe(spec.replace(module="pkg.train", args=["-v"]), "local", cwd=tmp_path)
+    assert f"\n{sys.executable} -u -m pkg.train -v\n" in module.text and module.run_paths is None
 
 
 def test_a_launch_describes_its_script_and_the_dry_run_command(tmp_path: Path) -> None:

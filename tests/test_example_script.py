@@ -181,3 +181,102 @@ def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
     assert f"step exited 75 (checkpointed): requeueing job {pre_id}" in text, text
     assert "preempted at step 3" in text and "step-00000003: epoch 1, step 3" in text, text
     assert results["pre"]["params_sha256"] == results["ref"]["params_sha256"]
+
+
+# --- submitit: `hpc-ddp submit --executor submitit|local` runs the script in every task --------
+SUBMITTED = re.compile(r"submitted (?:submitit|local) job (\d+); logs in ")
+
+
+def _spec_file(tmp: Path, procs: tuple[int, int], *args: str, script: str = EXAMPLE) -> Path:
+    """A job file a user would write for the script: ``procs`` = (nodes, tasks per node)."""
+    spec = tmp / "job.toml"
+    toml_args = ", ".join(json.dumps(a) for a in args)
+    spec.write_text(
+        f'name = "example-sub"\nnodes = {procs[0]}\nprocs_per_node = {procs[1]}\n'
+        f'time = "30"\nscript = {json.dumps(script)}\nargs = [{toml_args}]\n'
+    )
+    return spec
+
+
+def _submit_cmd(executor: str, spec: Path, folder: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpc_ddp.cli", "submit", "--executor", executor,
+            "--folder", str(folder), "--wait-timeout", "240", *extra, str(spec)]  # fmt: skip
+
+
+def test_local_executor_runs_the_script_to_the_same_weights(
+    reference: dict, tmp_path: Path
+) -> None:
+    """submitit's LocalExecutor, 1 node x 2 tasks: each task runs ``python -u ddp_train.py`` with
+    its rank, world and master set; the job ends COMPLETED with the torchrun run's weights. A
+    script that fails, and one that does not exist, are reported by name."""
+    run_dir, folder = tmp_path / "run", tmp_path / "submitit"
+    spec = _spec_file(tmp_path, (1, 2), *ARGS, "--run-dir", str(run_dir))
+    dry = run(_submit_cmd("local", spec, folder, "--dry-run"))
+    assert dry.returncode == 0 and not folder.exists(), dry.stderr
+    assert f"-u {EXAMPLE} {' '.join(ARGS)} --run-dir {run_dir}\n" in dry.stdout, dry.stdout
+
+    done = run(_submit_cmd("local", spec, folder), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"job \d+: COMPLETED, exit code 0\n", done.stdout), done.stdout
+    assert _result(run_dir)["params_sha256"] == reference["params_sha256"]
+    assert f"params_sha256={reference['params_sha256']}" in done.stdout  # rank 0's log followed
+
+    failing = tmp_path / "fails.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+    bad = run(_submit_cmd("local", _spec_file(tmp_path, (1, 1), script=str(failing)), folder))
+    assert bad.returncode == 1 and "FAILED, exit code 1" in bad.stdout, bad.stdout + bad.stderr
+    assert f"{failing} (rank 0) exited with code 3" in bad.stdout, bad.stdout
+
+    missing = _spec_file(tmp_path, (1, 1), script="no/such_script.py")
+    refused = run(_submit_cmd("local", missing, tmp_path / "never"))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "script 'no/such_script.py': no such file in" in refused.stderr, refused.stderr
+    assert "HINT:" in refused.stderr and not (tmp_path / "never").exists()
+
+
+def _holding_in(folder: Path, ranks: int) -> dict[int, int]:
+    """rank -> pid once every task's log in submitit's folder says it holds."""
+    text = "".join(log.read_text(errors="replace") for log in folder.glob("*_log.out"))
+    found = {int(m[1]): int(m[2]) for m in HOLDING.finditer(text)}
+    return found if len(found) == ranks else {}
+
+
+@pytest.mark.slurm
+def test_submitit_job_preempted_with_usr1_requeues_to_the_same_weights(
+    slurm_cluster, reference: dict, tmp_path: Path
+) -> None:
+    """``hpc-ddp submit --executor submitit``: 2 nodes x 1 task (world 2, the reference's) on the
+    local cluster, every task holding at step 3 until ``scancel --signal=USR1`` (no flag: the
+    step's processes, submitit's task and the script alike). The script checkpoints and exits
+    75; rank 0's task takes submitit's requeue path (checkpoint(), scontrol requeue); the rerun
+    resumes from step 3 and the job ends COMPLETED with the uninterrupted run's weights."""
+    run_dir, folder, log = tmp_path / "run", tmp_path / "submitit", tmp_path / "submit.log"
+    spec = _spec_file(tmp_path, (2, 1), *ARGS, "--run-dir", str(run_dir), "--hold-at-step", "3")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            _submit_cmd("submitit", spec, folder), stdout=out, stderr=subprocess.STDOUT,
+            env=slurm_cluster.env, cwd=tmp_path, text=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: _holding_in(folder, 2) or proc.poll() is not None, 120, "2 tasks to hold")
+        assert proc.poll() is None, log.read_text()
+        job_id = SUBMITTED.search(log.read_text())[1]
+        slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0 and f"job {job_id}: COMPLETED, exit code 0" in text, text
+    info = slurm_cluster.job_info(job_id)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), info
+    rank0 = next(folder.glob(f"{job_id}_0_log.out")).read_text()
+    assert "preempted at step 3: checkpointed; exit 75" in rank0, rank0
+    assert "running under submitit, which requeues" in rank0, rank0  # the script asked no one
+    assert "Calling checkpoint method" in rank0 and "step-00000003: epoch 1, step 3" in rank0
+    # submitit's requeue path, told the signal: a preemption (30 min asked), not a time-out.
+    err = next(folder.glob(f"{job_id}_0_log.err")).read_text()
+    assert "Caught signal SIGUSR1" in err and "this job is preempted" in err, err
+    result = _result(run_dir)
+    assert (result["world_size"], result["steps"]) == (2, 18)
+    assert result["params_sha256"] == reference["params_sha256"]

@@ -437,13 +437,13 @@ def submitit_fig(ax: Axes) -> None:
         "submitit's handler: TrainTask.checkpoint()\nwaits for the child, submitit requeues",
         "submitit's handler (requeue is rank 0's job)",
     ]
-    child = """--requeue none --requeue-signal SIGUSR2,SIGTERM
+    child = """--requeue none --requeue-signal SIGUSR1,SIGUSR2,SIGTERM
         source slurm: RANK={lr} (SLURM_PROCID), WORLD_SIZE=4
-        on USR2: agree, checkpoint, exit 75"""
+        on any of them: agree, checkpoint, exit 75"""
     for lr in range(2):
         x0 = 0.25 + lr * 6.35
         ids = f"SLURM_PROCID={lr}  SLURM_LOCALID={lr}  SUBMITIT_*"
-        text = f"{ids}\non USR2: forward it to the child, then\n{on_usr2[lr]}"
+        text = f"{ids}\nUSR1, USR2, TERM: forward to the child; on USR2\n{on_usr2[lr]}"
         title = f"srun task {lr}: submitit + TrainTask (no torch)"
         w = box(ax, x0, 4.8, 6.15, "agent", title, text, h=1.19)  # h: both wrappers alike
         arrow(ax, at(sl, 0, 0, dx=1.5 + lr * 2.0), top(w), f"task {lr}", ty=0.05)
@@ -454,8 +454,10 @@ def submitit_fig(ax: Axes) -> None:
         ax,
         "--executor local (submitit's LocalExecutor, one machine): tasks see "
         "SUBMITIT_LOCAL_GLOBALID, _LOCALID, _NODEID, _NTASKS\nand no SLURM_*; master 127.0.0.1, "
-        "port derived from the job id.",
-        y=1.65,
+        "port derived from the job id. A script or module of yours is the child in the same way "
+        "(ProgramTask),\nwith RANK, WORLD_SIZE, MASTER_ADDR... exported and without the "
+        "trainer's flags.",
+        y=1.42,
         items=LEGEND[:4],
     )
 

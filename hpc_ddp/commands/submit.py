@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_deprecated(
         parser, "--timeout", dest="wait_timeout", use="--wait-timeout SECONDS", type=float
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be submitted (the batch script; submitit: its parameters and "
+        "every task's command) and submit nothing",
+    )
     parser.add_argument("--no-wait", action="store_true", help="print the job id and return")
     parser.add_argument("--quiet", action="store_true", help="do not follow the job's log")
     parser.add_argument(
@@ -68,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     options = dict(folder=args.folder, produced_by=f"hpc-ddp submit {args.job}")
     # Described before a cluster is started: whatever is wrong with the job fails first.
     plan = get_backend(executor, **options).describe(spec)
+    if args.dry_run:
+        print(plan.text, end="")
+        return 0
     nodes, gpus = (2, 0)
     if executor == "sbatch" and isinstance(spec, JobSpec):
         nodes, gpus = spec.nodes, spec.gpus_per_node

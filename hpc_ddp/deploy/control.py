@@ -14,6 +14,7 @@ Torch-free; submitit is imported only for submitit jobs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -122,11 +123,9 @@ def _submitit_job(
     else:
         handle = submitit.SlurmJob(folder, job_id)
     run_paths = None
-    try:  # our own pickle in the folder the job was submitted with: the trainer's arguments
-        task = handle.submission().function
-        run_paths = trainer_run_paths(task.argv, workdir)
-    except (AssertionError, AttributeError, OSError, ConfigError):
-        pass
+    # Our own pickle in the folder the job was submitted with: a trainer's run dir.
+    with contextlib.suppress(AssertionError, AttributeError, OSError, ConfigError):
+        run_paths = handle.submission().function.run_paths(workdir)
     return SubmititJob(handle, cluster_env, run_paths, None, folder)
 
 

@@ -1,11 +1,13 @@
-"""``SubmititBackend``: the trainer through submitit, on Slurm (``AutoExecutor``, executor
-"submitit") or on this machine (``LocalExecutor``, executor "local").
+"""``SubmititBackend``: a spec's program (the trainer, or a script or module of yours) through
+submitit, on Slurm (``AutoExecutor``, executor "submitit") or on this machine (``LocalExecutor``,
+executor "local").
 
-describe: the executor's parameters and the command every task runs (``TrainTask``), checked
-and written out without creating anything. submit: the executor (made only then, in ``folder``)
-submits the task. ``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because
-submitit's own watcher asks sacct, which clusters without accounting (like the local one) do not
-answer: a job that died before writing its result would be waited on forever.
+describe: the executor's parameters and the command every task runs (``ProgramTask``; the
+trainer's is a ``TrainTask``), checked and written out without creating anything. submit: the
+executor (made only then, in ``folder``) submits the task. ``SubmititJob`` reads the job's state
+from ``scontrol`` on Slurm, because submitit's own watcher asks sacct, which clusters without
+accounting (like the local one) do not answer: a job that died before writing its result would
+be waited on forever.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
 from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters, not_used
-from hpc_ddp.deploy.submitit.task import TrainTask
-from hpc_ddp.deploy.trainer_args import trainer_run_paths
+from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
@@ -37,7 +38,7 @@ class _Request:
     kind: Kind
     folder: Path
     parameters: dict[str, Any]
-    task: TrainTask
+    task: ProgramTask
 
 
 class SubmititBackend(Backend):
@@ -66,16 +67,20 @@ class SubmititBackend(Backend):
         return self.kind
 
     def describe(self, spec: JobSpec) -> DryRun:
-        if not spec.runs_trainer:
-            raise ConfigError(
-                "the submitit backend runs the hpc_ddp trainer (module hpc_ddp.train)",
-                hint="use --executor sbatch for another program",
-            )
         parameters = executor_parameters(spec, self.kind)
         folder = self.folder or Path("runs") / "submitit" / spec.name
         cwd = (self.cwd or Path.cwd()).absolute()
+        # Where the tasks run: submitit's jobs start in the submitter's directory (--chdir on
+        # Slurm); submitit needs a file system shared with the job, so the script is checked here.
+        workdir = cwd if self.kind == "local" else cwd / spec.workdir
+        if spec.script and not (workdir / spec.script).is_file():
+            raise ConfigError(
+                f"script {spec.script!r}: no such file in {workdir}, where the tasks start",
+                hint="give the script's path relative to that directory, or an absolute one",
+            )
         # Same environment as the sbatch templates give (OMP_NUM_THREADS, GPUs per process...).
-        task = TrainTask(list(spec.args), env=dict(job_env(spec)))
+        task_class = TrainTask if spec.runs_trainer else ProgramTask
+        task = task_class(list(spec.program), env=dict(job_env(spec)))
         where = "LocalExecutor, this machine" if self.kind == "local" else "AutoExecutor, Slurm"
         text = "\n".join(
             [
@@ -83,8 +88,9 @@ class SubmititBackend(Backend):
                 "# executor parameters: "
                 + " ".join(f"{k}={v}" for k, v in sorted(parameters.items())),
                 "# every task runs, with "
-                + " ".join(f"{k}={shlex.quote(v)}" for k, v in task.env.items()) + ":",
-                shlex.join(task.trainer_argv()),
+                + " ".join(f"{k}={shlex.quote(v)}" for k, v in task.env.items())
+                + " and its RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK:",
+                shlex.join(task.command()),
                 *(f"# not used: {note}" for note in not_used(spec, self.kind)),
                 "",
             ]
@@ -94,7 +100,7 @@ class SubmititBackend(Backend):
             text,
             f"submitit {self.kind} job in {folder}",
             _Request(self.kind, folder, parameters, task),
-            trainer_run_paths(spec.args, cwd),
+            task.run_paths(workdir),
         )
 
     def submit(self, plan: DryRun) -> SubmititJob:
@@ -189,13 +195,14 @@ class SubmititJob(Job):
         follower.poll()
         count = restarts(self._info())
         try:
-            result = self.job.results()[0]  # rank 0's: the trainer writes result.json there
+            result = self.job.results()[0]  # rank 0's: a trainer's carries its result.json
         except Exception as err:  # submitit re-raises the task's error, with its traceback
             done = Finished(self.job_id, state, 1, count, self.output, error=str(err))
         else:
             summary = result if isinstance(result, dict) else {}
             code = int(summary.get("exit_code", 0))
-            done = Finished(self.job_id, state, code, count, self.output, summary or None)
+            trained = summary if self.run_paths is not None else None  # a trainer's job
+            done = Finished(self.job_id, state, code, count, self.output, trained or None)
         self._finished = done
         return done
 

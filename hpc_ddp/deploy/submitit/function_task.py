@@ -1,9 +1,8 @@
 """``FunctionTask``: any Python function as a submitit task, with the distributed environment set.
 
 Before ``fn`` runs, each task exports the spec's environment and the variables
-``init_process_group(init_method="env://")`` reads (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...),
-worked out by ``hpc_ddp.detect_env`` from what submitit's launcher set (Slurm's ``SLURM_*`` or the
-LocalExecutor's ``SUBMITIT_LOCAL_*``). With ``distributed=True`` it also starts the process group
+``init_process_group(init_method="env://")`` reads (``hpc_ddp.deploy.submitit.environment``, as
+for a program). With ``distributed=True`` it also starts the process group
 (``hpc_ddp.init_distributed``: GPU bound, every rank met within a deadline).
 
 Preemption and time limit: submitit's own handler (USR2) calls ``checkpoint()`` on rank 0, which
@@ -21,7 +20,7 @@ from typing import Any
 
 import submitit
 
-from hpc_ddp.cluster import detect_env
+from hpc_ddp.deploy.submitit.environment import export_task_env
 
 
 class FunctionTask(submitit.helpers.Checkpointable):
@@ -35,9 +34,7 @@ class FunctionTask(submitit.helpers.Checkpointable):
         self.distributed = distributed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        os.environ.update(self.env)
-        dist_env = detect_env()
-        os.environ.update(dist_env.torch_env())
+        dist_env = export_task_env(self.env)
         if not self.distributed:
             return self.fn(*args, **kwargs)
         from hpc_ddp.dist import init_distributed  # torch: only when a process group is asked for

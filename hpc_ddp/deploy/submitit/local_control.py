@@ -1,11 +1,12 @@
 """A submitit LocalExecutor job seen from another process: alive or not, and how to stop it.
 
 A local job's id is the pid of submitit's controller, which starts one task process per rank
-(each running ``TrainTask``, whose child is the trainer). Another process has no Popen for it,
-so this module reads /proc. Stopping with a checkpoint sends SIGINT to the tasks, not the
-controller: the controller answers SIGINT by killing its tasks a second later, too soon for a
-checkpoint, while a task answers it by sending its trainer SIGTERM (on which the trainer
-checkpoints and exits) and waiting for it (``TrainTask._end_child``). Torch-free.
+(each running ``ProgramTask``, whose child is the program: the trainer or a script). Another
+process has no Popen for it, so this module reads /proc. Stopping with a checkpoint sends SIGINT
+to the tasks, not the controller: the controller answers SIGINT by killing its tasks a second
+later, too soon for a checkpoint, while a task answers it by sending its program SIGTERM (on
+which the trainer checkpoints and exits) and waiting for it (``ProgramTask._end_child``).
+Torch-free.
 """
 
 from __future__ import annotations

@@ -1,28 +1,37 @@
-"""``TrainTask``: what every submitit task runs, a ``submitit.helpers.Checkpointable``.
+"""``ProgramTask``: what every submitit task runs for a spec, a ``submitit.helpers.Checkpointable``.
 
-Each submitit task runs the trainer as a child process (``python -m hpc_ddp.train``), for two
-reasons:
+Each task exports the distributed environment (``hpc_ddp.deploy.submitit.environment``: the
+spec's variables, then ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... as a torchrun worker gets
+them) and runs the spec's program, ``python -u SCRIPT ARGS`` or ``python -u -m MODULE ARGS``, as a
+child process, for two reasons:
 
-* the trainer leaves through ``os._exit`` (Gloo can abort in a C++ destructor at interpreter
+* a DDP program leaves through ``os._exit`` (Gloo can abort in a C++ destructor at interpreter
   teardown, after the work is done), which would skip submitit's result pickle if it ran in
   submitit's process;
-* the trainer checkpoints at a step boundary when its ranks agree, never inside a signal handler.
+* the program checkpoints at a step boundary when its ranks agree, never inside a signal handler.
 
-Preemption/time limit: Slurm (or the local controller) sends USR2 to every process. Our handler
-forwards it to the trainer child and then calls submitit's own handler. On rank 0 that calls
-``checkpoint()``, which waits for the child to finish its checkpoint and exit 75, then returns a
-``DelayedSubmission`` of the same task; submitit requeues the job, and the new run resumes from
-the run dir's newest checkpoint. Only this module's parent process is submitit's; it never
-imports torch.
+Preemption/time limit: the task forwards USR1, USR2 and TERM to its child (the LocalExecutor
+signals only its task processes; on Slurm the child gets them from Slurm too, and a second
+delivery only sets the same flag) and survives them itself. USR2 is submitit's warning: after
+forwarding it, submitit's own handler runs, and on rank 0 calls ``checkpoint()``, which waits for
+the child to finish its checkpoint and exit 75, then returns a ``DelayedSubmission`` of the same
+task; submitit requeues the job, and the new run resumes from the program's newest checkpoint.
+A child that exits 75 after another signal (USR1 from ``scancel --signal=USR1``, TERM at the
+time limit) goes through the same requeue path from rank 0. Exit 0 ends the task normally;
+any other code is an error submitit records. ``TrainTask`` is the project's trainer, which is
+told these signals and that submitit owns the requeue. Only this module's process is
+submitit's; it never imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -31,42 +40,53 @@ from typing import Any
 import submitit
 
 from hpc_ddp.deploy.backend import read_result
+from hpc_ddp.deploy.core import TRAIN_MODULE
+from hpc_ddp.deploy.submitit.environment import export_task_env
 from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.runtime.run_paths import RunPaths
 
-PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL); trainer told explicitly
+PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL)
+# What a task passes on to its program: Slurm's usual warning, submitit's, and the time limit's.
+FORWARDED_SIGNALS = (signal.SIGUSR1, PREEMPT_SIGNAL, signal.SIGTERM)
 CHILD_CHECKPOINT_TIMEOUT_S = 120.0
+
+Handler = Callable[[int, FrameType | None], Any]
 
 
 @dataclass
-class TrainTask(submitit.helpers.Checkpointable):
-    """Run ``python -m hpc_ddp.train ARGV`` in every submitit task; resumable."""
+class ProgramTask(submitit.helpers.Checkpointable):
+    """Run ``python -u PROGRAM`` in every submitit task; ``program`` is a spec's ``program``
+    (``[SCRIPT, *ARGS]`` or ``["-m", MODULE, *ARGS]``). Resumable: requeued on preemption."""
 
-    argv: list[str]
-    python: str = sys.executable
+    program: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _signalled: int = field(default=PREEMPT_SIGNAL, init=False, repr=False)  # the last passed on
 
-    def trainer_argv(self) -> list[str]:
-        # submitit owns the requeue (its checkpoint path); the trainer checkpoints and exits 75.
-        return [
-            self.python, "-u", "-m", "hpc_ddp.train", *self.argv,
-            "--requeue", "none", "--requeue-signal", f"{PREEMPT_SIGNAL.name},SIGTERM",
-        ]  # fmt: skip
+    def command(self) -> list[str]:
+        return [self.python, "-u", *self.program]
+
+    @property
+    def name(self) -> str:
+        """How an error names the program: its script, or ``-m MODULE``."""
+        return " ".join(self.program[:2] if self.program[:1] == ["-m"] else self.program[:1])
+
+    def run_paths(self, workdir: str | Path) -> RunPaths | None:
+        """The run dir whose result.json the job reports: a program of yours keeps its own."""
+        return None
+
+    def summary(self, code: int) -> dict[str, Any]:
+        """Rank 0's return value, which submitit pickles for the submitter."""
+        return {"exit_code": code}
 
     def __call__(self) -> dict[str, Any]:
-        env = submitit.JobEnvironment()
-        previous = signal.getsignal(PREEMPT_SIGNAL)
-
-        def forward(signum: int, frame: FrameType | None) -> None:
-            if self._child is not None and self._child.poll() is None:
-                self._child.send_signal(signum)
-            if callable(previous):
-                previous(signum, frame)  # submitit: rank 0 calls checkpoint() and requeues
-
-        signal.signal(PREEMPT_SIGNAL, forward)
-        self._child = subprocess.Popen(self.trainer_argv(), env={**os.environ, **self.env})
+        rank = submitit.JobEnvironment().global_rank
+        previous = {sig: self._forward(sig) for sig in FORWARDED_SIGNALS}
+        export_task_env(self.env)  # inherited by the child
+        self._child = subprocess.Popen(self.command())
         # Poll rather than wait(): checkpoint() runs inside a signal handler, and a handler that
         # interrupts Popen.wait() could never take the Popen's wait lock itself.
         try:
@@ -74,17 +94,34 @@ class TrainTask(submitit.helpers.Checkpointable):
                 time.sleep(0.05)
         finally:
             self._end_child()
-        if code == EXIT_REQUEUE and env.global_rank == 0 and callable(previous):
-            # The trainer was told to stop by a signal submitit did not see (e.g. SIGTERM at the
-            # time limit): go through submitit's requeue path ourselves. It exits the process.
-            previous(PREEMPT_SIGNAL, None)
+        requeue = previous[PREEMPT_SIGNAL]  # submitit's handler
+        if code == EXIT_REQUEUE and rank == 0 and callable(requeue):
+            # The program was stopped by a signal submitit's handler did not see (USR1, TERM):
+            # go through submitit's requeue path ourselves, naming that signal in its log. It
+            # exits the process.
+            requeue(self._signalled, None)
         if code not in (0, EXIT_REQUEUE):
-            raise HpcDdpError(f"trainer (rank {env.global_rank}) exited with code {code}")
+            raise HpcDdpError(f"{self.name} (rank {rank}) exited with code {code}")
         return self.summary(code)
+
+    def _forward(self, sig: signal.Signals) -> object:
+        """Pass ``sig`` to the child, then to the handler that was there (submitit's, for USR2
+        and TERM); a default action (USR1 would end this process) is not taken. Returns it."""
+        previous = signal.getsignal(sig)
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            self._signalled = signum
+            if self._child is not None and self._child.poll() is None:
+                self._child.send_signal(signum)
+            if callable(previous):
+                previous(signum, frame)  # USR2: rank 0 calls checkpoint() and requeues
+
+        signal.signal(sig, forward)
+        return previous
 
     def _end_child(self) -> None:
         """A task leaving early (cancelled: submitit's SIGINT, a KeyboardInterrupt here) must
-        not leave its trainer running: SIGTERM, on which it checkpoints and exits 75, then
+        not leave its program running: SIGTERM, on which it checkpoints and exits 75, then
         SIGKILL if it has not exited by the checkpoint deadline."""
         child = self._child
         if child is None or child.poll() is not None:
@@ -94,23 +131,45 @@ class TrainTask(submitit.helpers.Checkpointable):
             child.kill()
         child.poll()  # reap it
 
-    def summary(self, code: int) -> dict[str, Any]:
-        """The exit code and the trainer's result.json: rank 0's return value, which
-        submitit pickles for the submitter (a submitit task runs in the submitter's directory)."""
-        return {"exit_code": code, **(read_result(trainer_run_paths(self.argv, os.getcwd())) or {})}
-
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """Called by submitit on rank 0 when preempted: let the trainer finish its checkpoint."""
+        """Called by submitit on rank 0 when preempted: let the program finish its checkpoint."""
         child = self._child
         if child is not None and not _exited(child.pid, CHILD_CHECKPOINT_TIMEOUT_S):
             child.kill()
-        # The trainer resumes from the run dir's newest checkpoint: same task, same arguments.
-        return submitit.helpers.DelayedSubmission(TrainTask(self.argv, self.python, self.env))
+        # The program resumes from its newest checkpoint: same task, same arguments.
+        return submitit.helpers.DelayedSubmission(dataclasses.replace(self))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_child"] = None  # a process handle does not travel in a pickle
         return state
+
+
+@dataclass
+class TrainTask(ProgramTask):
+    """The project's trainer (``program`` is ``-m hpc_ddp.train ARGS``): told to checkpoint on
+    the forwarded signals and to leave the requeue to submitit; rank 0 returns its result.json."""
+
+    @property
+    def name(self) -> str:
+        return "the trainer"
+
+    @property
+    def trainer_args(self) -> list[str]:
+        assert self.program[:2] == ["-m", TRAIN_MODULE], self.program
+        return self.program[2:]
+
+    def command(self) -> list[str]:
+        signals = ",".join(sig.name for sig in FORWARDED_SIGNALS)
+        return [*super().command(), "--requeue", "none", "--requeue-signal", signals]
+
+    def run_paths(self, workdir: str | Path) -> RunPaths:
+        return trainer_run_paths(self.trainer_args, workdir)
+
+    def summary(self, code: int) -> dict[str, Any]:
+        """The exit code and the trainer's result.json (a submitit task runs in the
+        submitter's directory, or the spec's workdir)."""
+        return {**super().summary(code), **(read_result(self.run_paths(os.getcwd())) or {})}
 
 
 def _exited(pid: int, timeout_s: float) -> bool:
