@@ -171,19 +171,19 @@ def _records(*steps: int) -> list[Record]:
 def test_csv_drops_a_torn_row_and_the_rows_past_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     writer = CsvWriter.open(path, 0, [])
-    for record in _records(1, 2, 3, 4, 5):
+    for record in _records(10, 20, 30, 40):
         writer.write(record)
     writer.close()
     with path.open("a") as f:
-        f.write("step,1,6,0.6")  # a row cut short by a kill: no newline
+        f.write("step,1,5")  # the row of step 50, cut inside its step number by a kill
 
-    writer = CsvWriter.open(path, 3, _records(3))  # resumed at step 3, which it logged
-    writer.write(_records(4)[0])
+    writer = CsvWriter.open(path, 30, _records(30))  # resumed at step 30, which it logged
+    writer.write(_records(40)[0])
     writer.close()
     lines = path.read_text().splitlines()
     assert lines[0].startswith("record,epoch,step,train_loss,lr,")
-    assert [line.split(",")[2] for line in lines[1:]] == ["1", "2", "3", "4"]
-    assert lines[3].split(",")[3] == "0.3"
+    assert [line.split(",")[2] for line in lines[1:]] == ["10", "20", "30", "40"]
+    assert lines[3].split(",")[3] == "3.0"
 
 
 @pytest.mark.parametrize(
