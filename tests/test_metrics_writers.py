@@ -34,7 +34,7 @@ from trainer_helpers import (
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.train.metric_writers import Record
+from hpc_ddp.train.metric_records import Record
 from hpc_ddp.train.metrics_csv import CsvWriter
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

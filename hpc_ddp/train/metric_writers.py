@@ -1,9 +1,9 @@
 """Where rank 0's metrics go (``--metrics jsonl,csv,tensorboard``), one run across its attempts.
 
-A *record* is what rank 0 logs: a progress line (``step``: that step's loss, the learning rate,
-samples/s) or a finished epoch (``epoch``: metrics.jsonl's row). Each format has a writer; every
-attempt of a run (requeued, resumed, or started again after a crash) writes into the same files,
-and a resume from the checkpoint of step S leaves them as if the run had never stopped:
+A *record* (metric_records.py) is what rank 0 logs: a progress line or a finished epoch. Each
+format has a writer. Every attempt of a run (requeued, resumed, or started again after a crash)
+writes into the same files, and a resume from the checkpoint of step S leaves them as if the run
+had never stopped:
 
 - records of steps before S stay: each was written before that checkpoint was, and the trainer
   flushes the writers before every save, so a SIGKILL after the save cannot lose them;
@@ -20,54 +20,15 @@ only rank 0 opens any.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_ddp import extras
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
+from hpc_ddp.train.metric_records import Record, records_at
 
-if TYPE_CHECKING:  # progress.py imports torch; the records and the csv writer do not need it
+if TYPE_CHECKING:  # progress.py imports torch, which the jsonl and csv writers do not need
     from hpc_ddp.train.progress import Progress
-
-RecordKind = Literal["step", "epoch"]
-
-
-@dataclass(frozen=True)
-class Record:
-    """One logged record: ``row`` is a progress line's values or metrics.jsonl's row."""
-
-    kind: RecordKind
-    row: Mapping[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.row["step"])
-
-    def flat(self) -> dict[str, Any]:
-        """``record`` (the kind) and the row with nested tables flattened: ``time_data``..."""
-        out: dict[str, Any] = {"record": self.kind}
-        for key, value in self.row.items():
-            if isinstance(value, Mapping):
-                out.update({f"{key}_{k}": v for k, v in value.items()})
-            else:
-                out[key] = value
-        return out
-
-
-def step_record(progress: Progress, loss: float, lr: float, rate: float) -> Record:
-    """A progress line's record (what ``log_every`` prints), kept in ``progress.last_log``."""
-    row = {"epoch": progress.epoch + 1, "step": progress.global_step, "train_loss": loss,
-           "lr": lr, "samples_per_second": rate}  # fmt: skip
-    return Record("step", row)
-
-
-def records_at(progress: Progress) -> list[Record]:
-    """The records a checkpoint holds of its own step, in the order they were logged."""
-    step = progress.global_step
-    found = [Record("step", progress.last_log)] if progress.last_log else []
-    found += [Record("epoch", row) for row in progress.history]
-    return [record for record in found if record.step == step]
 
 
 class Writer(Protocol):

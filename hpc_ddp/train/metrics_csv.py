@@ -24,7 +24,7 @@ from typing import Any
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.private_paths import replace_file
 from hpc_ddp.regular_file import open_regular
-from hpc_ddp.train.metric_writers import Record
+from hpc_ddp.train.metric_records import Record
 
 COLUMNS = (
     "record",

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.metric_writers import Record
+from hpc_ddp.train.metric_records import Record
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

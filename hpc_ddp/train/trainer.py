@@ -30,7 +30,8 @@ from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Times, grouped
-from hpc_ddp.train.metric_writers import MetricWriters, Record, open_writers, step_record
+from hpc_ddp.train.metric_records import Record, step_record
+from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
