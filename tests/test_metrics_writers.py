@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.localslurm.free_ports import free_ports
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train.metric_records import Record
 from hpc_ddp.train.metrics_csv import CsvWriter
@@ -210,3 +213,47 @@ def test_csv_never_follows_a_link(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot be read back"):
         CsvWriter.open(tmp_path / "metrics.csv", 0, [])
     assert target.read_text() == "record,step\n"
+
+
+def test_tensorboard_itself_shows_one_series_after_a_resume(tmp_path: Path) -> None:
+    """The real ``tensorboard --logdir`` server, with its default reader (the Rust data server,
+    which drops a series' points from a step that comes again, not through purge markers): an
+    attempt logged steps 1-10, the next resumed from a checkpoint of step 6, whose progress
+    line it writes again. On 127.0.0.1 only."""
+    pytest.importorskip("tensorboard", reason="pip install 'hpc-ddp[tensorboard]'")
+    from hpc_ddp.train.metric_writers import open_writers
+    from hpc_ddp.train.progress import Progress
+
+    paths = RunPaths(tmp_path)
+
+    def logged(step: int, value: float) -> dict[str, Any]:
+        return {"epoch": 1, "step": step, "train_loss": value}
+
+    def attempt(restored: Progress, steps: range, value: float) -> None:
+        writers = open_writers(["tensorboard"], paths, restored)
+        for step in steps:
+            writers.write(Record("step", logged(step, value)))
+        writers.close()
+
+    attempt(Progress(), range(1, 11), 1.0)
+    attempt(Progress(global_step=6, last_log=logged(6, 2.0)), range(7, 13), 2.0)
+    port = free_ports(1)[0]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(paths.tensorboard),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=job_env(),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=step/train_loss"
+    try:
+        deadline, points = time.monotonic() + 60, None
+        while points is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as answer:
+                    points = [(step, value) for _, step, value in json.load(answer)]
+            except OSError:
+                time.sleep(0.2)  # not serving yet, or not loaded yet; the deadline bounds it
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    steps = list(range(1, 13))
+    assert points == [(s, 1.0 if s < 6 else 2.0) for s in steps]  # 6-10 logged again
