@@ -1,5 +1,6 @@
 """Optional parts of the install: the core (env, render, submit, launch, doctor) needs only
-jinja2 and filelock; training needs ``hpc-ddp[train]``, submitit submission ``hpc-ddp[submitit]``.
+jinja2 and filelock; training needs ``hpc-ddp[train]``, submitit submission ``hpc-ddp[submitit]``,
+the trainer's ``--metrics tensorboard`` ``hpc-ddp[tensorboard]``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hpc_ddp.errors import ConfigError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("torch", "torchvision", "matplotlib"),
     "submitit": ("submitit",),
+    "tensorboard": ("tensorboard",),  # the trainer's --metrics tensorboard
 }
 
 

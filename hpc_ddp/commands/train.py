@@ -20,6 +20,7 @@ from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.extras import require
 from hpc_ddp.train import config
 from hpc_ddp.train.finished import finished_answer, finished_result, launched_alone
+from hpc_ddp.train.metric_writers import check_installed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> NoReturn:
             print("\n".join(finished_answer(cfg.run_dir, result)), flush=True)
             sys.exit(0)
     require("train", "training")
+    check_installed(cfg.metrics)  # --metrics tensorboard without it: said before torch loads
 
     from hpc_ddp.dist import run_main
     from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose

@@ -9,6 +9,8 @@ Everything a run leaves in its directory, by name::
       config.json         the resolved settings of the run
       progress.json       where training stands, for monitors (rank 0, updated while it runs)
       metrics.jsonl       one line per finished epoch
+      metrics.csv         with --metrics csv: one row per progress line and per epoch
+      tensorboard/        with --metrics tensorboard: TensorBoard event files, one per attempt
       result.json         the outcome, written once at the end
       plot.png            loss and accuracy per epoch
       checkpoints/
@@ -32,6 +34,8 @@ CONFIG = "config.json"
 PROGRESS = "progress.json"
 NCCL_TRACE = "nccl_trace"
 METRICS = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+TENSORBOARD = "tensorboard"
 RESULT = "result.json"
 PLOT = "plot.png"
 CHECKPOINTS = "checkpoints"
@@ -83,6 +87,16 @@ class RunPaths:
     def metrics(self) -> Path:
         """``metrics.jsonl``: one JSON line per finished epoch."""
         return self.root / METRICS
+
+    @property
+    def metrics_csv(self) -> Path:
+        """``metrics.csv``: a row per progress line and per epoch (``--metrics csv``)."""
+        return self.root / METRICS_CSV
+
+    @property
+    def tensorboard(self) -> Path:
+        """``tensorboard/``: TensorBoard's event files (``--metrics tensorboard``)."""
+        return self.root / TENSORBOARD
 
     @property
     def result(self) -> Path:

@@ -25,6 +25,8 @@ REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
 CUDA_GRAPHS_MODES = ("auto", "on", "off")
 SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.cifar.synthetic.VARIANTS (no numpy import here)
+# Where rank 0 writes the metrics it logs (train/metric_writers.py); jsonl is always written.
+METRICS_FORMATS = ("jsonl", "csv", "tensorboard")
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
 # of them changed would silently mix two experiments, so the trainer refuses instead.
@@ -153,6 +155,14 @@ class TrainConfig:
         ),
     )
     log_every: int = field(default=20, metadata=_opt("progress line every N steps (rank 0)"))
+    metrics: list[str] = field(
+        default_factory=lambda: ["jsonl"],
+        metadata=_opt(
+            "metrics files beside metrics.jsonl (always written), comma-separated: csv "
+            "(metrics.csv), tensorboard (tensorboard/; needs hpc-ddp[tensorboard])",
+            split=",",
+        ),
+    )
     requeue: str = field(
         default="auto",
         metadata=_opt("after a preemption checkpoint: auto, scontrol (Slurm) or none"),
@@ -225,6 +235,7 @@ class TrainConfig:
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be > 0")
         self.requeue_signals = [parse_signal(s).name for s in self.requeue_signals]
+        self.metrics = metrics_formats(self.metrics)
         self.gpus_per_process = gpus_per_process_setting(self.gpus_per_process)  # 0 -> None
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,6 +264,18 @@ def parse_signal(name: str | int) -> signal.Signals:
         raise ConfigError(
             f"unknown signal {name!r}", hint="use a name such as USR1, USR2 or TERM"
         ) from None
+
+
+def metrics_formats(names: list[str]) -> list[str]:
+    """``--metrics`` checked and in one order, jsonl always among them: ['jsonl', 'csv']."""
+    unknown = [name for name in names if name not in METRICS_FORMATS]
+    if unknown:
+        raise ConfigError(
+            f"metrics: unknown format(s) {', '.join(map(repr, unknown))}",
+            hint=f"use a comma-separated list of: {', '.join(METRICS_FORMATS)} "
+            "(e.g. --metrics csv,tensorboard)",
+        )
+    return [name for name in METRICS_FORMATS if name == "jsonl" or name in names]
 
 
 def field_names() -> list[str]:

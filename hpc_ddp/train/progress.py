@@ -24,6 +24,9 @@ class Progress:
     wall_seconds: float = 0.0  # wall time up to the last checkpoint
     interruptions: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per epoch
+    # The last progress line's record (metric_writers.step_record): a resume from this
+    # checkpoint writes it again, with the epoch row of the same step.
+    last_log: dict[str, Any] | None = None
 
 
 def wants_live_bar(stream: TextIO, environ: Mapping[str, str]) -> bool:

@@ -1,8 +1,9 @@
 """Whose directory is this? The trainer writes only into a run dir that it made.
 
 ``--run-dir`` pointed at a directory of other files must not become a run dir: the trainer
-replaces config.json, progress.json, metrics.jsonl, result.json and plot.png there and cleans
-up inside checkpoints/. So rank 0, before it writes anything there (the lock included):
+replaces config.json, progress.json, metrics.jsonl, metrics.csv, result.json and plot.png there,
+writes into tensorboard/ and cleans up inside checkpoints/. So rank 0, before it writes anything
+there (the lock included):
 
 - a missing or empty directory becomes a run dir: ``.hpc-ddp-run`` is created in it;
 - a directory holding ``.hpc-ddp-run`` (a regular file in this format) is a run dir;

@@ -22,7 +22,7 @@ from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.runtime.sampler import ShardPlan
-from hpc_ddp.train import cuda_graphs, registry
+from hpc_ddp.train import cuda_graphs, metric_writers, registry
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
 from hpc_ddp.train.loop import Stepper, timed_allreduce
@@ -50,6 +50,7 @@ class TrainState:
 def preflight(cfg: TrainConfig, ctx: DistContext) -> torch.dtype | None:
     """Settings this machine cannot run, refused before the run dir is touched; the AMP dtype."""
     amp = amp_dtype(cfg, ctx.device)
+    metric_writers.check_installed(cfg.metrics)
     if cfg.sync_bn and ctx.device.type != "cuda":
         raise ConfigError(
             "sync_bn needs GPUs: DDP runs SyncBatchNorm only on CUDA modules",

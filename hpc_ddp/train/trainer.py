@@ -30,6 +30,8 @@ from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Times, grouped
+from hpc_ddp.train.metric_records import Record, step_record
+from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
@@ -64,6 +66,7 @@ class Trainer:
         self.progress: Progress | None = None  # once training starts: what a stop records
         self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
+        self.metrics = MetricWriters([])  # rank 0's, once training starts (metric_writers.py)
 
     def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
         """progress.json says how training stopped (nothing to say before it started)."""
@@ -72,13 +75,29 @@ class Trainer:
         if self.progress is not None:
             self.progress_file.record_stop(self.progress, error, ctrl_c=ctrl_c)
 
-    def close_bar(self) -> None:
+    def close(self) -> None:
+        """The live bar and the metrics files, however the run ended."""
         if self.bar is not None:
             self.bar.clear()
             self._unhook_bar()
             self.bar = None
+        self.metrics.close()
+
+    def open_metrics(self, progress: Progress) -> MetricWriters:
+        """Rank 0 opens the metrics files, continued at the restored step; every rank learns
+        whether that worked, instead of waiting for rank 0 in the first collective."""
+        error: BaseException | None = None
+        writers = MetricWriters([])
+        if self.rank == 0:
+            try:
+                writers = open_writers(self.cfg.metrics, self.paths, progress)
+            except Exception as err:
+                error = err
+        self.comm.check(error, "opening the metrics files")
+        return writers
 
     def save(self, progress: Progress, times: Times) -> None:
+        self.metrics.flush()  # what was logged so far is on disk before the checkpoint is
         save(self.state, self.cfg, progress, times, self.clock)
 
     def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
@@ -93,6 +112,7 @@ class Trainer:
     def run(self, flag: PreemptionFlag) -> results.Result:
         self.progress_file.pids = self.comm.gather_objects(os.getpid())
         self.progress = progress = restore(self.state, self.world_size, self.clock)
+        self.metrics = self.open_metrics(progress)
         cfg, state = self.cfg, self.state
         plan = state.plan
         steps_per_epoch = plan.steps_per_epoch()
@@ -182,6 +202,9 @@ class Trainer:
             f"epoch {progress.epoch + 1}/{self.cfg.epochs} step {done}/{steps} "
             f"loss {loss:.4f} lr {lr:.4g} {rate:.0f} samples/s"
         )
+        record = step_record(progress, loss, lr, rate)
+        progress.last_log = dict(record.row)  # checkpointed: a resume here writes it again
+        self.metrics.write(record)
 
     def end_epoch(self, progress: Progress, times: Times) -> None:
         t0 = time.perf_counter()
@@ -219,10 +242,9 @@ class Trainer:
         saving = Times()
         self.save(progress, saving)
         # The epoch-end save belongs to this epoch's breakdown (the checkpoint has it from the
-        # next save on); metrics.jsonl is rewritten whole from the history.
+        # next save on). Written after the save: a resume from it writes the row again.
         row["time"]["checkpoint"] = round(row["time"]["checkpoint"] + saving.checkpoint, 6)
-        if self.rank == 0:
-            results.write_metrics(self.paths.root, progress.history)
+        self.metrics.write(Record("epoch", row))
 
     def preempted(
         self, progress: Progress, times: Times, flag: PreemptionFlag, *, saved: bool = False
@@ -331,7 +353,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         raise
     finally:
         if trainer is not None:
-            trainer.close_bar()
+            trainer.close()
         ctrl_c.uninstall()
         flag.uninstall()
         lock.release()
