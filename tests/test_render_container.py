@@ -145,6 +145,17 @@ def test_which_jobs_the_batch_shell_requeues() -> None:
         assert "HPC_DDP_REQUEUE_BY" not in text and "scontrol requeue" not in text
 
 
+def test_a_container_torchrun_job_must_name_its_run_dir_for_the_requeue_marker() -> None:
+    """Its batch shell requeues on the marker in the run dir; a --config file's run_dir is read
+    only when the job runs, too late for the script (and the image may have no scontrol)."""
+    config_only = dict(launcher="torchrun", args=["--config", "c.toml"])
+    with pytest.raises(ConfigError, match="add '--run-dir runs/NAME' to args"):
+        JobSpec(container=APPTAINER, **config_only)
+    JobSpec(container=APPTAINER, launcher="torchrun", args=["--config", "c.toml", "--run-dir", "r"])
+    JobSpec(**config_only)  # on the host rank 0 can still requeue itself
+    JobSpec(container=APPTAINER, requeue=False, **config_only)
+
+
 def test_the_trainer_leaves_the_requeue_to_the_batch_shell(tmp_path: Path) -> None:
     env = {"SLURM_JOB_ID": "5", "HPC_DDP_REQUEUE_BY": "batch", "PATH": "/nonexistent"}
     assert "batch script, which requeues" in requeue("auto", env)
