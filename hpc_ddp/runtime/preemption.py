@@ -141,7 +141,8 @@ def leave_requeue_marker(run_paths: RunPaths | None, environ: Mapping[str, str])
     """Tell the batch script that the run checkpointed and wants a requeue, through a file.
 
     torchrun reports its workers' exit 75 as 1, so the batch shell of the torchrun layout cannot
-    tell a preemption from a crash by the step's exit code. The run dir is the one place that
+    tell a preemption from a crash by the step's exit code (and torchrun's error files record
+    uncaught exceptions, not exit codes). The run dir is the one place that
     both this process and that shell see (in a container too: the host reads result.json there),
     so rank 0 leaves :meth:`RunPaths.requeue_marker` there, named for this job and restart,
     and the shell requeues only when it finds it. Never replaces a file already there.
