@@ -31,7 +31,9 @@ job submitted from inside another must not inherit its place in that job.
 |                            |                                  | shell forwards signals to      |
 |                            |                                  | torchrun's workers             |
 | `HPC_DDP_REQUEUE_BY`       | sbatch jobs whose batch shell    | `batch`: the trainer leaves    |
-|                            | requeues a step that exits 75    | the requeue to the batch shell |
+|                            | requeues a step that exits 75,   | the requeue to the batch shell |
+|                            | or (torchrun layout) that left   | (`batch-marker`: and leaves    |
+|                            | the run dir's requeue marker     | the marker in its run dir)     |
 
 * in ``--mode processes`` only: in torchrun mode torchrun gives its workers their variables.
 The host script writes the node rank as pdsh/clush's ``%n`` placeholder, which the tool fills in
@@ -73,10 +75,14 @@ MASTER_ADDR_VAR = "HPC_DDP_MASTER_ADDR"
 MASTER_PORT_VAR = "HPC_DDP_MASTER_PORT"
 RDZV_ENDPOINT_VAR = "HPC_DDP_RDZV_ENDPOINT"
 PROCTRACK_VAR = "HPC_DDP_PROCTRACK"  # spelt in templates/torchrun.sbatch.j2 (a test checks)
-# "batch": the job's batch shell requeues a step that exits 75 (it runs on the host, where
+# The job's batch shell requeues after the trainer checkpointed (it runs on the host, where
 # scontrol exists even when the step runs in a container without it), so the trainer's
 # requeue=auto does not ask too: one request per preemption keeps the restart count honest.
+# "batch": the shell sees the step's exit 75 (srun layouts). "batch-marker": torchrun reports
+# its workers' 75 as 1, so rank 0 also leaves a marker in its run dir, which the shell reads.
 REQUEUE_BY_VAR = "HPC_DDP_REQUEUE_BY"
+REQUEUE_BY_BATCH = "batch"
+REQUEUE_BY_BATCH_MARKER = "batch-marker"
 
 # In the order launch_environ writes them (the order of the host script's export lines).
 LAUNCH_VARS: tuple[str, ...] = (

@@ -11,8 +11,11 @@ from the batch shell, the restart, Gloo training and its bit-exact resume.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -160,20 +163,73 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
     assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
 
 
-def test_torchrun_job_runs_torchrun_in_the_apptainer_image(slurm_cluster, tmp_path: Path) -> None:
-    """torchrun layout: the host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each
-    node, the batch shell gets the rendezvous port from the image's python; training finishes."""
-    env = _standin_env(tmp_path, slurm_cluster.env)
-    cwd = tmp_path / "job"
-    cwd.mkdir()
-    spec = train_spec("ctr-torchrun", launcher="torchrun", container=ContainerSpec(image=IMAGE))
-    job_id, out = submit_spec(spec, cwd, env)
-    done = wait_job(job_id, env, timeout_s=240, output=out)
-    log = out.read_text()
-    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
-    assert read_result(cwd / "run")["world_size"] == 4
-    calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
-    head, python = f"apptainer exec {IMAGE} ", spec.python
-    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.port") for c in calls) == 1, calls
-    assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.preflight") for c in calls) == 2
-    assert sum(c.startswith(head + "torchrun --nnodes=2 --nproc-per-node=2") for c in calls) == 2
+def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint_only(
+    slurm_cluster, reference_run, tmp_path: Path
+) -> None:
+    """torchrun layout, two jobs at once, each in the apptainer stand-in, holding at step 3:
+
+    * ``preempted``: USR1 as in the test above. The workers checkpoint and exit 75, which
+      torchrun reports as 1; rank 0 (no scontrol in the image) left the requeue marker in the
+      run dir, so the batch shell on the host requeues. The job resumes and ends with the
+      uninterrupted reference's weights. On the code before the marker no one could requeue:
+      the job ended FAILED after its first run.
+    * ``crashed``: one worker dies (SIGKILL, as the OOM killer does) and torchrun stops the
+      others with SIGTERM, which the trainer takes for a preemption signal; but no checkpoint
+      can commit without the dead rank, so there is no marker and the job ends FAILED, never
+      requeued (an exit-code-only rule, "torchrun's 1 means requeue", would loop here).
+
+    The host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each node; the batch
+    shell gets the rendezvous port from the image's python."""
+    jobs = {}
+    for case in ("preempted", "crashed"):
+        cwd = tmp_path / case
+        cwd.mkdir()
+        env = {**_standin_env(cwd, slurm_cluster.env), "STANDIN_LOG": str(cwd / "argv.log")}
+        spec = train_spec(
+            f"ctr-torchrun-{case}", launcher="torchrun", container=ContainerSpec(image=IMAGE)
+        )
+        spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+        jobs[case] = (cwd, env, *submit_spec(spec, cwd, env))
+    for case, (cwd, *_) in jobs.items():
+        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{case} hold")
+    slurm_cluster.run(["scancel", "--signal=USR1", jobs["preempted"][2]])
+    os.kill(_progress(jobs["crashed"][0] / "run")["pids"][1], signal.SIGKILL)
+    states: dict[str, list[str]] = {job_id: [] for _, _, job_id, _ in jobs.values()}
+
+    def all_ended() -> bool:
+        for job_id, seen in states.items():
+            seen.append(slurm_cluster.job_state(job_id))
+        return all(seen[-1] in TERMINAL for seen in states.values())
+
+    wait_for(all_ended, 180, "both torchrun jobs to end", interval_s=0.2)
+    for case, (cwd, env, job_id, out) in jobs.items():
+        done = wait_job(job_id, env, timeout_s=10, output=out)
+        log = out.read_text()
+        assert not list((cwd / "run").glob(".requeue-job-*")), log  # consumed, or never left
+        if case == "crashed":
+            assert (done.state, done.restarts) == ("FAILED", 0), log
+            assert "PENDING" not in states[job_id] and "requeueing" not in log, log
+            assert not (cwd / "run" / "result.json").exists()
+            continue
+        assert "PENDING" in states[job_id], states[job_id]
+        assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+        # 1 from torchrun, or 143 when srun's --kill-on-bad-exit stopped the other node first
+        said = r"step exited (1|143) after the trainer checkpointed \(requeue marker\): requeueing"
+        assert re.search(f"{said} job {job_id}\n", log), log
+        assert "for the batch script, which requeues the job" in log, log  # rank 0 left it
+        assert "resumed from" in log, log
+        result = read_result(cwd / "run")
+        assert (result["interruptions"], result["world_size"]) == (1, 4)
+        assert result["params_sha256"] == read_result(reference_run[0] / "run")["params_sha256"]
+        calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
+        head, python = f"apptainer exec {IMAGE} ", spec.python
+        # per run (2 runs): the batch shell's port, 2 nodes x (preflight + torchrun)
+        assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.port") for c in calls) == 2
+        assert sum(c.startswith(f"{head}{python} -m hpc_ddp.deploy.preflight") for c in calls) == 4
+        assert (
+            sum(c.startswith(head + "torchrun --nnodes=2 --nproc-per-node=2") for c in calls) == 4
+        )
+
+
+def _progress(run_dir: Path) -> dict:
+    return json.loads((run_dir / "progress.json").read_text())

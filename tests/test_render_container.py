@@ -26,6 +26,8 @@ from hpc_ddp.deploy.shell.spec import make_spec
 from hpc_ddp.deploy.spec import JobSpec, build_spec
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.preemption import requeue
+from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.train.config import TrainConfig
 
 APPTAINER = ContainerSpec(
     runtime="apptainer", image="/img/t.sif", mounts=["/data:/data:ro"], workdir="/w"
@@ -120,21 +122,60 @@ def test_bad_container_values_are_named(table: dict, needle: str) -> None:
     assert needle in str(err.value)
 
 
-def test_the_batch_shell_requeues_srun_layouts_only() -> None:
+def test_which_jobs_the_batch_shell_requeues() -> None:
+    """srun layouts: on the step's exit 75. torchrun (which reports 75 as 1): on the trainer's
+    marker in the run dir the script names. Nobody where no run dir is known at render time."""
     srun = render(JobSpec(nodes=2, procs_per_node=2))
-    assert "export HPC_DDP_REQUEUE_BY=batch" in srun
-    assert 'scontrol requeue "${requeue_id}"' in srun
-    for spec in (JobSpec(launcher="torchrun"), JobSpec(requeue=False)):
+    assert "export HPC_DDP_REQUEUE_BY=batch\n" in srun
+    assert 'scontrol requeue "${requeue_id}"' in srun and "requeue_marker" not in srun
+    torchrun = render(JobSpec(launcher="torchrun", args=["--run-dir", "runs/a b"]))
+    assert "export HPC_DDP_REQUEUE_BY=batch-marker\n" in torchrun
+    assert 'scontrol requeue "${requeue_id}"' in torchrun
+    marker = "requeue_marker='runs/a b'/.requeue-job-\"${SLURM_JOB_ID}\"-restart-"
+    assert marker + '"${SLURM_RESTART_COUNT:-0}"\n' in torchrun
+    default = render(JobSpec(launcher="torchrun"))  # the trainer's default run dir
+    assert f"requeue_marker={TrainConfig().run_dir}/.requeue-job-" in default
+    for spec in (
+        JobSpec(launcher="torchrun", args=["--config", "c.toml"]),  # run dir in a file
+        JobSpec(launcher="torchrun", module="", script="mine.py"),  # a program of your own
+        JobSpec(requeue=False),
+        JobSpec(launcher="torchrun", requeue=False),
+    ):
         text = render(spec)
         assert "HPC_DDP_REQUEUE_BY" not in text and "scontrol requeue" not in text
 
 
-def test_the_trainer_leaves_the_requeue_to_the_batch_shell() -> None:
+def test_a_container_torchrun_job_must_name_its_run_dir_for_the_requeue_marker() -> None:
+    """Its batch shell requeues on the marker in the run dir; a --config file's run_dir is read
+    only when the job runs, too late for the script (and the image may have no scontrol)."""
+    config_only = dict(launcher="torchrun", args=["--config", "c.toml"])
+    with pytest.raises(ConfigError, match="add '--run-dir runs/NAME' to args"):
+        JobSpec(container=APPTAINER, **config_only)
+    JobSpec(container=APPTAINER, launcher="torchrun", args=["--config", "c.toml", "--run-dir", "r"])
+    JobSpec(**config_only)  # on the host rank 0 can still requeue itself
+    JobSpec(container=APPTAINER, requeue=False, **config_only)
+
+
+def test_the_trainer_leaves_the_requeue_to_the_batch_shell(tmp_path: Path) -> None:
     env = {"SLURM_JOB_ID": "5", "HPC_DDP_REQUEUE_BY": "batch", "PATH": "/nonexistent"}
     assert "batch script, which requeues" in requeue("auto", env)
     # asked explicitly (--requeue scontrol), the trainer still tries itself (and fails here)
     assert "batch script" not in requeue("scontrol", env)
     assert "scontrol" in requeue("scontrol", env)
+    paths = RunPaths(tmp_path)
+    marked = {**env, "HPC_DDP_REQUEUE_BY": "batch-marker", "SLURM_RESTART_COUNT": "2"}
+    requeue("scontrol", marked, run_paths=paths)  # the trainer asks itself (fails here): no
+    assert not list(tmp_path.iterdir())  # marker, which would make a second request
+    said = requeue("auto", marked, run_paths=paths)
+    marker = paths.requeue_marker("5", "2")
+    assert said == f"left {marker} for the batch script, which requeues the job from the host shell"
+    assert marker.read_text() == "hpc-ddp checkpointed for requeue: job 5 restart 2\n"
+    marker.write_text("not ours")  # a file already there is never replaced
+    assert "already there and not this run's" in requeue("auto", marked, run_paths=paths)
+    assert marker.read_text() == "not ours"
+    for bad in ({"SLURM_JOB_ID": "5\n"}, {"SLURM_RESTART_COUNT": "../x"}, {"SLURM_JOB_ID": ""}):
+        assert "not requeued" in requeue("auto", {**marked, **bad}, run_paths=paths)
+    assert [p.name for p in tmp_path.iterdir()] == [marker.name]
 
 
 def _stub(path: Path, text: str) -> None:
@@ -198,3 +239,89 @@ def test_launch_cli_takes_the_container_flags(tmp_path: Path, capsys) -> None:
     assert "setsid apptainer exec --nv --bind /a:/b /img/t.sif python -m" in out.read_text()
     rc = main(["launch", "pdsh", "--hosts", "n1", "--container-image", "x y", "--", "true"])
     assert rc == 2 and "--container-image 'x y'" in capsys.readouterr().err
+
+
+# What one torchrun "worker" does, then torchrun's report of it: the real marker writer after
+# a checkpoint (exit 1: torchrun's word for a worker's 75), a crash (exit 1, no marker), or a
+# marker and then success (exit 0: nothing to requeue, whatever the marker says).
+TORCHRUN_STUB = """import os, sys
+from hpc_ddp.runtime.preemption import requeue
+from hpc_ddp.runtime.run_paths import RunPaths
+if os.environ["CASE"] != "crashed":
+    print(requeue("auto", run_paths=RunPaths("run")))
+sys.exit(0 if os.environ["CASE"] == "finished" else 1)
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "planted", "requeued"),
+    [
+        ("checkpointed", None, True),
+        ("crashed", None, False),
+        ("crashed", "earlier run", False),  # restart 0's marker; this is restart 1
+        ("crashed", "not ours", False),  # this run's name, other content
+        ("crashed", "link", False),  # this run's name, a link to the right line
+        ("finished", None, False),
+    ],
+)
+def test_the_torchrun_batch_shell_requeues_on_this_runs_marker_only(
+    tmp_path: Path, case: str, planted: str | None, requeued: bool
+) -> None:
+    """bash runs a rendered torchrun script; srun, scontrol and torchrun are stubs (torchrun
+    plays a worker that checkpointed or crashed, and exits 1 as torchrun does either way)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    log = tmp_path / "scontrol.log"
+    _stub(stubs / "srun", 'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    _stub(
+        stubs / "scontrol",
+        'case "$1 $2" in\n  "show hostnames") echo n1 ;;\n'
+        '  "show config") echo "ProctrackType = proctrack/linuxproc" ;;\n'
+        f'  *) echo "$*" >> {shlex.quote(str(log))} ;;\nesac\n',
+    )
+    (stubs / "torchrun").write_text(f"#!{sys.executable}\n{TORCHRUN_STUB}")
+    (stubs / "torchrun").chmod(0o755)
+    spec = JobSpec(launcher="torchrun", python=sys.executable, preflight=False)
+    spec = spec.replace(args=["--run-dir", "run"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(spec))
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    mine, line = (
+        paths.requeue_marker("41", "1"),
+        "hpc-ddp checkpointed for requeue: job 41 restart 1",
+    )
+    if planted == "earlier run":
+        paths.requeue_marker("41", "0").write_text(line.replace("restart 1", "restart 0") + "\n")
+    elif planted == "not ours":
+        mine.write_text("not ours\n")
+    elif planted == "link":
+        (tmp_path / "target").write_text(line + "\n")
+        mine.symlink_to(tmp_path / "target")
+    before = sorted(p.name for p in paths.root.iterdir())
+    env = {
+        "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "CASE": case,
+        "HOME": str(tmp_path),
+        "SLURM_JOB_ID": "41",
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "n1",
+    }
+    done = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == (0 if case == "finished" else 1), done.stdout + done.stderr
+    if requeued:
+        assert log.read_text().splitlines() == ["requeue 41"]
+        assert (
+            "step exited 1 after the trainer checkpointed (requeue marker): requeueing job 41"
+            in (done.stdout)
+        )
+        assert not mine.exists()  # consumed
+    else:
+        assert not log.exists(), log.read_text()
+        # nothing else removed (a finished run's own marker is consumed all the same)
+        assert sorted(p.name for p in paths.root.iterdir()) == before

@@ -57,6 +57,7 @@ def test_each_name_is_spelled_only_in_run_paths() -> None:
     names += [run_paths.PROGRESS, run_paths.METRICS, run_paths.RESULT, run_paths.PLOT]
     names += [run_paths.METRICS_CSV]  # TENSORBOARD is also the format's and package's name
     names += [run_paths.CHECKPOINTS, run_paths.LATEST, run_paths.MANIFEST]
+    names += [run_paths.REQUEUE_MARKER_PREFIX]
     package = Path(run_paths.__file__).parents[1]
     spelled = [
         f"{path.relative_to(package)}:{node.lineno}: {node.value}"

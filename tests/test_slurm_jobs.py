@@ -77,8 +77,9 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
       does), which the template forwards; torchrun ignores it, its workers checkpoint.
 
     Then: ranks agree, checkpoint, all exit 75, and ``scontrol requeue`` comes from the batch
-    shell (srun layout) or from rank 0 (torchrun, which reports 75 as 1); the job comes back
-    with SLURM_RESTART_COUNT=1, resumes, and ends with the uninterrupted reference's weights."""
+    shell: on the step's 75 (srun layout), or on rank 0's requeue marker in the run dir
+    (torchrun, which reports 75 as 1); the job comes back with SLURM_RESTART_COUNT=1, resumes,
+    and ends with the uninterrupted reference's weights."""
     cases = {"srun": [], "torchrun": ["--batch"]}
     jobs = {}
     for launcher in cases:
@@ -117,6 +118,11 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
             assert re.search(r"torchrun rendezvous at node1:\d+", log), log
             assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 4, log
             assert "batch shell got SIGUSR1, forwarding" in log, log
+            said = r"step exited \d+ after the trainer checkpointed \(requeue marker\): requeueing"
+            assert re.search(f"{said} job {job_id}\n", log), log
+            assert not list((cwd / "run").glob(".requeue-job-*"))  # the shell removed it
+        else:
+            assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
 
 
 def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path) -> None:

@@ -223,9 +223,19 @@ def _check_trainer_args(s: JobSpec) -> list[str]:
         return []
     try:
         names = listened_signals(s.args)
-        run_dir = getattr(trainer_flags(s.args), "run_dir", None)
+        flags = trainer_flags(s.args)
     except ConfigError as err:
         return [f"args: {err.message}"]
+    run_dir = getattr(flags, "run_dir", None)
+    # render reads no files: a run dir only in a --config file is unknown to the batch shell
+    config_only = getattr(flags, "config", None) and not run_dir
+    if s.container and s.launcher == "torchrun" and s.requeue and config_only:
+        return [
+            "a torchrun job in a container is requeued by its batch shell when the trainer's "
+            "requeue marker is in the run dir, which the script must name: add "
+            "'--run-dir runs/NAME' to args (a --config file's run_dir is read only when the "
+            "job runs)"
+        ]
     if s.array and not run_dir:
         return [
             f"array {s.array!r}: each task trains into <run dir>_<task id>; give the run dir "

@@ -8,6 +8,7 @@ time limit (after ``--signal=USR1@N`` if asked), so both are handled by default.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,9 +16,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 
-from hpc_ddp.env_vars import REQUEUE_BY_VAR
+from hpc_ddp.env_vars import REQUEUE_BY_BATCH, REQUEUE_BY_BATCH_MARKER, REQUEUE_BY_VAR
 from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
+from hpc_ddp.private_paths import create_file
+from hpc_ddp.runtime.run_paths import RunPaths, requeue_marker_line
 from hpc_ddp.train.config import parse_signal
+
+_COUNT = re.compile(r"[0-9]{1,20}", re.ASCII)  # a Slurm job id or restart count
 
 
 @dataclass
@@ -93,20 +98,25 @@ def under_submitit(environ: Mapping[str, str]) -> bool:
     return any(k.startswith("SUBMITIT_") for k in environ)
 
 
-def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
+def requeue(
+    mode: str, environ: Mapping[str, str] | None = None, *, run_paths: RunPaths | None = None
+) -> str:
     """Ask the scheduler to run this job again; returns a sentence saying what happened.
 
     auto: ``scontrol requeue`` inside a Slurm job unless submitit or the batch script (which says
-    so in REQUEUE_BY_VAR) requeues on exit 75; elsewhere nothing. scontrol: always try. none:
-    never (the caller's launcher decides, e.g. submitit).
+    so in REQUEUE_BY_VAR) requeues; elsewhere nothing. scontrol: always try. none: never (the
+    caller's launcher decides, e.g. submitit). Call it after the checkpoint has committed: under
+    ``batch-marker`` it leaves the marker in ``run_paths`` that tells the batch script so.
     """
     environ = os.environ if environ is None else environ
     if mode == "none":
         return "requeue=none: not requeueing; exit 75 tells the launcher to restart the job"
     job = slurm_job_to_requeue(environ)
     if mode == "auto":
-        if environ.get(REQUEUE_BY_VAR) == "batch":
+        if environ.get(REQUEUE_BY_VAR) == REQUEUE_BY_BATCH:
             return "exit 75 asks the batch script, which requeues the job from the host shell"
+        if environ.get(REQUEUE_BY_VAR) == REQUEUE_BY_BATCH_MARKER:
+            return leave_requeue_marker(run_paths, environ)
         if under_submitit(environ):
             return "running under submitit, which requeues through its own checkpoint path"
         if job is None:
@@ -125,6 +135,34 @@ def requeue(mode: str, environ: Mapping[str, str] | None = None) -> str:
     if done.returncode != 0:
         return f"scontrol requeue {job} failed (rc {done.returncode}): {done.stderr.strip()}"
     return f"requeued Slurm job {job} (scontrol requeue)"
+
+
+def leave_requeue_marker(run_paths: RunPaths | None, environ: Mapping[str, str]) -> str:
+    """Tell the batch script that the run checkpointed and wants a requeue, through a file.
+
+    torchrun reports its workers' exit 75 as 1, so the batch shell of the torchrun layout cannot
+    tell a preemption from a crash by the step's exit code (and torchrun's error files record
+    uncaught exceptions, not exit codes). The run dir is the one place that
+    both this process and that shell see (in a container too: the host reads result.json there),
+    so rank 0 leaves :meth:`RunPaths.requeue_marker` there, named for this job and restart,
+    and the shell requeues only when it finds it. Never replaces a file already there.
+    """
+    job, restart = environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_RESTART_COUNT") or "0"
+    if run_paths is None:
+        return "no run dir to leave the batch script's requeue marker in: exiting 75, not requeued"
+    if not (_COUNT.fullmatch(job) and _COUNT.fullmatch(restart)):
+        return (
+            f"SLURM_JOB_ID {job!r} or SLURM_RESTART_COUNT {restart!r} is not a number: "
+            "no requeue marker for the batch script; exiting 75, not requeued"
+        )
+    marker = run_paths.requeue_marker(job, restart)
+    try:
+        create_file(marker, (requeue_marker_line(job, restart) + "\n").encode())
+    except FileExistsError:
+        return f"{marker} is already there and not this run's: left alone; not requeued"
+    except OSError as err:
+        return f"cannot write the requeue marker {marker} ({err.strerror}): not requeued"
+    return f"left {marker} for the batch script, which requeues the job from the host shell"
 
 
 def default_signals(environ: Mapping[str, str]) -> tuple[str, ...]:

@@ -6,6 +6,8 @@ Everything a run leaves in its directory, by name::
       .hpc-ddp-run        marker: the trainer made this directory (train/run_marker.py)
       .run.lock           the lock rank 0 holds for the whole run (checkpoint/lock.py)
       .run.lock.owner     who holds it: pid, host, Slurm job
+      .requeue-job-J-restart-R   checkpointed, requeue left to the batch shell (torchrun layout):
+                          rank 0 writes it, the job's batch shell reads and removes it
       config.json         the resolved settings of the run
       progress.json       where training stands, for monitors (rank 0, updated while it runs)
       metrics.jsonl       one line per finished epoch
@@ -42,6 +44,21 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # inside checkpoints/
 MANIFEST = "manifest.json"  # inside each checkpoint directory
 STEP_PREFIX = "step-"  # a committed checkpoint directory: step-NNNNNNNN
+REQUEUE_MARKER_PREFIX = ".requeue-job-"
+
+
+def requeue_marker_name(job: str, restart: str) -> str:
+    """``.requeue-job-J-restart-R``: the marker of Slurm job ``J``'s run number ``R``
+    (SLURM_RESTART_COUNT). Keyed to both, so a marker an earlier run left is never this run's.
+    The sbatch template spells it with shell variables for ``job`` and ``restart``."""
+    return f"{REQUEUE_MARKER_PREFIX}{job}-restart-{restart}"
+
+
+def requeue_marker_line(job: str, restart: str) -> str:
+    """The one line a requeue marker holds: the batch shell compares it whole, so a file that
+    the toolkit did not write is neither taken for a marker nor removed. No quote, ``$``,
+    backtick or backslash of its own: the template puts it in double quotes."""
+    return f"hpc-ddp checkpointed for requeue: job {job} restart {restart}"
 
 
 def step_dir_name(step: int) -> str:
@@ -130,6 +147,11 @@ class RunPaths:
     def manifest(self, step: int) -> Path:
         """The manifest that makes the checkpoint of ``step`` self-verifying."""
         return self.step_dir(step) / MANIFEST
+
+    def requeue_marker(self, job: str, restart: str) -> Path:
+        """``.requeue-job-J-restart-R``: rank 0 checkpointed after a preemption signal and left
+        the requeue to the batch shell of job ``J``, run ``R`` (see :func:`requeue_marker_name`)."""
+        return self.root / requeue_marker_name(job, restart)
 
     def __fspath__(self) -> str:
         return os.fspath(self.root)

@@ -253,7 +253,7 @@ class Trainer:
             self.save(progress, times)
         self.state.ckpt.wait()  # async: committed on every rank before requeueing and exiting 75
         what = ", ".join(sorted(set(flag.received))) or "another rank's signal"
-        message = requeue(self.cfg.requeue) if self.rank == 0 else ""
+        message = requeue(self.cfg.requeue, run_paths=self.paths) if self.rank == 0 else ""
         log.info(f"preempted ({what}): checkpointed at step {progress.global_step}; {message}")
         self.progress_file.write(progress, "preempted")
         return self.result(progress, "preempted", EXIT_REQUEUE)

@@ -21,8 +21,15 @@ from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
 from hpc_ddp.deploy.trainer_args import trainer_flags
-from hpc_ddp.env_vars import REQUEUE_BY_VAR, launch_environ
+from hpc_ddp.env_vars import (
+    REQUEUE_BY_BATCH,
+    REQUEUE_BY_BATCH_MARKER,
+    REQUEUE_BY_VAR,
+    launch_environ,
+)
 from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.runtime.run_paths import requeue_marker_line, requeue_marker_name
+from hpc_ddp.train.config import TrainConfig
 
 TEMPLATES = {
     "per-gpu": "srun.sbatch.j2",
@@ -51,6 +58,8 @@ class RenderContext:
     task_exec: str
     container_env_lines: list[str]
     requeue_from_batch: bool
+    requeue_marker: str  # torchrun layout: the marker's path, as shell words; else ""
+    requeue_marker_line: str  # what the marker must hold, in double quotes
     exit_requeue: int = EXIT_REQUEUE
     env_requeue_by: str = REQUEUE_BY_VAR
 
@@ -129,7 +138,9 @@ def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str
         env |= launch_environ(gpus_per_process=spec.gpus_per_process)
     if batch_script and requeue_from_batch(spec):
         # The trainer leaves the requeue to this script's shell (hpc_ddp.runtime.preemption).
-        env[REQUEUE_BY_VAR] = "batch"
+        env[REQUEUE_BY_VAR] = (
+            REQUEUE_BY_BATCH if spec.launcher == "srun" else REQUEUE_BY_BATCH_MARKER
+        )
     if spec.gpus_per_node:
         env.update(flight_recorder_env(spec.args, runs_trainer=spec.runs_trainer))
     env.update(spec.env)
@@ -137,10 +148,42 @@ def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str
 
 
 def requeue_from_batch(spec: JobSpec) -> bool:
-    """Whether the batch shell requeues the job when the step exits 75. It runs on the host,
-    where scontrol exists even when the step runs in a container without it. Not under torchrun,
-    which reports its workers' 75 as 1: there the trainer's rank 0 asks for the requeue."""
-    return spec.requeue and spec.launcher == "srun"
+    """Whether the batch shell requeues the job after the trainer checkpointed. It runs on the
+    host, where scontrol exists even when the step runs in a container without it. srun layouts:
+    the step exits 75. torchrun reports its workers' 75 as 1, so there the shell reads the
+    trainer's requeue marker in the run dir instead, which takes the trainer and a run dir known
+    here; else (a program of your own, a run dir only in a --config file) the program's rank 0
+    asks for the requeue, as :func:`hpc_ddp.runtime.preemption.requeue` does without the shell."""
+    if not spec.requeue:
+        return False
+    return spec.launcher == "srun" or marker_run_dir(spec) is not None
+
+
+def marker_run_dir(spec: JobSpec) -> str | None:
+    """The trainer's run dir as the batch shell names it (relative to the job's working dir,
+    where the trainer resolves it too): ``--run-dir``, else the trainer's default unless a
+    ``--config`` file may set it (render reads no files). None when the job runs no trainer."""
+    if not spec.runs_trainer:
+        return None
+    flags = trainer_flags(spec.args)
+    run_dir = getattr(flags, "run_dir", None)
+    if run_dir is None and not getattr(flags, "config", None):
+        run_dir = TrainConfig().run_dir
+    return run_dir
+
+
+def requeue_marker(spec: JobSpec) -> tuple[str, str]:
+    """(path, line) of the trainer's requeue marker for the torchrun layout's batch shell, as
+    shell words: the job id and restart count are the shell's variables, the rest is quoted."""
+    run_dir = marker_run_dir(spec) if spec.launcher == "torchrun" and spec.requeue else None
+    if run_dir is None:
+        return "", ""
+    base = shlex.quote(run_dir)
+    if spec.array:  # the trainer's run dir is <run dir>_<task id> (array_run_dir)
+        base = shlex.quote(run_dir + "_") + '"${SLURM_ARRAY_TASK_ID}"'
+    job, restart = "${SLURM_JOB_ID}", "${SLURM_RESTART_COUNT:-0}"
+    name = requeue_marker_name(f'"{job}"', f'"{restart}"')
+    return f"{base}/{name}", f'"{requeue_marker_line(job, restart)}"'
 
 
 def _container_srun(spec: JobSpec) -> list[str]:
@@ -234,6 +277,7 @@ def _wrap(line: str, width: int = 100) -> str:
 
 def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
     """The sbatch script for ``spec``. ``command`` is recorded in the header (what produced it)."""
+    marker = requeue_marker(spec)
     ctx = RenderContext(
         spec=spec,
         version=__version__,
@@ -248,6 +292,8 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         task_exec=shlex.join(_container_exec(spec)) if spec.launcher == "torchrun" else "",
         container_env_lines=container_env_lines(spec),
         requeue_from_batch=requeue_from_batch(spec),
+        requeue_marker=marker[0],
+        requeue_marker_line=marker[1],
     )
     template = get_template(TEMPLATES[spec.layout])
     # Optional sections leave empty lines behind; keep at most one blank line between sections.
