@@ -70,3 +70,12 @@ def test_each_name_is_spelled_only_in_run_paths() -> None:
     from hpc_ddp.checkpoint import manifest
 
     assert manifest.step_dir_name(12) == RunPaths("r").step_dir(12).name
+
+
+def test_nccl_trace_is_wanted_only_where_the_dump_prefix_points_into_it(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path / "run")
+    inside = {"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/run/nccl_trace/rank_"}
+    assert paths.wants_nccl_trace(inside)
+    assert not paths.wants_nccl_trace({})
+    assert not paths.wants_nccl_trace({"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/elsewhere/rank_"})
+    assert not paths.wants_nccl_trace({"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/run/rank_"})

@@ -26,8 +26,15 @@ from trainer_helpers import (
 
 def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    done = run(single_cmd(train_args(run_dir, data_dir)))
+    # As a rendered GPU job sets it: torch writes flight recorder dumps there on an NCCL
+    # timeout but never makes the directory, so the trainer must (and only then).
+    fr = {"TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace/rank_"}
+    done = subprocess.run(
+        single_cmd(train_args(run_dir, data_dir)), env=job_env(**fr),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert (run_dir / "nccl_trace").is_dir()
     result = read_result(run_dir)
     assert result["status"] == "finished" and result["world_size"] == 1
     assert (result["epochs"], result["steps"]) == (2, 2 * 16)  # 256 samples / 16

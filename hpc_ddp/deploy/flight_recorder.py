@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.run_paths import NCCL_TRACE, RunPaths
+from hpc_ddp.runtime.run_paths import FR_DUMP_FILE_VAR, NCCL_TRACE, RunPaths
 
 DUMP_PREFIX = "rank_"
 # Entries kept per rank: enough to cover a few training steps of a DDP model (one all-reduce
@@ -44,7 +44,7 @@ def flight_recorder_env(
 ) -> dict[str, str]:
     """The variables a GPU job sets: buffer on, dump on timeout, dumps in the run directory
     (``<run_dir>/nccl_trace/rank_<N>``; relative to the job's working directory, like the run
-    dir itself). torch creates the directory when it writes the first dump."""
+    dir itself). torch does not create the directory: the trainer's rank 0 does, at start."""
     base = NCCL_TRACE
     if runs_trainer:
         from hpc_ddp.deploy.trainer_args import trainer_flags
@@ -58,7 +58,7 @@ def flight_recorder_env(
     return {
         "TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": f"{base}/{DUMP_PREFIX}",
+        FR_DUMP_FILE_VAR: f"{base}/{DUMP_PREFIX}",
     }
 
 

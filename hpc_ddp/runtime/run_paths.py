@@ -26,6 +26,7 @@ use it as well as the trainer.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,10 @@ LOCK_OWNER = ".run.lock.owner"
 CONFIG = "config.json"
 PROGRESS = "progress.json"
 NCCL_TRACE = "nccl_trace"
+# torch's variable naming the prefix of flight recorder dump files (<prefix><rank>). torch opens
+# the file without creating its directory, so the trainer makes nccl_trace/ when this points
+# into it (RunPaths.wants_nccl_trace).
+FR_DUMP_FILE_VAR = "TORCH_FR_DUMP_TEMP_FILE"
 METRICS = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 TENSORBOARD = "tensorboard"
@@ -129,6 +134,12 @@ class RunPaths:
     def nccl_trace(self) -> Path:
         """``nccl_trace/``: NCCL flight recorder dumps (``rank_N``), written on a timeout."""
         return self.root / NCCL_TRACE
+
+    def wants_nccl_trace(self, environ: Mapping[str, str]) -> bool:
+        """Whether the flight recorder's dump prefix in ``environ`` names files in
+        ``nccl_trace/`` (as rendered GPU jobs set it): then that directory must exist."""
+        prefix = environ.get(FR_DUMP_FILE_VAR, "")
+        return bool(prefix) and Path(prefix).absolute().parent == self.nccl_trace.absolute()
 
     @property
     def checkpoints(self) -> Path:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hpc_ddp.checkpoint import RunDirLock
@@ -56,4 +57,6 @@ def open_run_dir(cfg: TrainConfig, lock: RunDirLock) -> RunDirState:
     if paths.result.exists():
         return RunDirState(finished=True)
     write_json(saved_path, cfg.to_dict())
+    if paths.wants_nccl_trace(os.environ):  # torch writes dumps there but never makes the dir
+        paths.nccl_trace.mkdir(exist_ok=True)
     return RunDirState(finished=False)
