@@ -1,11 +1,12 @@
 """NCCL flight recorder: the variables rendered GPU jobs set, and `hpc-ddp doctor --nccl-dump`.
 
-No GPU and no NCCL here, and Gloo records no flight recorder entries, so the dumps are built by
-the test: pickles of the plain data that torch's c10d FlightRecorder writes (``version``,
-``pg_config``, ``entries``, each entry with the keys of its ``dump_entries``: record_id, pg_id,
-process_group, collective_seq_id, profiling_name, state, input_sizes, ...). What is real: the
-file format (a pickle protocol torch uses), the reader, the CLI, and the refusal of a pickle
-that would run code.
+Real dumps: with the variables a GPU job sets, torch's flight recorder records Gloo collectives
+too, so 2 real Gloo ranks (tests/workers/fr_hang_worker.py) hang for real (one rank skips the
+last all-reduce) and write torch's own dump bytes where dump-on-timeout would; the real CLI
+reads them. What only NCCL on GPUs produces (no GPU here) is built by the test: pickles of the
+plain data torch's c10d FlightRecorder writes, for the states Gloo never records (``started``,
+``completed``), all ranks stuck in one collective, and NCCL's spellings (``nccl:``,
+``comm_lib_version``). The refusal of a pickle that would run code is real.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import json
 import mmap
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import job_env as process_env
 
+from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.deploy.flight_recorder import flight_recorder_env, read_dump, report
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
@@ -27,6 +31,8 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import NCCL_TRACE
 
 REPO = Path(__file__).resolve().parents[1]
+TORCH_DIST = "/venv/lib/python3.12/site-packages/torch/distributed"
+HANG_WORKER = Path(__file__).parent / "workers" / "fr_hang_worker.py"
 
 
 def _entry(seq: int, state: str, op: str = "nccl:all_reduce") -> dict:
@@ -38,7 +44,10 @@ def _entry(seq: int, state: str, op: str = "nccl:all_reduce") -> dict:
         "output_sizes": [[2_359_296]], "output_dtypes": ["Float"], "state": state,
         "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
         "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": False,
-        "frames": [{"name": "all_reduce", "filename": "distributed_c10d.py", "line": 2800}],
+        "frames": [  # innermost first, as torch lists them
+            {"name": "all_reduce", "filename": f"{TORCH_DIST}/distributed_c10d.py", "line": 3906},
+            {"name": "step", "filename": "/home/u/train.py", "line": 120},
+        ],
     }  # fmt: skip
 
 
@@ -46,6 +55,7 @@ def _dump(entries: list[dict]) -> bytes:
     data = {
         "version": "2.10",
         "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+        "comm_lib_version": "2.27.5",
         "pg_status": {"0": {"last_enqueued_collective": entries[-1]["collective_seq_id"]}},
         "entries": entries,
     }
@@ -70,10 +80,13 @@ def _hang(run_dir: Path) -> Path:
 def test_report_names_the_lagging_rank_the_collective_and_the_step(tmp_path: Path) -> None:
     lines = report(_hang(tmp_path / "run"))
     text = "\n".join(lines)
-    assert "4 flight recorder dump(s)" in lines[0] and "version 2.10" in lines[0]
+    assert "4 flight recorder dump(s)" in lines[0] and "(version 2.10, comm lib 2.27.5)" in lines[0]
     assert "rank 0: entered #8 nccl:all_reduce sizes=[[2359296]] (started); completed #7" in text
     assert "rank 2: entered #7 nccl:all_reduce sizes=[[2359296]] (completed)" in text
-    assert "ranks [2] lag: last entered #7, the others wait in #8 (nccl:all_reduce)" in text
+    assert (
+        "ranks [2] lag: last entered #7, the others wait in #8 "
+        "(nccl:all_reduce called at /home/u/train.py:120 in step)"
+    ) in text
     assert "global step 4 (epoch 1)" in text
 
 
@@ -82,9 +95,20 @@ def test_all_ranks_stuck_in_one_collective_points_at_the_network(tmp_path: Path)
     dumps.mkdir()
     for rank in range(2):
         (dumps / f"rank_{rank}").write_bytes(_dump([_entry(1, "completed"), _entry(2, "started")]))
-    assert "all ranks reached collective #2 (nccl:all_reduce) and it did not complete" in "\n".join(
-        report(dumps)
-    )
+    assert (
+        "all ranks reached collective #2 (nccl:all_reduce called at /home/u/train.py:120 in step)"
+        " and it did not complete"
+    ) in "\n".join(report(dumps))
+
+
+def test_dumps_without_entries_say_so(tmp_path: Path) -> None:
+    dumps = tmp_path / "d"
+    dumps.mkdir()
+    for rank in range(2):
+        (dumps / f"rank_{rank}").write_bytes(pickle.dumps({"version": "2.10", "entries": []}))
+    lines = report(dumps)
+    assert lines[1:3] == ["rank 0: no collective recorded", "rank 1: no collective recorded"]
+    assert "no rank recorded a collective" in lines[3]
 
 
 def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
@@ -99,6 +123,9 @@ def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"refused (posix|os)\.system"):
         read_dump(bad)
     assert not canary.exists()
+    escape = _entry(1, "started", op="nccl:\x1b]0;owned\x07all_reduce")  # a terminal escape
+    (tmp_path / "rank_2").write_bytes(_dump([escape]))
+    assert read_dump(tmp_path / "rank_2").entries[0].op == "nccl:?]0;owned?all_reduce"
     (tmp_path / "rank_1").write_bytes(b"not a pickle")
     with pytest.raises(ConfigError, match="not a readable flight recorder dump"):
         read_dump(tmp_path / "rank_1")
@@ -106,15 +133,83 @@ def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
         report(tmp_path / "missing")
 
 
-def test_doctor_reads_a_dump_without_importing_torch(tmp_path: Path) -> None:
-    dumps = _hang(tmp_path / "run")
+def _doctor(dumps: Path) -> str:
+    """``hpc-ddp doctor --nccl-dump DUMPS``'s output; fails if it imported torch."""
     code = (
         "import sys; from hpc_ddp.cli import main; rc = main(['doctor', '--nccl-dump', "
         f"{str(dumps)!r}]); assert 'torch' not in sys.modules; sys.exit(rc)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    assert "ranks [2] lag" in done.stdout
+    return done.stdout
+
+
+def test_doctor_reads_a_dump_without_importing_torch(tmp_path: Path) -> None:
+    assert "ranks [2] lag" in _doctor(_hang(tmp_path / "run"))
+
+
+def _real_hang(run_dir: Path, world: int = 2) -> None:
+    """The worker's ranks with the project's launcher variables and the flight recorder
+    variables a GPU job sets (dumps to <run_dir>/nccl_trace/rank_N); rank 1 lags."""
+    port, before_hang = free_port(), ("--dump-before-hang", str(run_dir / "before_hang"))
+    recorder = flight_recorder_env(["--run-dir", str(run_dir)])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HANG_WORKER), *("--run-dir", str(run_dir)), *before_hang],
+            env=process_env(**_rank_env(rank, world, port), **recorder),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * world, outs
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {
+        "HPC_DDP_LAUNCHER": "pdsh",
+        "HPC_DDP_NODE_RANK": "0",
+        "HPC_DDP_NUM_NODES": "1",
+        "HPC_DDP_LOCAL_RANK": str(rank),
+        "HPC_DDP_LOCAL_WORLD_SIZE": str(world),
+        "HPC_DDP_MASTER_ADDR": "127.0.0.1",
+        "HPC_DDP_MASTER_PORT": str(port),
+    }
+
+
+def test_a_real_gloo_hang_names_the_lagging_rank_the_collective_and_the_step(
+    tmp_path: Path,
+) -> None:
+    """Torch-written dumps of a real hang: rank 1 skipped step 4's first all-reduce (#7 of the
+    default group) after a collective on a second group (its own #1); Gloo leaves every entry
+    "scheduled" and marks finished ones retired."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _real_hang(run_dir)
+    dumps = run_dir / NCCL_TRACE
+    assert sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"]
+    out = _doctor(dumps)
+    assert re.match(
+        rf"2 flight recorder dump\(s\) in {re.escape(str(dumps))} \(version \d+\.\d+\)\n", out
+    )
+    default = out[out.index("process group 0 (default_pg):") : out.index("process group 1")]
+    assert "rank 0: entered #7 gloo:all_reduce sizes=[[1000]] (scheduled); completed #6 " in default
+    assert "rank 1: entered #6 gloo:all_reduce sizes=[[10]] (completed); completed #6 " in default
+    assert (
+        "ranks [1] lag: last entered #6, the others wait in #7 "
+        f"(gloo:all_reduce called at {HANG_WORKER}:"
+    ) in default
+    side = out[out.index("process group 1") : out.index("training:")]
+    assert "all ranks completed collective #1: no collective was pending" in side
+    assert f"training: rank 0 last reported global step 3 (epoch 0) in {run_dir}" in out
+    before = "\n".join(report(run_dir / "before_hang"))
+    assert "all ranks completed collective #6: no collective was pending" in before, before
 
 
 def test_gpu_jobs_switch_the_recorder_on_with_dumps_in_the_run_dir() -> None:

@@ -8,13 +8,26 @@ writes that buffer, and asks every other rank to write theirs, to
 ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` are their deprecated names.) A hang then leaves one file per
 rank in the run directory instead of nothing.
 
-A dump is a pickle of plain data: ``{"version": "2.x", "pg_config": {...}, "entries": [...]}``,
-each entry a dict with ``record_id``, ``collective_seq_id``, ``profiling_name``
-(``nccl:all_reduce``), ``state`` (scheduled/started/completed), ``input_sizes``,
-``process_group`` and more (torch's c10d FlightRecorder ``dump_entries``). Data never becomes
-code: it is read with an unpickler that refuses every global, so only dicts, lists, tuples,
-strings, numbers and None can come out; torch's own reader (torch.distributed.flight_recorder)
-calls ``pickle.load``, which can run code. Torch-free.
+A dump is a pickle of plain data: ``{"version": "2.10", "pg_config": {...}, "pg_status":
+{...}, "comm_lib_version": "...", "entries": [...]}``, each entry a dict with ``record_id``,
+``process_group`` (name, description), ``collective_seq_id`` (counted per process group),
+``profiling_name`` (``nccl:all_reduce``, ``gloo:all_reduce``), ``state``, ``retired``,
+``input_sizes``, ``frames`` (the Python stack that issued it, innermost first) and more (torch's
+c10d FlightRecorder ``dump_entries``). NCCL's state moves scheduled -> started -> completed;
+Gloo's stays "scheduled", and ``retired`` says a collective of either backend finished. Older
+formats (2.7) name the library version ``nccl_version``. Missing keys read as unknown.
+
+What is checked against torch's own output (tests/test_flight_recorder.py): torch 2.14 records
+Gloo collectives too once ``TORCH_FR_BUFFER_SIZE`` is set, so real Gloo ranks hang for real and
+write ``torch._C._distributed_c10d._dump_fr_trace`` bytes (the pickle dump-on-timeout writes;
+Gloo itself never dumps on a timeout): the format, Gloo's states and ``retired``, several
+process groups, ``frames``. Only NCCL on GPUs writes ``started``/``completed`` states and a
+``comm_lib_version``: those are tested on dumps the test builds.
+
+Data never becomes code: a dump is read with an unpickler that refuses every global, so only
+dicts, lists, tuples, strings, numbers and None can come out (torch's own reader,
+torch.distributed.flight_recorder, calls ``pickle.load``, which can run code), and its strings
+are printed without control characters. Torch-free.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ DUMP_PREFIX = "rank_"
 BUFFER_ENTRIES = 2000
 _MAX_DUMP_BYTES = 256 * 1024 * 1024
 _RANK = re.compile(r"(\d+)")
+# A frame inside torch (distributed_c10d.py, autograd ...), not the program's own code.
+_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
 
 
 def flight_recorder_env(
@@ -69,29 +84,39 @@ class _PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused {module}.{name}: a dump holds plain data only")
 
 
+def _text(value: Any, limit: int = 200) -> str:
+    """A value of the dump as one printable line: its control characters (a terminal escape
+    sequence in a hostile file) become '?', and it is cut at ``limit`` characters."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in str(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Collective:
     seq: int
     op: str
     state: str
+    completed: bool
     sizes: list[Any]
     group: str
+    call_site: str
+
+    @property
+    def status(self) -> str:
+        """``completed`` once torch saw it finish, else the recorded state (``scheduled``,
+        ``started``)."""
+        return "completed" if self.completed else self.state
 
 
 @dataclass(frozen=True)
 class RankTrace:
     rank: int
     version: str
+    comm_lib: str
     entries: list[Collective]
 
-    @property
-    def last_entered(self) -> Collective | None:
-        return self.entries[-1] if self.entries else None
-
-    @property
-    def last_completed(self) -> Collective | None:
-        done = [e for e in self.entries if e.state == "completed"]
-        return done[-1] if done else None
+    def in_group(self, group: str) -> list[Collective]:
+        return [e for e in self.entries if e.group == group]
 
 
 def read_dump(path: Path) -> RankTrace:
@@ -112,20 +137,49 @@ def read_dump(path: Path) -> RankTrace:
         ) from None
     if not isinstance(dump, Mapping) or not isinstance(dump.get("entries"), list):
         raise ConfigError(f"{path}: a flight recorder dump is a table with 'entries'")
-    entries = [_collective(e) for e in dump["entries"] if isinstance(e, Mapping)]
-    return RankTrace(rank, str(dump.get("version", "?")), entries)
+    try:
+        entries = [_collective(e) for e in dump["entries"] if isinstance(e, Mapping)]
+    except (TypeError, ValueError) as err:  # a sequence number that is no number, say
+        raise ConfigError(f"{path}: a flight recorder entry is malformed ({err})") from None
+    # Older dump formats (2.7) name the library version "nccl_version"; Gloo's is "" (no version).
+    comm_lib = dump.get("comm_lib_version", dump.get("nccl_version", ""))
+    return RankTrace(rank, _text(dump.get("version", "?")), _text(comm_lib or ""), entries)
 
 
 def _collective(e: Mapping[str, Any]) -> Collective:
-    group = e.get("process_group")
-    name = group[0] if isinstance(group, list | tuple) and group else str(group or "")
+    state = _text(e.get("state", "?"))
     return Collective(
         seq=int(e.get("collective_seq_id", -1)),
-        op=str(e.get("profiling_name", "?")),
-        state=str(e.get("state", "?")),
+        op=_text(e.get("profiling_name", "?")),
+        state=state,
+        # Gloo never marks an entry started or completed (its state stays "scheduled"); torch
+        # sets "retired" when a collective of either backend finished.
+        completed=state == "completed" or e.get("retired") is True,
         sizes=list(e.get("input_sizes", [])),
-        group=str(name),
+        group=_group_label(e),
+        call_site=_call_site(e.get("frames")),
     )
+
+
+def _group_label(e: Mapping[str, Any]) -> str:
+    """``0 (default_pg)``: the process group's name and description (``process_group``), or
+    its number (``pg_id``) in a dump without them."""
+    group = e.get("process_group")
+    if isinstance(group, list | tuple) and group:
+        name, desc = group[0], (group[1] if len(group) > 1 else "")
+        return _text(f"{name} ({desc})" if desc else name)
+    return _text(e.get("pg_id", "?") if group is None else group)
+
+
+def _call_site(frames: Any) -> str:
+    """``train.py:120 in step``: the innermost frame outside torch's package, the line of the
+    program that issued the collective (torch lists frames innermost first; NCCL's
+    dump-on-timeout includes them, a dump without stack traces gives "")."""
+    for frame in frames if isinstance(frames, list) else []:
+        if isinstance(frame, Mapping) and not _TORCH_FILE.search(str(frame.get("filename"))):
+            where = f"{frame.get('filename')}:{frame.get('line', '?')} in {frame.get('name', '?')}"
+            return _text(where)
+    return ""
 
 
 def dump_files(path: Path) -> list[Path]:
@@ -145,45 +199,74 @@ def dump_files(path: Path) -> list[Path]:
 def _describe(c: Collective | None) -> str:
     if c is None:
         return "none"
-    return f"#{c.seq} {c.op} sizes={c.sizes}"
+    return f"#{c.seq} {c.op} sizes={_text(c.sizes)}"
+
+
+def _called_at(c: Collective) -> str:
+    return f" called at {c.call_site}" if c.call_site else ""
 
 
 def summarize(traces: list[RankTrace]) -> list[str]:
-    """Per rank the last collective entered and completed; then which ranks lag and where.
-
-    In a hang every rank waits in the same collective except the ones that never reached it:
-    the ranks whose last entered sequence id is the lowest are the ones to look at.
-    """
+    """Per process group, per rank the last collective entered and completed; then which ranks
+    lag and where. Sequence numbers count per process group, so groups are compared apart
+    (a trainer's side group, like the checkpointer's Gloo group, has its own #1, #2 ...)."""
+    groups = sorted({e.group for t in traces for e in t.entries}, key=_group_order)
+    if not groups:
+        return [f"rank {t.rank}: no collective recorded" for t in sorted(traces, key=_by_rank)] + [
+            "no rank recorded a collective: was TORCH_FR_BUFFER_SIZE 0, or did the hang come "
+            "before the first collective?"
+        ]
+    if len(groups) == 1:
+        return _summarize_group(traces, groups[0])
     lines = []
-    for t in sorted(traces, key=lambda t: t.rank):
-        last = t.last_entered
-        state = f" ({last.state})" if last else ""
+    for group in groups:
+        lines.append(f"process group {group}:")
+        members = [t for t in traces if t.in_group(group)]
+        lines += [f"  {line}" for line in _summarize_group(members, group)]
+    return lines
+
+
+def _by_rank(t: RankTrace) -> int:
+    return t.rank
+
+
+def _group_order(group: str) -> tuple[int, str]:
+    head = group.split(" ", 1)[0]
+    return (int(head) if head.isdigit() else 1 << 62, group)
+
+
+def _summarize_group(traces: list[RankTrace], group: str) -> list[str]:
+    """In a hang every rank waits in the same collective except the ones that never reached
+    it: the ranks whose last entered sequence number is the lowest are the ones to look at."""
+    lines: list[str] = []
+    reached: dict[int, Collective] = {}  # rank -> the last collective it entered
+    for t in sorted(traces, key=_by_rank):
+        entries = t.in_group(group)  # torch lists them oldest first
+        done = [e for e in entries if e.completed]
+        reached[t.rank] = last = entries[-1]
         lines.append(
-            f"rank {t.rank}: entered {_describe(last)}{state}; "
-            f"completed {_describe(t.last_completed)}"
+            f"rank {t.rank}: entered {_describe(last)} ({last.status}); "
+            f"completed {_describe(done[-1] if done else None)}"
         )
-    reached = {t.rank: (t.last_entered.seq if t.last_entered else -1) for t in traces}
-    if not reached:
-        return lines
-    front, back = max(reached.values()), min(reached.values())
+    front = max(c.seq for c in reached.values())
+    back = min(c.seq for c in reached.values())
     if front == back:
-        stuck = [t for t in traces if t.last_entered and t.last_entered.state != "completed"]
+        stuck = [c for c in reached.values() if not c.completed]
         if stuck:
-            c = stuck[0].last_entered
             lines.append(
-                f"all ranks reached collective #{front} ({c.op if c else '?'}) and it did not "
-                "complete: a network or NCCL problem, not a rank that fell behind "
+                f"all ranks reached collective #{front} ({stuck[0].op}{_called_at(stuck[0])}) "
+                "and it did not complete: a network or NCCL problem, not a rank that fell behind "
                 "(docs/troubleshooting.md)"
             )
         else:
             lines.append(f"all ranks completed collective #{front}: no collective was pending")
         return lines
-    laggards = sorted(rank for rank, seq in reached.items() if seq == back)
-    ahead = next(t.last_entered for t in traces if t.last_entered and t.last_entered.seq == front)
+    laggards = sorted(rank for rank, c in reached.items() if c.seq == back)
+    ahead = next(c for c in reached.values() if c.seq == front)
     lines.append(
         f"ranks {laggards} lag: last entered #{back}, the others wait in #{front} "
-        f"({ahead.op if ahead else '?'}); look at what those ranks did instead (a data loader, "
-        "a rank-dependent branch, a crash in their log)"
+        f"({ahead.op}{_called_at(ahead)}); look at what those ranks did instead (a data "
+        "loader, a rank-dependent branch, a crash in their log)"
     )
     return lines
 
@@ -205,7 +288,9 @@ def report(path: Path) -> list[str]:
     """``hpc-ddp doctor --nccl-dump PATH``: the dumps at ``path`` read and summarized."""
     files = dump_files(path)
     traces = [read_dump(f) for f in files]
-    lines = [f"{len(traces)} flight recorder dump(s) in {path} (version {traces[0].version})"]
+    first = traces[0]
+    lib = f", comm lib {first.comm_lib}" if first.comm_lib else ""
+    lines = [f"{len(traces)} flight recorder dump(s) in {path} (version {first.version}{lib})"]
     lines += summarize(traces)
     step = run_step_line(path if path.is_dir() else path.parent)
     return lines + ([step] if step else [])
