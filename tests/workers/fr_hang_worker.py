@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace
 
 from hpc_ddp.dist import init_distributed, run_main
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.runtime.run_paths import FR_DUMP_FILE_VAR, RunPaths
 from hpc_ddp.slurm_client import wait_for
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.report import ProgressFile
@@ -60,7 +60,7 @@ def main() -> int:
     pending = None
     if ctx.rank != args.lag_rank:  # the next step's first all-reduce, which lag_rank skips
         pending = dist.all_reduce(buckets[0], async_op=True)
-    _dump(os.environ["TORCH_FR_DUMP_TEMP_FILE"], ctx.rank, ctx.world_size)
+    _dump(os.environ[FR_DUMP_FILE_VAR], ctx.rank, ctx.world_size)
     del pending  # held until the dumps are written
     return 0
 
