@@ -102,6 +102,7 @@ def _standin_env(tmp_path: Path, base: dict[str, str]) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_container_jobs_run_and_the_batch_shell_requeues_them(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
@@ -160,6 +161,7 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
     assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
 
 
+@pytest.mark.slow
 def test_torchrun_job_runs_torchrun_in_the_apptainer_image(slurm_cluster, tmp_path: Path) -> None:
     """torchrun layout: the host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each
     node, the batch shell gets the rendezvous port from the image's python; training finishes."""

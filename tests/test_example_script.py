@@ -66,6 +66,7 @@ def test_uninterrupted_run_learns_with_exact_evaluation(reference: dict) -> None
     assert reference["test_accuracy"] > CHANCE + 0.5, reference  # learnt, not guessed
 
 
+@pytest.mark.slow
 def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
     reference: dict, tmp_path: Path
 ) -> None:
@@ -143,6 +144,7 @@ def _render(cwd: Path, name: str, *args: str) -> Path:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
     slurm_cluster, tmp_path: Path
 ) -> None:
