@@ -25,6 +25,7 @@ from trainer_helpers import (
     start,
     torchrun_cmd,
     train_args,
+    wait_for_checkpoint,
     wait_for_progress,
 )
 
@@ -98,6 +99,9 @@ def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
     proc = start(torchrun_cmd(2, [*args, "--debug-hold-at-step", "5"]), log)
     try:
         progress = wait_for_progress(run_dir, holding, proc)
+        # Step 4's checkpoint is written in the background: on a busy machine it can still be
+        # in flight at the hold. The kill comes once it is committed: the resume point is known.
+        wait_for_checkpoint(run_dir, 4, proc)
         os.kill(progress["pids"][1], signal.SIGKILL)
     except BaseException:
         proc.kill()
