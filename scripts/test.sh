@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
 # Lint and run the whole test suite (real Slurm daemons, torchrun, Gloo, pdsh, clush; GPU tests
 # skip where no GPU is visible). Extra arguments go to pytest, e.g. scripts/test.sh -k slurm.
+# The tests run in parallel (pytest-xdist), one more worker than CPUs: many of them wait on
+# Slurm's scheduling and requeues, process start-up or rendezvous with the CPUs idle. Each test
+# file stays on one worker (--dist loadfile: its module fixtures run once), the files with slow
+# tests first (tests/conftest.py); each worker starts its own local Slurm clusters.
+# `scripts/test.sh -n 0 ...` runs serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/pytest -ra "$@"
+parallel=()
+if .venv/bin/python -c "import xdist" 2>/dev/null; then
+  workers=$(($(nproc) + 1))
+  ((workers > 8)) && workers=8  # beyond that, more local clusters than the tests need
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+else
+  echo "test: pytest-xdist is missing (scripts/install.sh --test adds it): running serially" >&2
+fi
+exec .venv/bin/pytest -ra "${parallel[@]}" "$@"

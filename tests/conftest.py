@@ -9,6 +9,7 @@ trainer tests (helpers in trainer_helpers.py).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from launch_support import Launch, kill_leftovers
-from slurm_support import SlurmTestCluster, require_local_slurm
+from slurm_support import SlurmTestCluster, first_job_id, require_local_slurm
 
 from hpc_ddp.localslurm import LocalCluster
 from hpc_ddp.localslurm.orphans import reap
@@ -28,11 +29,11 @@ def _short_tmpdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
-def _session_cluster(prefix: str, **shape: int) -> Iterator[SlurmTestCluster]:
+def _session_cluster(prefix: str, role: str, **shape: int) -> Iterator[SlurmTestCluster]:
     require_local_slurm()
     reap(Path(tempfile.gettempdir()), "hpcddp-")  # clusters of test runs that were killed
     root = _short_tmpdir(prefix)
-    cluster = LocalCluster(root, ephemeral=True, **shape)
+    cluster = LocalCluster(root, ephemeral=True, first_job_id=first_job_id(role), **shape)
     cluster.start(timeout_s=30)
     try:
         yield SlurmTestCluster(cluster)
@@ -44,13 +45,13 @@ def _session_cluster(prefix: str, **shape: int) -> Iterator[SlurmTestCluster]:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmTestCluster]:
     """2 nodes (node1, node2) x 4 declared CPUs, shared by the whole session."""
-    yield from _session_cluster("hpcddp-slurm-", nodes=2, cpus_per_node=4)
+    yield from _session_cluster("hpcddp-slurm-", "cpu", nodes=2, cpus_per_node=4)
 
 
 @pytest.fixture(scope="session")
 def slurm_gpu_cluster() -> Iterator[SlurmTestCluster]:
     """2 nodes x 2 fake GPUs (gres over char devices): Slurm sets CUDA_VISIBLE_DEVICES."""
-    yield from _session_cluster("hpcddp-gslurm-", nodes=2, cpus_per_node=4, gpus_per_node=2)
+    yield from _session_cluster("hpcddp-gslurm-", "gpu", nodes=2, cpus_per_node=4, gpus_per_node=2)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +68,16 @@ def launches() -> Iterator[list[Launch]]:
     yield started
     for launch in started:
         kill_leftovers(launch.launch_id)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with more slow tests first, each file's tests together and in their order: under
+    pytest-xdist (scripts/test.sh: whole files per worker, --no-loadscope-reorder) the long
+    files start first and the many short ones fill the end, instead of one long file started
+    last keeping a worker busy while the others idle."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a serial run keeps pytest's order
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: files stay whole and in order

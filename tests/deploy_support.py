@@ -8,10 +8,13 @@ must end with its params_sha256.
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from hpc_ddp.deploy import JobSpec
 from hpc_ddp.deploy.sbatch.render import render
@@ -60,16 +63,29 @@ def progress_status(run_dir: Path) -> str | None:
 
 
 # Each test module that imports the fixture gets its own fixture definition; this cache makes
-# them share one run per cluster (the cluster fixture lives for the whole session).
-_REFERENCE: dict[str, tuple[Path, Finished]] = {}
+# them share one run per worker, and the record file one run per test run: pytest-xdist workers
+# (each with its own cluster) take the first one's, whose files stay in its basetemp.
+_REFERENCE: list[tuple[Path, Finished]] = []
 
 
 @pytest.fixture(scope="session", name="reference_run")
 def reference_run_fixture(slurm_cluster, tmp_path_factory) -> tuple[Path, Finished]:
     """(its working dir, how it ended): result.json is in <dir>/run."""
-    key = str(slurm_cluster.cluster.root)
-    if key not in _REFERENCE:
-        cwd = tmp_path_factory.mktemp("reference")
-        job_id, out = submit_spec(train_spec("reference"), cwd, slurm_cluster.env)
-        _REFERENCE[key] = (cwd, wait_job(job_id, slurm_cluster.env, timeout_s=180, output=out))
-    return _REFERENCE[key]
+    if not _REFERENCE:
+        shared = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            shared = shared.parent  # the run's basetemp, above every worker's
+        record = shared / "slurm-reference.json"
+        with FileLock(shared / "slurm-reference.lock"):
+            if record.exists():
+                saved = json.loads(record.read_text())
+                done = Finished(**{**saved["done"], "output": Path(saved["done"]["output"])})
+                _REFERENCE.append((Path(saved["cwd"]), done))
+            else:
+                cwd = tmp_path_factory.mktemp("reference")
+                job_id, out = submit_spec(train_spec("reference"), cwd, slurm_cluster.env)
+                done = wait_job(job_id, slurm_cluster.env, timeout_s=180, output=out)
+                fields = {**asdict(done), "output": str(done.output), "result": None}
+                record.write_text(json.dumps({"cwd": str(cwd), "done": fields}))
+                _REFERENCE.append((cwd, done))
+    return _REFERENCE[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
+from hpc_ddp.cluster.master_port import PORT_SPAN
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.localslurm import LocalCluster, SlurmClient, check_prerequisites
 
@@ -68,6 +70,25 @@ class SlurmTestCluster(SlurmClient):
     @property
     def node_names(self) -> tuple[str, ...]:
         return self.cluster.node_names
+
+
+# A job's master port is derived from its id (20000 + id % PORT_SPAN) and every local cluster's
+# jobs run on this one machine. Under pytest-xdist several workers run clusters at once: each
+# (worker, role) pair numbers its jobs from its own window of that span, so two jobs of one test
+# run never derive the same port. The window's multiple of the span stays random.
+CLUSTER_ROLES = ("cpu", "gpu", "other")
+
+
+def first_job_id(role: str) -> int:
+    """A FirstJobId for a test cluster of ``role`` (CLUSTER_ROLES) in this pytest worker: at
+    most one cluster per role and worker runs jobs at a time. A window holds PORT_SPAN / (3 x
+    workers) ids (1000 for 3 workers): more than a worker's clusters submit."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # both unset without xdist
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = PORT_SPAN // (workers * len(CLUSTER_ROLES))
+    slot = index * len(CLUSTER_ROLES) + CLUSTER_ROLES.index(role)
+    return random.randrange(1, 500) * PORT_SPAN + slot * width
 
 
 NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")

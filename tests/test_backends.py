@@ -273,6 +273,7 @@ def _trainer_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_cancelling_a_local_submitit_job_ends_its_trainer(tmp_path: Path) -> None:
     """submitit cancels a local job with SIGINT to its task; the trainer the task started must
     end with it (it checkpoints on SIGTERM) instead of training on as an orphan."""

@@ -189,6 +189,7 @@ def test_async_and_sync_runs_write_identical_weights_and_checkpoints(
         assert_same(_load(a / name), _load(s / name), name)
 
 
+@pytest.mark.slow
 def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
     tmp_path: Path, data_dir: Path, sync_reference: Path
 ) -> None:
@@ -208,6 +209,7 @@ def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
     assert_resumed_like(run_dir, sync_reference, interruptions=1, steps=16)
 
 
+@pytest.mark.slow
 def test_a_failing_background_write_fails_the_run_and_keeps_latest(
     tmp_path: Path, data_dir: Path, sync_reference: Path
 ) -> None:
@@ -265,6 +267,7 @@ def _reports(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
 def test_success_and_preemption_are_reported_only_after_the_background_commit(
     tmp_path: Path, data_dir: Path
 ) -> None:

@@ -105,6 +105,7 @@ def _standin_env(tmp_path: Path, base: dict[str, str]) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_container_jobs_run_and_the_batch_shell_requeues_them(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
@@ -163,6 +164,7 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
     assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
 
 
+@pytest.mark.slow
 def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint_only(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ def test_uninterrupted_run_learns_with_exact_evaluation(reference: dict) -> None
     assert reference["test_accuracy"] > CHANCE + 0.5, reference  # learnt, not guessed
 
 
+@pytest.mark.slow
 def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
     reference: dict, tmp_path: Path
 ) -> None:
@@ -143,6 +144,7 @@ def _render(cwd: Path, name: str, *args: str) -> Path:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
     slurm_cluster, tmp_path: Path
 ) -> None:
@@ -203,6 +205,7 @@ def _submit_cmd(executor: str, spec: Path, folder: Path, *extra: str) -> list[st
             "--folder", str(folder), "--wait-timeout", "240", *extra, str(spec)]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_local_executor_runs_the_script_to_the_same_weights(
     reference: dict, tmp_path: Path
 ) -> None:
@@ -242,6 +245,7 @@ def _holding_in(folder: Path, ranks: int) -> dict[int, int]:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_submitit_job_preempted_with_usr1_requeues_to_the_same_weights(
     slurm_cluster, reference: dict, tmp_path: Path
 ) -> None:

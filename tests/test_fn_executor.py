@@ -167,6 +167,7 @@ def test_map_array_on_slurm_is_one_slurm_array(slurm_cluster, tmp_path: Path) ->
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_a_preempted_function_is_requeued_and_called_again(slurm_cluster, tmp_path: Path) -> None:
     """USR2 -> submitit's handler on rank 0 -> FunctionTask.checkpoint() (Checkpointable: the
     same call) -> scontrol requeue -> the function runs again and returns."""

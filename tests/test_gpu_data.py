@@ -215,6 +215,7 @@ print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
 """
 
 
+@pytest.mark.slow
 def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
     """A whole training run on the GPU-resident path (on the CPU), and one on the loader path,
     neither importing torchvision (the files are read without it), with the same weights, loss

@@ -48,6 +48,7 @@ def _latest(run_dir: Path) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_status_logs_cancel_sbatch_jobs(slurm_cluster, tmp_path: Path) -> None:
     """Two held jobs at once: one is cancelled with a checkpoint (USR1, the trainer checkpoints
     and requeues itself, the requeued job is cancelled before it runs again), one with --now."""
@@ -116,6 +117,7 @@ def test_status_and_cancel_local_submitit_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path) -> None:
     """A submitit (AutoExecutor) job found from its id alone: Slurm's record names its folder.
     cancel sends submitit's USR2; submitit's handler checkpoints and requeues; the requeued job
@@ -139,6 +141,7 @@ def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path)
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_cancel_checkpoints_a_torchrun_job(slurm_cluster, tmp_path: Path) -> None:
     """The torchrun layout: the signal reaches the node tasks (the torchrun_task shells), which
     hand it to torchrun's workers; torchrun itself ignores it, the workers checkpoint."""

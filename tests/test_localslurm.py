@@ -312,9 +312,9 @@ def test_cli_without_root_says_so() -> None:
     assert not Path("/tmp/hpcddp-nonroot").exists()
 
 
-def test_cli_without_slurm_names_the_package(tmp_path: Path) -> None:
+def test_cli_without_slurm_names_the_package(root: Path) -> None:
     env = clean_job_env(PATH=str(Path(sys.executable).parent))  # no /usr/sbin, no /usr/bin
-    proc = _cli("up", "--dir", str(tmp_path / "c"), env=env)
+    proc = _cli("up", "--dir", str(root / "c"), env=env)
     assert proc.returncode == 2
     assert "slurmctld" in proc.stderr and "apt-get install slurm-wlm" in proc.stderr
 
@@ -366,6 +366,7 @@ def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) ->
     _assert_nothing_left(cluster, job_pids)
 
 
+@pytest.mark.slow
 def test_requeued_job_restarts_within_seconds(
     slurm_cluster: SlurmTestCluster, tmp_path: Path
 ) -> None:
@@ -397,13 +398,21 @@ def test_orphaned_test_cluster_is_reaped(root: Path) -> None:
         "LocalCluster(sys.argv[1], nodes=1, ephemeral=True).start()\n"
         "os._exit(0)  # no stop(): like a SIGKILLed pytest\n"
     )
-    subprocess.run([sys.executable, "-c", start_and_die, str(root / "c")], check=True, timeout=60)
-    cluster = LocalCluster(root / "c")
-    assert cluster.is_running() and orphans.owner_alive(root / "c") is False
-    daemon_pids = set(cluster._pids().values())
-    assert orphans.reap(root.parent, root.name) == [root / "c"]
-    _assert_nothing_left(cluster, daemon_pids)
-    assert orphans.reap(root.parent, root.name) == []
+    # Two levels below /tmp/hpcddp-*: out of reach of the reap() that every other test session
+    # on this machine (an xdist worker, say) runs as it starts, which would stop it under us.
+    tops = root / "tops"
+    orphan = tops / "hpcddp-x" / "c"
+    orphan.parent.mkdir(parents=True)
+    subprocess.run([sys.executable, "-c", start_and_die, str(orphan)], check=True, timeout=60)
+    cluster = LocalCluster(orphan)
+    try:
+        assert cluster.is_running() and orphans.owner_alive(orphan) is False
+        daemon_pids = set(cluster._pids().values())
+        assert orphans.reap(tops, "hpcddp-") == [orphan]
+        _assert_nothing_left(cluster, daemon_pids)
+        assert orphans.reap(tops, "hpcddp-") == []
+    finally:
+        cluster.stop()  # the root fixture stops only a cluster in root itself
 
 
 @pytest.mark.parametrize("ci", [None, "1"])

@@ -27,7 +27,7 @@ from deploy_support import (
     submit_spec,
     train_spec,
 )
-from slurm_support import HPC_DDP, clean_job_env, require_local_slurm
+from slurm_support import HPC_DDP, clean_job_env, first_job_id, require_local_slurm
 
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.errors import ConfigError
@@ -169,8 +169,8 @@ def test_gpu_devices_auto_takes_the_nvidia_n_character_devices(tmp_path: Path) -
         parse_devices("/dev/a,/dev/a")
 
 
-def test_cli_refuses_gpu_counts_that_do_not_match_the_devices(tmp_path: Path) -> None:
-    d = str(tmp_path / "c")
+def test_cli_refuses_gpu_counts_that_do_not_match_the_devices(cluster_dir: Path) -> None:
+    d = str(cluster_dir / "c")
     proc = _cli(
         "cluster", "up", "--dir", d, "--gpu-devices", "/dev/a,/dev/b", "--gpus-per-node", "3"
     )
@@ -179,7 +179,7 @@ def test_cli_refuses_gpu_counts_that_do_not_match_the_devices(tmp_path: Path) ->
         "cluster", "up", "--dir", d, "--nodes", "2", "--gpu-devices", "/dev/a,/dev/b,/dev/c"
     )
     assert proc.returncode == 2 and "cannot be shared equally by 2 node(s)" in proc.stderr
-    assert not (tmp_path / "c").exists()
+    assert not (cluster_dir / "c").exists()
 
 
 # --- real daemons -------------------------------------------------------------------------------
@@ -221,7 +221,9 @@ def test_cluster_on_unpacked_slurm_gives_tasks_their_gpus(
 
 
 @pytest.mark.slurm
-def test_missing_library_of_an_unpacked_slurm_is_named(slurm_root: Path, tmp_path: Path) -> None:
+def test_missing_library_of_an_unpacked_slurm_is_named(
+    slurm_root: Path, tmp_path: Path, cluster_dir: Path
+) -> None:
     """A root whose slurmd links a library this machine lacks: refused before anything starts,
     naming the program and the library (ldd's "not found")."""
     if shutil.which("gcc") is None:
@@ -240,7 +242,7 @@ def test_missing_library_of_an_unpacked_slurm_is_named(slurm_root: Path, tmp_pat
     lib.unlink()
     with pytest.raises(ConfigError, match=r"slurmd: libhpcddpgone\.so => not found|slurmd: lib"):
         SlurmInstall(str(broken)).check()
-    proc = _cli("cluster", "up", "--dir", str(tmp_path / "c"), "--slurm-root", str(broken))
+    proc = _cli("cluster", "up", "--dir", str(cluster_dir / "c"), "--slurm-root", str(broken))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "libraries not found" in proc.stderr and "slurmd: libhpcddpgone.so" in proc.stderr
 
@@ -301,6 +303,7 @@ def test_cgroups_confine_each_task_to_its_own_gpu(cluster_dir: Path, devices: li
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_torchrun_job_preempted_under_proctrack_cgroup_resumes(
     reference_run, cluster_dir: Path, tmp_path: Path
 ) -> None:
@@ -312,7 +315,7 @@ def test_torchrun_job_preempted_under_proctrack_cgroup_resumes(
     _cgroups_available()
     cpus = min(2, os.cpu_count() or 1)
     cluster = LocalCluster(cluster_dir, nodes=2, cpus_per_node=cpus, cgroups=True,
-                           ephemeral=True)  # fmt: skip
+                           ephemeral=True, first_job_id=first_job_id("other"))  # fmt: skip
     cluster.start(timeout_s=30)
     env = clean_job_env(**cluster.env())
     spec = train_spec("pre-cgroup", launcher="torchrun", cpus_per_task=1)

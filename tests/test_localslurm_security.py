@@ -90,6 +90,7 @@ def _attempts(conf: Path, out: Path) -> dict[str, list[str]]:
     }
 
 
+@pytest.mark.slow
 def test_other_users_cannot_use_the_cluster_let_alone_as_root(
     cluster: LocalCluster, root: Path
 ) -> None:

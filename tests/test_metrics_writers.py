@@ -78,6 +78,7 @@ def flat_text(row: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_csv_and_tensorboard_continue_across_a_preemption_and_a_kill(
     tmp_path: Path, data_dir: Path
 ) -> None:

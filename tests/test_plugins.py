@@ -118,6 +118,7 @@ def plugin_args(run_dir: Path, plugin: Path, **overrides: object) -> list[str]:
     )
 
 
+@pytest.mark.slow
 def test_plugin_resumed_after_a_signal_ends_bit_identical_and_learns(
     tmp_path: Path, plugin: Path
 ) -> None:

@@ -66,6 +66,7 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
     assert result["status"] == "finished" and result["world_size"] == 4
 
 
+@pytest.mark.slow
 def test_preemption_checkpoints_requeues_resumes_same_weights(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
@@ -236,6 +237,7 @@ def _hpc_ddp(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Comp
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
     """No SLURM_CONF, no /etc/slurm: `hpc-ddp submit` starts the embedded cluster, renders the
     spec, follows the log, prints the result and exits with the job's code."""
@@ -301,6 +303,7 @@ def test_broken_launch_env_fails_in_preflight_not_in_training(
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_array_tasks_train_into_their_own_run_dirs_and_requeue_alone(
     slurm_cluster, tmp_path: Path
 ) -> None:

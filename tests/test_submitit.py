@@ -46,6 +46,7 @@ def test_local_executor_needs_one_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_auto_executor_preempted_requeues_and_resumes_exactly(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:

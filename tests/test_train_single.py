@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from trainer_helpers import (
     finish,
     holding,
@@ -59,6 +60,7 @@ def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
     assert "different settings" in other.stderr and "lr: 0.001 -> 0.1" in other.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_exits_75_and_resume_matches_uninterrupted(tmp_path: Path, data_dir: Path) -> None:
     ref = run(single_cmd(train_args(tmp_path / "ref", data_dir, checkpoint_every_steps=5)))
     assert ref.returncode == 0, ref.stderr

@@ -135,6 +135,22 @@ def wait_for_progress(
     raise AssertionError(f"progress in {run_dir} not ready within {timeout} s")
 
 
+def wait_for_checkpoint(
+    run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 60
+) -> None:
+    """Until checkpoints/latest names step ``step`` (a background save commits after its step
+    has passed); fail early if the job exits first."""
+    latest, wanted = Path(run_dir) / "checkpoints" / "latest", f"step-{step:08d}\n"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if latest.exists() and latest.read_text() == wanted:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"job exited ({proc.returncode}) before step {step} committed")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step}'s checkpoint in {run_dir} not committed within {timeout} s")
+
+
 def holding(progress: dict[str, Any]) -> bool:
     return progress.get("status") == "holding"
 
