@@ -47,9 +47,9 @@ def recording_write_json(path: Path, data: Any) -> None:
     write_json(path, data)
 
 
-def recording_requeue(mode: str) -> str:
+def recording_requeue(mode: str, *args: Any, **kwargs: Any) -> str:
     record(Path(sys.argv[sys.argv.index("--run-dir") + 1]), "requeue")
-    return requeue(mode)
+    return requeue(mode, *args, **kwargs)
 
 
 layout.write_latest = slow_write_latest
