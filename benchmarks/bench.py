@@ -15,6 +15,9 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            and ours again on the most GPUs (so each call has its own side-by-side pair)
   scaling  ResNet-18 weak scaling (bf16, batch 256/GPU), DDP wrapper cost at 1 GPU, time to
            first step, checkpoint stalls, gradient all-reduce time seen by the trainer
+  weak     ResNet-18 weak scaling with default flags, 1 GPU and the most alternating, --repeats
+  stall    a checkpoint's wall-clock cost with default flags (ResNet-18 and LeNet, a save after
+           every third epoch: the epochs a save touches against the clean ones), --repeats
   ddpcost  the DDP wrapper's cost at 1 GPU alone (bare ResNet-18, then under DDP as the trainer
            builds it, then under DDP with torch's defaults)
   eager    ResNet-18 eager DDP alone on each GPU count above 1 (with ddpcost: eager scaling)
@@ -42,6 +45,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 PY = sys.executable
+# The stall suite: a save after every STALL_EVERY-th epoch, so each run has as many clean epochs
+# as saving ones and ones after a save (5 of each for ResNet-18, 10 for LeNet's short epochs).
+STALL_EVERY, STALL_EPOCHS_RESNET, STALL_EPOCHS_LENET = 3, 16, 31
 
 
 class Bench:
@@ -319,6 +325,21 @@ class Bench:
             for n in sorted({1, top}):
                 self.resnet(f"weak_{n}gpu_r{r}", n, "--cuda-graphs", "auto", "--async-checkpoint")
 
+    def suite_stall(self) -> None:
+        """What a checkpoint costs on the wall clock, default flags: ResNet-18 and the reference
+        LeNet on the largest GPU count, saving after every third epoch only
+        (``--probe-save-every-epochs 3``), ``--repeats`` runs each. The epochs a save touches
+        (its own, which ends with it, and the next, beside its background write) against the
+        clean ones of the same run: report.table_stall."""
+        top, every = max(self.gpus), ["--probe-save-every-epochs", str(STALL_EVERY)]
+        for r in range(1, self.args.repeats + 1):
+            flags = self.resnet_flags(f"stall_resnet{r}", STALL_EPOCHS_RESNET)
+            flags += ["--cuda-graphs", "auto", "--async-checkpoint"]
+            self.ours(f"stall_resnet18_{top}gpu_r{r}", top, flags, probe=every, timeout=180)
+            flags = self.lenet_flags(f"stall_lenet{r}", None)
+            flags[flags.index("--epochs") + 1] = str(STALL_EPOCHS_LENET)
+            self.ours(f"stall_lenet_{top}gpu_r{r}", top, flags, probe=every)
+
     def suite_ddpcost(self) -> None:
         """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it, DDP
         with torch's defaults; ``--ddpcost-extras``: with the all-reduce timing hook, with
@@ -420,6 +441,7 @@ class Bench:
             "scaling": self.suite_scaling,
             "ddpcost": self.suite_ddpcost,
             "weak": self.suite_weak,
+            "stall": self.suite_stall,
             "eager": self.suite_eager,
             "resume": self.suite_resume,
             "nccl": self.suite_nccl,

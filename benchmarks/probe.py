@@ -98,6 +98,7 @@ EVENTS: list[tuple[str, float, float]] = []  # (name, start, end), wall clock
 SAVES: list[dict[str, float]] = []
 STATE: dict[str, Any] = {"steps": 0}
 HOST_STEP_S: list[float] = []
+EPOCH_ENDS: list[float] = []  # wall clock at the end of each end_epoch (its save included)
 
 
 def _sync() -> None:
@@ -119,6 +120,29 @@ def timed(owner: Any, name: str, label: str) -> None:
             EVENTS.append((label, t0, time.time()))
 
     setattr(owner, name, wrapper)
+
+
+def save_every_epochs(k: int) -> None:
+    """Epoch-end saves only after every k-th epoch (measuring only: a save's wall-clock cost is
+    then the epochs it touches against the clean ones of the same run, see report.table_stall),
+    and the end of each epoch stamped after its save."""
+    save, end_epoch = tr.Trainer.save, tr.Trainer.end_epoch
+    in_end_epoch: list[bool] = []
+
+    def maybe_save(self: Any, progress: Any, times: Any) -> None:
+        if not in_end_epoch or progress.epoch % k == 0:
+            save(self, progress, times)
+
+    def stamped_end_epoch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        in_end_epoch.append(True)
+        try:
+            return end_epoch(self, *args, **kwargs)
+        finally:
+            in_end_epoch.pop()
+            EPOCH_ENDS.append(time.time())
+
+    tr.Trainer.save = maybe_save  # type: ignore[method-assign]
+    tr.Trainer.end_epoch = stamped_end_epoch  # type: ignore[method-assign]
 
 
 def instrument(no_ddp: bool) -> None:
@@ -150,7 +174,7 @@ def instrument(no_ddp: bool) -> None:
     save, phase = tr.Trainer.save, checkpointer.Checkpointer._phase
 
     def timed_save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        SAVES.append({})
+        SAVES.append({"epoch": args[0].epoch})
         _sync()
         t0 = time.time()
         out = save(self, *args, **kwargs)
@@ -233,6 +257,7 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
         if name in ev
     }
     out["saves"] = SAVES
+    out["epoch_ends"] = EPOCH_ENDS
     out["torch_dynamo"] = DYNAMO
     out["steps_this_attempt"] = STATE["steps"]
     result = RunPaths(cfg.run_dir).result
@@ -277,6 +302,13 @@ def main() -> None:
     )
     ours.add_argument("--probe-no-progress-file", action="store_true")
     ours.add_argument(
+        "--probe-save-every-epochs",
+        type=int,
+        default=1,
+        metavar="K",
+        help="epoch-end checkpoints after every K-th epoch only (the wall-clock stall measure)",
+    )
+    ours.add_argument(
         "--probe-deterministic",
         action="store_true",
         help="deterministic cuDNN/cuBLAS kernels, so two runs can be compared bit for bit",
@@ -290,6 +322,7 @@ def main() -> None:
     config.add_arguments(parser)
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
+    save_every_epochs(pargs.probe_save_every_epochs)
     if pargs.probe_ddp_defaults:
         train_state.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:

@@ -183,6 +183,52 @@ def table_weak(runs: dict) -> list[str]:
     return out
 
 
+def stall_split(run: dict) -> dict[str, list[float]] | None:
+    """A stall-suite run's epoch wall times (end of one epoch's save to the end of the next's),
+    epoch 1 left out: "saving" epochs end with a save, "after" ones follow a saving one (its
+    background write runs beside them), "clean" ones neither."""
+    ends, saved = run.get("epoch_ends") or [], {s["epoch"] for s in run.get("saves") or []}
+    split: dict[str, list[float]] = {"saving": [], "after": [], "clean": []}
+    for epoch in range(2, len(ends) + 1):  # 1-based; ends[e - 1] is epoch e's end
+        wall = ends[epoch - 1] - ends[epoch - 2]
+        kind = "saving" if epoch in saved else "after" if epoch - 1 in saved else "clean"
+        split[kind].append(wall)
+    return split if all(split.values()) else None
+
+
+def table_stall(runs: dict) -> list[str]:
+    """A checkpoint's cost on the wall clock (bench.py's stall suite): per save, the median
+    saving epoch plus the median epoch after it, less two median clean epochs of the run."""
+    rows = []
+    for key, run in runs.items():
+        split = stall_split(run) if key.startswith("stall_") and _ok(run) else None
+        if split is None:
+            continue
+        clean, saving, after = (median(split[k]) for k in ("clean", "saving", "after"))
+        stall = saving + after - 2 * clean
+        host = [s.get("total", 0.0) for s in run.get("saves") or []]
+        rows.append(
+            f"| {key} | {len(split['saving'])} / {len(split['clean'])} | {1e3 * clean:.1f} | "
+            f"{1e3 * (saving - clean):+.1f} | {1e3 * (after - clean):+.1f} | "
+            f"{1e3 * stall:+.1f} | {100 * stall / clean:+.2f}% | {1e3 * median(host):.1f} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "### d2. Checkpoint stall on the wall clock (default flags, a save after every 3rd epoch)",
+        "",
+        "Each epoch's wall time, from the end of one epoch's save to the end of the next's; the"
+        " save's cost is the saving epoch plus the one after it (its background write runs"
+        " there), each less a clean epoch of the same run (medians).",
+        "",
+        "| run | saves / clean epochs | clean epoch ms | saving epoch ms | epoch after ms | "
+        "stall per save ms | % of an epoch | host time of the save ms |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def table_ttfs(runs: dict) -> list[str]:
     out = ["", "### c. Time to first step (end of the first optimizer step)", ""]
     rows = [(k, r) for k, r in runs.items() if r.get("ttfs") and not k.startswith("resume")]
@@ -329,6 +375,7 @@ def tables(results: dict) -> str:
         + table_weak(runs)
         + table_ttfs(runs)
         + table_ckpt(runs)
+        + table_stall(runs)
         + table_allreduce(runs, gpus)
         + table_profile(runs)
         + table_tests(runs)

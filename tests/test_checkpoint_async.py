@@ -30,7 +30,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.checkpoint import Checkpointer, UnsafeCheckpointContentError
-from hpc_ddp.checkpoint.asyncsave import start_snapshot
+from hpc_ddp.checkpoint.asyncsave import SaveWorker, start_snapshot
 
 DEADLINE_S = 60
 
@@ -104,6 +104,34 @@ def test_unsafe_state_is_refused_by_the_background_save(tmp_path: Path) -> None:
     with pytest.raises(UnsafeCheckpointContentError, match="numpy"):
         ck.wait()
     assert not (root / "latest").exists() and entries(root) == []
+
+
+def test_background_saves_share_one_thread_which_ends_when_idle_and_comes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves run in order on one kept thread (no thread start on the training path after the
+    first); idle for SaveWorker.IDLE_S it ends, and the next save starts it again."""
+    monkeypatch.setattr(SaveWorker, "IDLE_S", 0.2)
+    threads: list[threading.Thread] = []
+
+    def on_phase(phase: str) -> None:
+        if phase == "writing":
+            threads.append(threading.current_thread())
+
+    ck = Checkpointer(
+        tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None, on_phase=on_phase
+    )
+    for step in (1, 2, 3):
+        ck.save_async(step, shared=model(float(step)), per_rank={}, meta={})
+    assert ck.wait() == tmp_path / "ckpt" / "step-00000003"
+    first = threads[0]
+    assert threads == [first] * 3 and first is not threading.main_thread()
+    first.join(DEADLINE_S)  # ends on its own once idle (a deadline, not a sleep)
+    assert not first.is_alive(), "the idle save thread did not end"
+    ck.save_async(4, shared=model(4.0), per_rank={}, meta={})
+    assert ck.wait() == tmp_path / "ckpt" / "step-00000004"
+    assert threads[3] is not first and threads[3].name == first.name == "hpc-ddp-checkpoint-rank0"
+    assert torch.equal(ck.load_latest().shared["model"]["w"], torch.full((8,), 4.0))
 
 
 def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:

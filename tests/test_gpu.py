@@ -367,6 +367,44 @@ def test_graphed_step_replays_and_matches_eager() -> None:
 
 
 @need(1)
+def test_async_snapshot_packs_give_back_every_tensor(tmp_path: Path) -> None:
+    """A GPU-staged snapshot packs its CUDA tensors by dtype (one copy each) and gives every
+    tensor back with its own dtype, shape and values (0-dim, empty, non-contiguous, int64),
+    CPU tensors copied apart; the copy saves and loads like the state it came from."""
+    from hpc_ddp.checkpoint.asyncsave import start_snapshot
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    live = {
+        "w": torch.randn(3, 4, device="cuda", generator=g),
+        "t": torch.randn(6, 5, device="cuda", generator=g).t(),  # non-contiguous
+        "h": torch.randn(7, device="cuda", generator=g).to(torch.bfloat16),
+        "step": torch.tensor(12.0, device="cuda"),  # Adam's capturable step: 0-dim
+        "n": torch.tensor(5, device="cuda"),  # BatchNorm's num_batches_tracked: int64
+        "e": torch.empty(0, 3, device="cuda"),
+        "cpu": torch.arange(4.0),
+        "nested": [torch.ones(2, device="cuda"), (1, "a")],
+    }
+    snap = start_snapshot(live, device_staging=True)
+    assert sorted(str(p.flat.dtype) for p in snap.packs) == [
+        "torch.bfloat16",
+        "torch.float32",
+        "torch.int64",
+    ]
+    copy = snap.ready()
+    flat = {k: v for k, v in live.items() if k != "nested"}
+    flat["nested0"], copy["nested0"] = live["nested"][0], copy["nested"][0]
+    for key, value in flat.items():
+        got = copy[key]
+        assert got.device.type == "cpu", key
+        assert (got.dtype, got.shape) == (value.dtype, value.shape), key
+        assert torch.equal(got, value.cpu()), key
+    assert copy["nested"][1] == (1, "a") and type(copy["nested"]) is list
+    torch.save(copy, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], flat[k].cpu()) for k in flat if k != "nested0")
+
+
+@need(1)
 @pytest.mark.parametrize("device_staging", [True, False], ids=["gpu-staged", "pinned-direct"])
 def test_async_snapshot_is_queued_in_stream_order(device_staging: bool) -> None:
     """start_snapshot returns before the GPU copied anything, and an in-place update queued

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hpc_ddp.log import get_logger
 
 from . import layout
-from .asyncsave import BackgroundSave, start_snapshot
+from .asyncsave import BackgroundSave, SaveWorker, start_snapshot
 from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
 from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
@@ -102,6 +102,7 @@ class Checkpointer:
         self._on_phase = on_phase or (lambda _phase: None)
         self._bg_agree: Agreement | None = None  # background saves' agreement (own Gloo group)
         self._inflight: BackgroundSave | None = None
+        self._worker = SaveWorker(f"hpc-ddp-checkpoint-rank{rank}")
         with raising_io("create the run directory", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
         if async_save:
@@ -182,10 +183,11 @@ class Checkpointer:
         First waits for the previous background save and re-raises its error (see
         :meth:`wait`). Then queues a copy of what this rank writes (``shared`` on rank 0 only,
         its ``per_rank``, ``meta``) to CPU memory, GPU tensors in stream order, so training may
-        change the live state at once, and starts one thread that waits for the copies and runs
-        :meth:`save`'s protocol on them, agreeing over a dedicated Gloo group. Call it on every
-        rank, in the same order as :meth:`save` would be. Its result (or error) comes from the
-        next :meth:`wait`, :meth:`save_async`, :meth:`load_latest` or :meth:`close`.
+        change the live state at once, and hands the save to this checkpointer's save thread,
+        which waits for the copies and runs :meth:`save`'s protocol on them, agreeing over a
+        dedicated Gloo group. Call it on every rank, in the same order as :meth:`save` would be.
+        Its result (or error) comes from the next :meth:`wait`, :meth:`save_async`,
+        :meth:`load_latest` or :meth:`close`.
         """
         self.wait()
         if not isinstance(step, int) or step < 0:
@@ -199,7 +201,7 @@ class Checkpointer:
             copies = (shared_copy.ready(), per_rank_copy.ready(), meta_copy.ready())
             return self._save(step, *copies, agree)
 
-        self._inflight = BackgroundSave(step, body)
+        self._inflight = self._worker.submit(BackgroundSave(step, body))
 
     @property
     def in_flight(self) -> bool:

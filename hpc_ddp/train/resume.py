@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
@@ -67,7 +67,9 @@ def save(
         "optimizer": stepper.optimizer.state_dict(),
         "scheduler": stepper.scheduler.state_dict(),
         "scaler": stepper.scaler.state_dict(),
-        "progress": asdict(progress),
+        # Shallow: save() writes it at once, save_async() copies it; asdict() would first
+        # deep-copy the growing history on the training thread.
+        "progress": vars(progress).copy(),
     }
     meta = {"epoch": progress.epoch, "start": progress.start, "model": cfg.model}
     # Async: waits for the previous save (raising its error), copies, writes in the background.
