@@ -110,13 +110,17 @@ def test_background_saves_share_one_thread_which_ends_when_idle_and_comes_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Saves run in order on one kept thread (no thread start on the training path after the
-    first); idle for SaveWorker.IDLE_S it ends, and the next save starts it again."""
+    first); idle for SaveWorker.IDLE_S it ends, and the next save starts it again. While a save
+    runs the interpreter switches threads every SWITCH_INTERVAL_S; Python's interval after."""
     monkeypatch.setattr(SaveWorker, "IDLE_S", 0.2)
     threads: list[threading.Thread] = []
+    intervals: list[float] = []
+    before = sys.getswitchinterval()
 
     def on_phase(phase: str) -> None:
         if phase == "writing":
             threads.append(threading.current_thread())
+            intervals.append(sys.getswitchinterval())
 
     ck = Checkpointer(
         tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None, on_phase=on_phase
@@ -126,12 +130,15 @@ def test_background_saves_share_one_thread_which_ends_when_idle_and_comes_back(
     assert ck.wait() == tmp_path / "ckpt" / "step-00000003"
     first = threads[0]
     assert threads == [first] * 3 and first is not threading.main_thread()
+    assert intervals == [SaveWorker.SWITCH_INTERVAL_S] * 3 != [before] * 3
     first.join(DEADLINE_S)  # ends on its own once idle (a deadline, not a sleep)
     assert not first.is_alive(), "the idle save thread did not end"
     ck.save_async(4, shared=model(4.0), per_rank={}, meta={})
     assert ck.wait() == tmp_path / "ckpt" / "step-00000004"
     assert threads[3] is not first and threads[3].name == first.name == "hpc-ddp-checkpoint-rank0"
     assert torch.equal(ck.load_latest().shared["model"]["w"], torch.full((8,), 4.0))
+    threads[3].join(DEADLINE_S)  # idle again: ended, the interval given back
+    assert not threads[3].is_alive() and sys.getswitchinterval() == before
 
 
 def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:

@@ -259,6 +259,18 @@ def test_rng_roundtrip_through_weights_only_load(tmp_path: Path) -> None:
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
+def test_rng_restores_the_python_state_of_older_checkpoints_as_a_list() -> None:
+    import random
+
+    rng.seed_everything(6)
+    state = rng.capture()
+    assert state["python"]["state"].dtype == torch.int64  # one tensor: cheap to pickle
+    expected = random.random()
+    state["python"]["state"] = state["python"]["state"].tolist()  # how they were written
+    rng.restore(state)
+    assert random.random() == expected
+
+
 # --------------------------------------------------------------------------------- preemption
 def test_signal_handler_only_sets_a_flag() -> None:
     flag = preemption.PreemptionFlag.install(["USR1", "TERM"])

@@ -36,7 +36,9 @@ def capture() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        # One int64 tensor, not a list of 625 ints: a background save pickles and checks it per
+        # object, holding the interpreter lock the training thread needs.
+        "python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
         "numpy": {
             "kind": kind,
             "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -54,7 +56,9 @@ def capture() -> dict[str, Any]:
 def restore(state: dict[str, Any]) -> None:
     """Put back the states :func:`capture` returned (CUDA ones only for devices that exist)."""
     py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    internal = py["state"]  # a list in checkpoints written before it became a tensor
+    values = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    random.setstate((py["version"], tuple(values), py["gauss"]))
     npst = state["numpy"]
     np.random.set_state(
         (
