@@ -29,7 +29,7 @@ from trainer_helpers import (
     train_args,
 )
 
-from hpc_ddp.checkpoint import Checkpointer, UnsafeCheckpointContentError
+from hpc_ddp.checkpoint import Checkpointer, CheckpointError, UnsafeCheckpointContentError
 from hpc_ddp.checkpoint.asyncsave import SaveWorker, start_snapshot
 
 DEADLINE_S = 60
@@ -139,6 +139,24 @@ def test_background_saves_share_one_thread_which_ends_when_idle_and_comes_back(
     assert torch.equal(ck.load_latest().shared["model"]["w"], torch.full((8,), 4.0))
     threads[3].join(DEADLINE_S)  # idle again: ended, the interval given back
     assert not threads[3].is_alive() and sys.getswitchinterval() == before
+
+
+def test_a_staged_part_is_copied_when_staged_and_saved_with_the_rest(tmp_path: Path) -> None:
+    """Checkpointer.stage copies its part at once (later changes do not reach it); save_async
+    writes it with the rest of ``shared``; a step or key mismatch is refused, nothing saved."""
+    ck = Checkpointer(tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None)
+    live = model(1.0)
+    staged = ck.stage(5, live)
+    live["model"]["w"].add_(100.0)  # evaluation would not, but nothing may reach the copy
+    with pytest.raises(CheckpointError, match="staged for step 5 given to step 6"):
+        ck.save_async(6, shared={"progress": {}}, per_rank={}, meta={}, staged=staged)
+    with pytest.raises(CheckpointError, match=r"both staged and given: \['model'\]"):
+        ck.save_async(5, shared=model(2.0), per_rank={}, meta={}, staged=staged)
+    assert ck.load_latest() is None
+    ck.save_async(5, shared={"progress": {"epoch": 1}}, per_rank={}, meta={}, staged=staged)
+    loaded = ck.load_latest()
+    assert loaded.step == 5 and loaded.shared["progress"] == {"epoch": 1}
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((8,), 1.0))
 
 
 def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:

@@ -1,6 +1,6 @@
 """Atomic, verified, barrier-safe checkpoints for DDP jobs. See docs/checkpoints.md."""
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, Staged
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -23,5 +23,6 @@ __all__ = [
     "RunDirLock",
     "RunDirLockedError",
     "RunDirUnwritableError",
+    "Staged",
     "UnsafeCheckpointContentError",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from hpc_ddp.log import get_logger
 
 from . import layout
-from .asyncsave import BackgroundSave, SaveWorker, start_snapshot
+from .asyncsave import BackgroundSave, SaveWorker, Snapshot, start_snapshot
 from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
 from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
@@ -46,6 +47,14 @@ from .payload import check_plain, prepare_shared
 
 Log = Callable[[str], None]
 Phase = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Part of a checkpoint's shared state, copied ahead of its save (Checkpointer.stage)."""
+
+    step: int
+    snapshot: Snapshot | None  # None on ranks other than 0, which write no shared state
 
 
 class Checkpointer:
@@ -174,8 +183,20 @@ class Checkpointer:
         return final
 
     # ------------------------------------------------------------ async save
+    def stage(self, step: int, shared: dict[str, Any]) -> Staged:
+        """Queue the copy of part of checkpoint ``step``'s ``shared`` state now, ahead of its
+        :meth:`save_async` (which gets the rest): a copy queued while the GPU still runs earlier
+        work costs training nothing. Whatever is staged must not change before that save."""
+        return Staged(step, start_snapshot(dict(shared)) if self.rank == 0 else None)
+
     def save_async(
-        self, step: int, *, shared: dict[str, Any], per_rank: dict[str, Any], meta: dict[str, Any]
+        self,
+        step: int,
+        *,
+        shared: dict[str, Any],
+        per_rank: dict[str, Any],
+        meta: dict[str, Any],
+        staged: Staged | None = None,
     ) -> None:
         """Start checkpoint ``step`` and return once its copy is queued; the rest runs in the
         background.
@@ -187,19 +208,26 @@ class Checkpointer:
         which waits for the copies and runs :meth:`save`'s protocol on them, agreeing over a
         dedicated Gloo group. Call it on every rank, in the same order as :meth:`save` would be.
         Its result (or error) comes from the next :meth:`wait`, :meth:`save_async`,
-        :meth:`load_latest` or :meth:`close`.
+        :meth:`load_latest` or :meth:`close`. ``staged``, from :meth:`stage` for the same step,
+        is the rest of ``shared``.
         """
         self.wait()
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        early = staged.snapshot if staged is not None else None
+        if staged is not None and staged.step != step:
+            raise CheckpointError(f"state staged for step {staged.step} given to step {step}")
+        if early is not None and early.value.keys() & shared.keys():
+            both = sorted(early.value.keys() & shared.keys())
+            raise CheckpointError(f"shared keys both staged and given: {both}")
         agree = self._background_agreement()
         shared_copy = start_snapshot(dict(shared) if self.rank == 0 else {})
         per_rank_copy, meta_copy = start_snapshot(per_rank), start_snapshot(meta)
 
         def body() -> Path:
             # The copies finish on the GPU's own schedule; the thread waits for them, not training.
-            copies = (shared_copy.ready(), per_rank_copy.ready(), meta_copy.ready())
-            return self._save(step, *copies, agree)
+            whole = {**early.ready(), **shared_copy.ready()} if early else shared_copy.ready()
+            return self._save(step, whole, per_rank_copy.ready(), meta_copy.ready(), agree)
 
         self._inflight = self._worker.submit(BackgroundSave(step, body))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from hpc_ddp.checkpoint import Staged
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.runtime import rng
@@ -55,24 +57,46 @@ def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
     return progress
 
 
-def save(
-    state: TrainState, cfg: TrainConfig, progress: Progress, times: Times, clock: Clock
-) -> None:
-    t0 = time.perf_counter()
-    progress.epoch_times = times.to_dict()
-    progress.wall_seconds = clock.elapsed()
+def training_state(state: TrainState) -> dict[str, Any]:
+    """What of the state a checkpoint's ``shared`` part holds besides the progress."""
     stepper = state.stepper
-    shared = {
+    return {
         "model": state.net.state_dict(),
         "optimizer": stepper.optimizer.state_dict(),
         "scheduler": stepper.scheduler.state_dict(),
         "scaler": stepper.scaler.state_dict(),
-        # Shallow: save() writes it at once, save_async() copies it; asdict() would first
-        # deep-copy the growing history on the training thread.
-        "progress": vars(progress).copy(),
     }
+
+
+def stage(state: TrainState, step: int) -> Staged:
+    """Queue the copy of the training state for checkpoint ``step`` now (background saves)."""
+    return state.ckpt.stage(step, training_state(state))
+
+
+def save(
+    state: TrainState,
+    cfg: TrainConfig,
+    progress: Progress,
+    times: Times,
+    clock: Clock,
+    staged: Staged | None = None,
+) -> None:
+    """Checkpoint ``progress.global_step``; ``staged``: its training state, copied earlier by
+    :func:`stage` (background saves only)."""
+    t0 = time.perf_counter()
+    progress.epoch_times = times.to_dict()
+    progress.wall_seconds = clock.elapsed()
+    # Shallow: save() writes it at once, save_async() copies it; asdict() would first deep-copy
+    # the growing history on the training thread.
+    shared = {"progress": vars(progress).copy()}
+    if staged is None:
+        shared.update(training_state(state))
     meta = {"epoch": progress.epoch, "start": progress.start, "model": cfg.model}
-    # Async: waits for the previous save (raising its error), copies, writes in the background.
-    write = state.ckpt.save_async if cfg.async_checkpoint else state.ckpt.save
-    write(progress.global_step, shared=shared, per_rank={"rng": rng.capture()}, meta=meta)
+    per_rank = {"rng": rng.capture()}
+    if cfg.async_checkpoint:  # waits for the previous save (raising its error), then copies
+        state.ckpt.save_async(
+            progress.global_step, shared=shared, per_rank=per_rank, meta=meta, staged=staged
+        )
+    else:
+        state.ckpt.save(progress.global_step, shared=shared, per_rank=per_rank, meta=meta)
     times.checkpoint += time.perf_counter() - t0

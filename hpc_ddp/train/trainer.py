@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hpc_ddp.checkpoint import RunDirLock
+from hpc_ddp.checkpoint import RunDirLock, Staged
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -35,7 +35,7 @@ from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
-from hpc_ddp.train.resume import Clock, restore, save
+from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
@@ -96,9 +96,21 @@ class Trainer:
         self.comm.check(error, "opening the metrics files")
         return writers
 
-    def save(self, progress: Progress, times: Times) -> None:
+    def save(self, progress: Progress, times: Times, staged: Staged | None = None) -> None:
         self.metrics.flush()  # what was logged so far is on disk before the checkpoint is
-        save(self.state, self.cfg, progress, times, self.clock)
+        save(self.state, self.cfg, progress, times, self.clock, staged)
+
+    def stage_epoch_end(self, progress: Progress, times: Times) -> Staged | None:
+        """Background saves: queue the copy of the model and optimizer for the epoch-end
+        checkpoint right after the epoch's last step, before its sync point, so the copy's
+        launches overlap the steps the GPU still runs instead of following them on an idle GPU
+        (evaluation, in between, changes neither); the save then adds the progress."""
+        if not self.cfg.async_checkpoint:
+            return None
+        t0 = time.perf_counter()
+        staged = stage(self.state, progress.global_step)
+        times.checkpoint += time.perf_counter() - t0
+        return staged
 
     def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
@@ -134,6 +146,7 @@ class Trainer:
             done = plan.steps_done(progress.start)
             agree.start_epoch(progress.global_step)
             batches = state.train_data.batches(progress.epoch, progress.start)
+            staged: Staged | None = None
             for micro in grouped(batches, cfg.accum_steps, times):
                 t0 = time.perf_counter()
                 loss_sum, n = state.stepper.step(micro, times)  # the loss stays on the device
@@ -155,6 +168,8 @@ class Trainer:
                 # Sync points (syncpoints.py): the same steps on every rank. The epoch's last
                 # step skips the flag: its checkpoint comes after evaluation.
                 due = agree.due(progress.global_step, flag.requested)
+                if last:
+                    staged = self.stage_epoch_end(progress, times)
                 if last or logging or saving or hold or due:
                     vote = 0.0 if last else float(flag.requested)
                     preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
@@ -166,7 +181,7 @@ class Trainer:
                         return self.preempted(progress, times, flag)
                     if saving:
                         self.save(progress, times)
-            self.end_epoch(progress, times)
+            self.end_epoch(progress, times, staged)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=True)
         # An async save still in flight: committed (or raised) before result.json.
@@ -206,7 +221,7 @@ class Trainer:
         progress.last_log = dict(record.row)  # checkpointed: a resume here writes it again
         self.metrics.write(record)
 
-    def end_epoch(self, progress: Progress, times: Times) -> None:
+    def end_epoch(self, progress: Progress, times: Times, staged: Staged | None = None) -> None:
         t0 = time.perf_counter()
         batches = self.state.eval_data.batches(self.cfg.eval_batch_size)
         # The plain module: ranks may run different numbers of eval batches, and DDP's forward
@@ -240,7 +255,7 @@ class Trainer:
         progress.start = 0
         progress.epoch_loss_sum = progress.epoch_loss_count = 0.0
         saving = Times()
-        self.save(progress, saving)
+        self.save(progress, saving, staged)
         # The epoch-end save belongs to this epoch's breakdown (the checkpoint has it from the
         # next save on). Written after the save: a resume from it writes the row again.
         row["time"]["checkpoint"] = round(row["time"]["checkpoint"] + saving.checkpoint, 6)
