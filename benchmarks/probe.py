@@ -99,6 +99,7 @@ SAVES: list[dict[str, float]] = []
 STATE: dict[str, Any] = {"steps": 0}
 HOST_STEP_S: list[float] = []
 EPOCH_ENDS: list[float] = []  # wall clock at the end of each end_epoch (its save included)
+STAGES: list[float] = []  # host time of each epoch-end copy staged after the epoch's last step
 
 
 def _sync() -> None:
@@ -125,13 +126,22 @@ def timed(owner: Any, name: str, label: str) -> None:
 def save_every_epochs(k: int) -> None:
     """Epoch-end saves only after every k-th epoch (measuring only: a save's wall-clock cost is
     then the epochs it touches against the clean ones of the same run, see report.table_stall),
-    and the end of each epoch stamped after its save."""
-    save, end_epoch = tr.Trainer.save, tr.Trainer.end_epoch
+    the epoch-end copy staged only for those; the end of each epoch stamped after its save."""
+    save, stage, end_epoch = tr.Trainer.save, tr.Trainer.stage_epoch_end, tr.Trainer.end_epoch
     in_end_epoch: list[bool] = []
 
-    def maybe_save(self: Any, progress: Any, times: Any) -> None:
+    def maybe_stage(self: Any, progress: Any, times: Any) -> Any:
+        if (progress.epoch + 1) % k:
+            return None
+        t0 = time.time()
+        try:
+            return stage(self, progress, times)
+        finally:
+            STAGES.append(time.time() - t0)
+
+    def maybe_save(self: Any, progress: Any, times: Any, staged: Any = None) -> None:
         if not in_end_epoch or progress.epoch % k == 0:
-            save(self, progress, times)
+            save(self, progress, times, staged)
 
     def stamped_end_epoch(self: Any, *args: Any, **kwargs: Any) -> Any:
         in_end_epoch.append(True)
@@ -142,6 +152,7 @@ def save_every_epochs(k: int) -> None:
             EPOCH_ENDS.append(time.time())
 
     tr.Trainer.save = maybe_save  # type: ignore[method-assign]
+    tr.Trainer.stage_epoch_end = maybe_stage  # type: ignore[method-assign]
     tr.Trainer.end_epoch = stamped_end_epoch  # type: ignore[method-assign]
 
 
@@ -258,6 +269,7 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
     }
     out["saves"] = SAVES
     out["epoch_ends"] = EPOCH_ENDS
+    out["stages"] = STAGES
     out["torch_dynamo"] = DYNAMO
     out["steps_this_attempt"] = STATE["steps"]
     result = RunPaths(cfg.run_dir).result

@@ -207,10 +207,12 @@ def table_stall(runs: dict) -> list[str]:
         clean, saving, after = (median(split[k]) for k in ("clean", "saving", "after"))
         stall = saving + after - 2 * clean
         host = [s.get("total", 0.0) for s in run.get("saves") or []]
+        staged = run.get("stages") or [0.0]
         rows.append(
             f"| {key} | {len(split['saving'])} / {len(split['clean'])} | {1e3 * clean:.1f} | "
             f"{1e3 * (saving - clean):+.1f} | {1e3 * (after - clean):+.1f} | "
-            f"{1e3 * stall:+.1f} | {100 * stall / clean:+.2f}% | {1e3 * median(host):.1f} |"
+            f"{1e3 * stall:+.1f} | {100 * stall / clean:+.2f}% | {1e3 * median(host):.1f} | "
+            f"{1e3 * median(staged):.1f} |"
         )
     if not rows:
         return []
@@ -223,8 +225,9 @@ def table_stall(runs: dict) -> list[str]:
         " there), each less a clean epoch of the same run (medians).",
         "",
         "| run | saves / clean epochs | clean epoch ms | saving epoch ms | epoch after ms | "
-        "stall per save ms | % of an epoch | host time of the save ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "stall per save ms | % of an epoch | host time of the save ms | "
+        "host time of the staged copy ms (before the last step's sync) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 
