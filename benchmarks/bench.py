@@ -332,11 +332,12 @@ class Bench:
         (its own, which ends with it, and the next, beside its background write) against the
         clean ones of the same run: report.table_stall."""
         top, every = max(self.gpus), ["--probe-save-every-epochs", str(STALL_EVERY)]
+        each = ["--checkpoint-interval-s", "0"]  # the probe, not the saving policy, picks epochs
         for r in range(1, self.args.repeats + 1):
             flags = self.resnet_flags(f"stall_resnet{r}", STALL_EPOCHS_RESNET)
-            flags += ["--cuda-graphs", "auto", "--async-checkpoint"]
+            flags += ["--cuda-graphs", "auto", "--async-checkpoint", *each]
             self.ours(f"stall_resnet18_{top}gpu_r{r}", top, flags, probe=every, timeout=180)
-            flags = self.lenet_flags(f"stall_lenet{r}", None)
+            flags = [*self.lenet_flags(f"stall_lenet{r}", None), *each]
             flags[flags.index("--epochs") + 1] = str(STALL_EPOCHS_LENET)
             self.ours(f"stall_lenet_{top}gpu_r{r}", top, flags, probe=every)
 

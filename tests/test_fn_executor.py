@@ -20,7 +20,7 @@ import hpc_ddp
 from hpc_ddp.deploy.submitit.parameters import executor_parameters, extra_sbatch_parameters
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.slurm_client import parse_show_job
+from hpc_ddp.slurm_client import TERMINAL, parse_show_job
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -140,6 +140,8 @@ def test_a_function_on_slurm_gets_every_field_of_its_spec(slurm_cluster, tmp_pat
     )  # fmt: skip
     job = ex.submit(fn_support.all_reduce, 2)
     assert job.results() == [(0, 2, 6.0), (1, 2, 6.0)]
+    # The results are written before Slurm ends the job (its steps and epilog still run).
+    wait_for(lambda: slurm_cluster.job_state(job.job_id) in TERMINAL, 60, "the job to end")
     info = _show(slurm_cluster, job.job_id)
     expected = {
         "JobName": "fn-fields", "NumNodes": "2", "NumTasks": "2", "CPUs/Task": "2",

@@ -144,6 +144,16 @@ class TrainConfig:
     checkpoint_every_steps: int = field(
         default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
     )
+    # A second: every epoch of real training is saved; epochs of a tenth of a second are not
+    # each worth a checkpoint that costs a few ms on and beside the training path.
+    checkpoint_interval_s: float = field(
+        default=1.0,
+        metadata=_opt(
+            "epoch-end checkpoints once this many seconds of training have passed since the "
+            "newest checkpoint (0: at every epoch end); the last epoch, preemptions and "
+            "--checkpoint-every-steps always save"
+        ),
+    )
     keep_checkpoints: int = field(default=2, metadata=_opt("checkpoints to keep (>= 2)"))
     # On by default: the same files as a synchronous save (tests/test_checkpoint_async.py), and
     # every wait point (next save, preemption, end of training) waits for the write to commit.
@@ -227,6 +237,11 @@ class TrainConfig:
         for key in (*non_negative, "debug_hold_at_step"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
+        if not 0 <= self.checkpoint_interval_s < float("inf"):
+            raise ConfigError(
+                f"checkpoint_interval_s={self.checkpoint_interval_s} must be a number >= 0",
+                hint="0 saves at every epoch end",
+            )
         if self.keep_checkpoints < 2:
             raise ConfigError(
                 f"keep_checkpoints={self.keep_checkpoints} is too few",

@@ -46,6 +46,7 @@ class AgreeSchedule:
     max_steps: int = AGREE_MAX_STEPS
     next_step: int = 0  # the first step after (re)start agrees
     pace: float = -1.0  # this rank's seconds per step over the last full interval; -1 unknown
+    agreed_pace: float = -1.0  # the ranks' mean pace from the last sync point: the same on all
     _mark: float | None = field(default=None, repr=False)
     _mark_step: int = 0
 
@@ -71,6 +72,7 @@ class AgreeSchedule:
         if self._mark is not None and step > self._mark_step:
             self.pace = (now - self._mark) / (step - self._mark_step)
         self._mark, self._mark_step = now, step
+        self.agreed_pace = pace
         self.next_step = step + self.interval(pace)
 
 

@@ -37,6 +37,7 @@ from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
 from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.rundir import open_run_dir
+from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
@@ -67,6 +68,7 @@ class Trainer:
         self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
         self.metrics = MetricWriters([])  # rank 0's, once training starts (metric_writers.py)
+        self.epoch_end_saves = EpochEndSaves(cfg.checkpoint_interval_s)  # from the restored step
 
     def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
         """progress.json says how training stopped (nothing to say before it started)."""
@@ -99,6 +101,7 @@ class Trainer:
     def save(self, progress: Progress, times: Times, staged: Staged | None = None) -> None:
         self.metrics.flush()  # what was logged so far is on disk before the checkpoint is
         save(self.state, self.cfg, progress, times, self.clock, staged)
+        self.epoch_end_saves.saved(progress.global_step)
 
     def stage_epoch_end(self, progress: Progress, times: Times) -> Staged | None:
         """Background saves: queue the copy of the model and optimizer for the epoch-end
@@ -124,6 +127,8 @@ class Trainer:
     def run(self, flag: PreemptionFlag) -> results.Result:
         self.progress_file.pids = self.comm.gather_objects(os.getpid())
         self.progress = progress = restore(self.state, self.world_size, self.clock)
+        saves = self.epoch_end_saves
+        saves.saved(progress.global_step)  # the checkpoint resumed from, or the start
         self.metrics = self.open_metrics(progress)
         cfg, state = self.cfg, self.state
         plan = state.plan
@@ -147,6 +152,7 @@ class Trainer:
             agree.start_epoch(progress.global_step)
             batches = state.train_data.batches(progress.epoch, progress.start)
             staged: Staged | None = None
+            epoch_save = True  # decided at the epoch's last step
             for micro in grouped(batches, cfg.accum_steps, times):
                 t0 = time.perf_counter()
                 loss_sum, n = state.stepper.step(micro, times)  # the loss stays on the device
@@ -169,7 +175,10 @@ class Trainer:
                 # step skips the flag: its checkpoint comes after evaluation.
                 due = agree.due(progress.global_step, flag.requested)
                 if last:
-                    staged = self.stage_epoch_end(progress, times)
+                    final = progress.epoch + 1 == cfg.epochs
+                    epoch_save = saves.due(progress.global_step, agree.agreed_pace, final=final)
+                    if epoch_save:
+                        staged = self.stage_epoch_end(progress, times)
                 if last or logging or saving or hold or due:
                     vote = 0.0 if last else float(flag.requested)
                     preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
@@ -181,9 +190,9 @@ class Trainer:
                         return self.preempted(progress, times, flag)
                     if saving:
                         self.save(progress, times)
-            self.end_epoch(progress, times, staged)
+            self.end_epoch(progress, times, staged if epoch_save else None, epoch_save)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
-                return self.preempted(progress, times, flag, saved=True)
+                return self.preempted(progress, times, flag, saved=epoch_save)
         # An async save still in flight: committed (or raised) before result.json.
         self.state.ckpt.wait()
         return self.finish(progress)
@@ -221,7 +230,9 @@ class Trainer:
         progress.last_log = dict(record.row)  # checkpointed: a resume here writes it again
         self.metrics.write(record)
 
-    def end_epoch(self, progress: Progress, times: Times, staged: Staged | None = None) -> None:
+    def end_epoch(
+        self, progress: Progress, times: Times, staged: Staged | None = None, save: bool = True
+    ) -> None:
         t0 = time.perf_counter()
         batches = self.state.eval_data.batches(self.cfg.eval_batch_size)
         # The plain module: ranks may run different numbers of eval batches, and DDP's forward
@@ -255,7 +266,14 @@ class Trainer:
         progress.start = 0
         progress.epoch_loss_sum = progress.epoch_loss_count = 0.0
         saving = Times()
-        self.save(progress, saving, staged)
+        if save:
+            self.save(progress, saving, staged)
+        elif self.epoch_end_saves.first_skip():
+            log.info(
+                f"checkpoint: epochs take {row['seconds']:.2f} s; an epoch-end checkpoint once "
+                f"{self.cfg.checkpoint_interval_s:g} s of training have passed since the newest "
+                "(checkpoint_interval_s; the last epoch and preemptions always save)"
+            )
         # The epoch-end save belongs to this epoch's breakdown (the checkpoint has it from the
         # next save on). Written after the save: a resume from it writes the row again.
         row["time"]["checkpoint"] = round(row["time"]["checkpoint"] + saving.checkpoint, 6)
