@@ -58,7 +58,10 @@ def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
 
 
 def training_state(state: TrainState) -> dict[str, Any]:
-    """What of the state a checkpoint's ``shared`` part holds besides the progress."""
+    """What of the state a checkpoint's ``shared`` part holds besides the progress: on rank 0,
+    which alone writes it (the other ranks' state dicts would only cost them time)."""
+    if state.ckpt.rank != 0:
+        return {}
     stepper = state.stepper
     return {
         "model": state.net.state_dict(),
