@@ -22,13 +22,15 @@ class EpochEndSaves:
     interval_s: float  # TrainConfig.checkpoint_interval_s; 0 saves every epoch end
     since_step: int = 0  # global step of the newest checkpoint, or of this attempt's start
     told: bool = False  # the one log line about thinned saves was written
+    trained_s: float = 0.0  # training since the newest checkpoint, at the last decision
 
     def due(self, step: int, pace: float, *, final: bool) -> bool:
         """Whether the epoch ending at global ``step`` saves, at ``pace`` agreed seconds/step
         (<= 0: not measured yet, so it saves)."""
+        self.trained_s = (step - self.since_step) * pace
         if final or self.interval_s <= 0 or pace <= 0:
             return True
-        return (step - self.since_step) * pace >= self.interval_s
+        return self.trained_s >= self.interval_s
 
     def saved(self, step: int) -> None:
         """A checkpoint of ``step`` was written (at an epoch end or elsewhere)."""

@@ -269,10 +269,12 @@ class Trainer:
         if save:
             self.save(progress, saving, staged)
         elif self.epoch_end_saves.first_skip():
+            saves = self.epoch_end_saves
             log.info(
-                f"checkpoint: epochs take {row['seconds']:.2f} s; an epoch-end checkpoint once "
-                f"{self.cfg.checkpoint_interval_s:g} s of training have passed since the newest "
-                "(checkpoint_interval_s; the last epoch and preemptions always save)"
+                f"checkpoint: none at the end of epoch {progress.epoch}: {saves.trained_s:.2f} s "
+                f"of training since the newest (step {saves.since_step}), under "
+                f"checkpoint_interval_s={saves.interval_s:g}; epoch ends save once that much has "
+                "passed, the last epoch and preemptions always (said once)"
             )
         # The epoch-end save belongs to this epoch's breakdown (the checkpoint has it from the
         # next save on). Written after the save: a resume from it writes the row again.
