@@ -190,7 +190,7 @@ class Trainer:
                         return self.preempted(progress, times, flag)
                     if saving:
                         self.save(progress, times)
-            self.end_epoch(progress, times, staged if epoch_save else None, epoch_save)
+            self.end_epoch(progress, times, staged, epoch_save)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=epoch_save)
         # An async save still in flight: committed (or raised) before result.json.
