@@ -9,6 +9,10 @@ Suites (see benchmarks/README.md for what each measures and the targets):
            conventional script (reference_ddp.py) against ``hpc-ddp train --cuda-graphs``
            (synchronous checkpoints) on the same files, and ``hpc-ddp train`` with default flags
            on the most GPUs
+  plain    the headline as a user meets it: the conventional script, then ``hpc-ddp train
+           --nproc-per-node N`` with the workload's flags only (no probe, no bench flags)
+           --repeats times, on the most GPUs; timed from the shell, training time from
+           result.json (``train_wall_seconds``: first step to the end, evaluation included)
   ttfs     the default command of ours (4 GPUs, no step or checkpoint flags: the captured step
            and background checkpoints) --repeats times
   refx     the slow extras of ref: the conventional script on 1 GPU and with DataParallel,
@@ -48,6 +52,11 @@ PY = sys.executable
 # The stall suite: a save after every STALL_EVERY-th epoch, so each run has as many clean epochs
 # as saving ones and ones after a save (5 of each for ResNet-18, 10 for LeNet's short epochs).
 STALL_EVERY, STALL_EPOCHS_RESNET, STALL_EPOCHS_LENET = 3, 16, 31
+# What the `hpc-ddp` console script runs (pyproject.toml's [project.scripts]), so that a checkout
+# that is not installed runs the same command a user types.
+HPC_DDP = [PY, "-c", "import sys; from hpc_ddp.cli import main; sys.exit(main())"]
+# Flags only the probe's runs carry: a user's plain command has neither.
+BENCH_ONLY_FLAGS = ("--log-every", "--eval-batch-size")
 
 
 class Bench:
@@ -210,6 +219,30 @@ class Bench:
         if out.exists():
             res.update(json.loads(out.read_text()))
         return self.record(name, {"kind": "ours", "gpus": n, "launcher": launcher, **res})
+
+    def plain(self, name: str, n: int, flags: list[str], timeout: float = 120) -> dict:
+        """``hpc-ddp train --nproc-per-node n`` as a user types it: no probe, no bench-only
+        flags; timed from the shell, its own figures from its result.json."""
+        for flag in BENCH_ONLY_FLAGS:
+            if flag in flags:
+                at = flags.index(flag)
+                flags = flags[:at] + flags[at + 2 :]
+        run_dir = Path(flags[flags.index("--run-dir") + 1])
+        cmd = [*HPC_DDP, "train", "--nproc-per-node", str(n), *flags]
+        res = self.run(name, cmd, timeout=timeout)
+        result = run_dir / "result.json"
+        if res.get("rc") == 0 and result.exists():
+            res["result"] = json.loads(result.read_text())
+        return self.record(name, {"kind": "plain", "gpus": n, **res})
+
+    def suite_plain(self) -> None:
+        """The conventional script, then the plain default command --repeats times, on the
+        most GPUs, in one call: the ratios users would measure themselves."""
+        top = max(self.gpus)
+        self.reference(f"plain_ref_ddp_{top}gpu", "ddp", top, 64)
+        for i in range(1, self.args.repeats + 1):
+            flags = self.lenet_flags(f"plain{top}r{i}", None)
+            self.plain(f"plain_lenet_{top}gpu_r{i}", top, flags)
 
     def lenet_flags(self, name: str, graphs: bool | None) -> list[str]:
         """The reference workload's flags; ``graphs`` True: ``--cuda-graphs`` with synchronous
@@ -448,6 +481,7 @@ class Bench:
             "nccl": self.suite_nccl,
             "refx": self.suite_refx,
             "ttfs": self.suite_ttfs,
+            "plain": self.suite_plain,
             "profile": self.suite_profile,
             "tests": self.suite_tests,
         }
@@ -488,7 +522,7 @@ def main() -> None:
         "--repeats",
         type=int,
         default=3,
-        help="ttfs: runs of the headline; weak: runs per GPU count",
+        help="ttfs, plain: runs of the headline; weak: runs per GPU count",
     )
     parser.add_argument(
         "--ttfs-ab", action="store_true", help="ttfs: each repeat also on TCPStore's backoff"

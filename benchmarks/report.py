@@ -232,6 +232,48 @@ def table_stall(runs: dict) -> list[str]:
     ]
 
 
+def table_plain(runs: dict) -> list[str]:
+    """The headline from the plain command (suite ``plain``): no probe, result.json's figures."""
+    ref = next((r for k, r in runs.items() if k.startswith("plain_ref_")), None)
+    ours = [(k, r) for k, r in runs.items() if r.get("kind") == "plain"]
+    if ref is None and not ours:
+        return []
+    out = ["", "### a0. The plain command, as a user types it (no probe)", ""]
+    out += [
+        "Training s: the conventional script's timer around its epoch loop; for `hpc-ddp train`, "
+        "result.json's `train_wall_seconds` (first step to the end of the last epoch, evaluation "
+        "and checkpoints included); `wall_seconds` adds the start-up. To exit: from the shell.",
+        "",
+        "| run | GPUs | training s | wall_seconds | to exit s | test acc | training speed-up | "
+        "exit speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base_train = ref.get("train_time_s") if _ok(ref) else None
+    base_exit = ref.get("wall_s") if _ok(ref) else None
+    if ref is not None:
+        if _ok(ref):
+            out.append(
+                f"| conventional DDP script | {ref.get('gpus')} | {_f(base_train)} | - | "
+                f"{_f(base_exit)} | {_f(ref.get('test_accuracy'), '.4f')} | 1 | 1 |"
+            )
+        else:
+            out.append(f"| conventional DDP script | {ref.get('gpus')} | {_why(ref)} | | | | | |")
+    for key, r in ours:
+        result = r.get("result") or {}
+        if not _ok(r) or not result:
+            out.append(f"| {key} | {r.get('gpus')} | {_why(r)} | | | | | |")
+            continue
+        train = result.get("train_wall_seconds")
+        out.append(
+            f"| `hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]}) | "
+            f"{r.get('gpus')} | {_f(train)} | {_f(result.get('wall_seconds'))} | "
+            f"{_f(r.get('wall_s'))} | {_f(result.get('test_accuracy'), '.4f')} | "
+            f"{_f(_ratio(base_train, train), '.1f')}x | "
+            f"{_f(_ratio(base_exit, r.get('wall_s')), '.1f')}x |"
+        )
+    return [*out, ""]
+
+
 def table_ttfs(runs: dict) -> list[str]:
     out = ["", "### c. Time to first step (end of the first optimizer step)", ""]
     rows = [(k, r) for k, r in runs.items() if r.get("ttfs") and not k.startswith("resume")]
@@ -373,7 +415,8 @@ def tables(results: dict) -> str:
         "",
     ]
     body = (
-        table_ref(runs, gpus)
+        table_plain(runs)
+        + table_ref(runs, gpus)
         + table_scaling(runs, gpus)
         + table_weak(runs)
         + table_ttfs(runs)

@@ -208,7 +208,7 @@ def assert_same(a: object, b: object, where: str = "") -> None:
 
 
 # Progress fields that measure time differ between any two runs; everything else must not.
-TIMING = {"epoch_times", "train_seconds", "wall_seconds"}
+TIMING = {"epoch_times", "train_seconds", "wall_seconds", "train_wall_seconds"}
 ROW_TIMING = {"seconds", "time", "samples_per_second"}
 
 

@@ -345,3 +345,41 @@ def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
     # One process has no one to agree with: its own flag, at every step boundary.
     alone = AgreeSchedule(world_size=1)
     assert not alone.due(5, requested=False) and alone.due(6, requested=True)
+
+
+# ------------------------------------------------------------------------------- run clocks
+def test_a_resume_continues_both_clocks_from_the_checkpoint() -> None:
+    """The run's wall time and its training loop's both go on from the checkpoint's values:
+    result.json's figures cover every attempt, not only the last."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.train.progress import Progress
+    from hpc_ddp.train.resume import Clock, restore
+
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    progress = Progress(global_step=7, wall_seconds=100.0, train_wall_seconds=60.0)
+    shared = {
+        "model": net.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "scaler": scaler.state_dict(),
+        "progress": vars(progress).copy(),
+    }
+    loaded = SimpleNamespace(
+        world_size=1, shared=shared, per_rank={"rng": rng.capture()}, path="step-00000007"
+    )
+    ckpt = SimpleNamespace(load_latest=lambda map_location: loaded)
+    stepper = SimpleNamespace(optimizer=opt, scheduler=sched, scaler=scaler)
+    state = SimpleNamespace(ckpt=ckpt, net=net, stepper=stepper)
+
+    clock = Clock()
+    assert clock.loop_elapsed() == 0.0  # the loop has not started: nothing counted yet
+    restored = restore(state, 1, clock)  # type: ignore[arg-type]
+    assert restored.global_step == 7 and restored.interruptions == 1
+    assert 100.0 <= clock.elapsed() < 160.0
+    assert clock.loop_elapsed() == 60.0  # still not started in this attempt
+    clock.start_loop()
+    assert 60.0 <= clock.loop_elapsed() < clock.elapsed()

@@ -22,6 +22,7 @@ class Progress:
     samples_total: int = 0  # global training samples over all attempts
     train_seconds: float = 0.0  # time inside steps over all attempts
     wall_seconds: float = 0.0  # wall time up to the last checkpoint
+    train_wall_seconds: float = 0.0  # of it, in the training loop (resume.Clock)
     interruptions: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per epoch
     # The last progress line's record (metric_writers.step_record): a resume from this

@@ -76,6 +76,7 @@ def make_result(
         test_samples=int(last.get("test_samples", 0)),
         samples_per_second=progress.samples_total / max(progress.train_seconds, 1e-9),
         wall_seconds=clock.elapsed(),
+        train_wall_seconds=clock.loop_elapsed(),
         params_sha256=params_sha256(state.net.state_dict()),
         run_dir=str(paths.root),
         interruptions=progress.interruptions,

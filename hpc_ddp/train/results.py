@@ -23,6 +23,7 @@ RESULT_KEYS = (
     "train_loss",
     "params_sha256",
     "wall_seconds",
+    "train_wall_seconds",
 )
 
 
@@ -47,6 +48,8 @@ class Result:
     params_sha256: str
     run_dir: str
     interruptions: int = 0
+    # Of wall_seconds, the training loop's (resume.Clock); 0 in a result.json from before it.
+    train_wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,13 +20,25 @@ log = get_logger("train")
 
 @dataclass
 class Clock:
-    """The run's wall time over all its attempts: ``base`` is the earlier ones' (checkpointed)."""
+    """Two wall clocks over all of a run's attempts, each with a ``base`` (the earlier attempts'
+    share, checkpointed): the run's, from ``train()``'s entry (start-up included), and the
+    training loop's, from the first step to the end of the last epoch with evaluation and
+    checkpoints, what a conventional script's timer around its epoch loop measures."""
 
     base: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    loop_base: float = 0.0
+    loop_started: float | None = None  # None until the loop starts: it adds nothing yet
 
     def elapsed(self) -> float:
         return self.base + time.perf_counter() - self.started
+
+    def start_loop(self) -> None:
+        self.loop_started = time.perf_counter()
+
+    def loop_elapsed(self) -> float:
+        running = 0.0 if self.loop_started is None else time.perf_counter() - self.loop_started
+        return self.loop_base + running
 
 
 def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
@@ -48,7 +60,7 @@ def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
     state.stepper.scaler.load_state_dict(s["scaler"])
     progress = Progress(**s["progress"])
     progress.interruptions += 1
-    clock.base = progress.wall_seconds
+    clock.base, clock.loop_base = progress.wall_seconds, progress.train_wall_seconds
     rng.restore(loaded.per_rank["rng"])
     log.info(
         f"resumed from {loaded.path} (epoch {progress.epoch + 1}, "
@@ -89,6 +101,7 @@ def save(
     t0 = time.perf_counter()
     progress.epoch_times = times.to_dict()
     progress.wall_seconds = clock.elapsed()
+    progress.train_wall_seconds = clock.loop_elapsed()
     # Shallow: save() writes it at once, save_async() copies it; asdict() would first deep-copy
     # the growing history on the training thread.
     shared = {"progress": vars(progress).copy()}

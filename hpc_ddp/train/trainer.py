@@ -146,6 +146,7 @@ class Trainer:
         state.model.train()
         agree = AgreeSchedule(self.world_size)
         pending = PendingSteps()
+        self.clock.start_loop()
         while progress.epoch < cfg.epochs:
             times = Times.from_dict(progress.epoch_times)
             done = plan.steps_done(progress.start)
