@@ -267,6 +267,10 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
         for name in ("finish", "release_graphs", "destroy_process_group")
         if name in ev
     }
+    if "exit" in ev and "destroy_process_group" in ev:  # the plot's join, and train()'s return
+        out["after_training_s"]["to_return"] = ev["exit"][0] - ev["destroy_process_group"][1]
+    if "exit" in ev:  # the shell's wall time less this: the processes' own exit
+        out["returned_from_command_s"] = ev["exit"][0] - t_cmd
     out["saves"] = SAVES
     out["epoch_ends"] = EPOCH_ENDS
     out["stages"] = STAGES

@@ -7,7 +7,8 @@ Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpo
 preemption/time-limit signal and requeued (EX_TEMPFAIL). A run dir that already holds this run's
 result is answered before torch is imported (hpc_ddp/train/finished.py). Otherwise the process
 leaves through ``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can
-abort after the work is done (docs/troubleshooting.md).
+abort after the work is done (docs/troubleshooting.md); the ``--nproc-per-node`` parent too,
+once its workers have ended.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     require("train", "training")
     check_installed(cfg.metrics)  # --metrics tensorboard without it: said before torch loads
 
-    from hpc_ddp.dist import run_main
+    from hpc_ddp.dist import run_main, shutdown_and_exit
     from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose
 
     def worker() -> NoReturn:
@@ -56,7 +57,10 @@ def run(args: argparse.Namespace) -> NoReturn:
         worker()
     from hpc_ddp.spawn import launch
 
-    sys.exit(launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process))
+    code = launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
+    # Like the workers, flush and leave without the interpreter's teardown: with torch and the
+    # trainer imported it took 0.4-0.6 s after the job had ended (benchmarks/NOTES.md).
+    shutdown_and_exit(code)
 
 
 def main(argv: list[str]) -> NoReturn:

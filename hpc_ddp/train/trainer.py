@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.metric_records import Record, step_record
 from hpc_ddp.train.metric_writers import MetricWriters, open_writers
+from hpc_ddp.train.plotter import Plotter
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
@@ -63,7 +63,7 @@ class Trainer:
         self.rank, self.world_size = ctx.env.rank, ctx.env.world_size
         self.paths = RunPaths(cfg.run_dir)
         self.progress_file = ProgressFile(self.paths, self.rank, self.world_size)
-        self.plotting: threading.Thread | None = None  # result.json's plot, drawn after the run
+        self.plotter: Plotter | None = None  # rank 0's plot.png, from the training loop's start
         self.progress: Progress | None = None  # once training starts: what a stop records
         self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
@@ -84,6 +84,8 @@ class Trainer:
             self._unhook_bar()
             self.bar = None
         self.metrics.close()
+        if self.plotter is not None and self.plotter.history is None:
+            self.plotter.cancel()  # the run did not finish: no plot
 
     def open_metrics(self, progress: Progress) -> MetricWriters:
         """Rank 0 opens the metrics files, continued at the restored step; every rank learns
@@ -130,6 +132,8 @@ class Trainer:
         saves = self.epoch_end_saves
         saves.saved(progress.global_step)  # the checkpoint resumed from, or the start
         self.metrics = self.open_metrics(progress)
+        if self.rank == 0:
+            self.plotter = Plotter(self.paths.root)
         cfg, state = self.cfg, self.state
         plan = state.plan
         steps_per_epoch = plan.steps_per_epoch()
@@ -298,13 +302,10 @@ class Trainer:
         result = self.result(progress, "finished", 0)
         if self.rank == 0:
             results.write_json(self.paths.result, result.to_dict())
-            if progress.history:
-                # matplotlib takes 0.5-1 s to import and draw: on a thread, while the graphs and
-                # the process group are torn down; train() joins it before returning.
-                self.plotting = threading.Thread(
-                    target=results.plot, args=(self.paths.root, progress.history), name="plot"
-                )
-                self.plotting.start()
+            if progress.history and self.plotter is not None:
+                # Drawn by the helper while the graphs and the process group are torn down;
+                # train() waits for it before returning.
+                self.plotter.draw(progress.history)
             self.progress_file.write(progress, "finished")
             log.info(f"finished: {self.paths.result}")
             log.info("\n".join(results.summary_lines(result.to_dict(), self.paths.root)))
@@ -397,8 +398,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
         state.stepper.close()
         dist.destroy_process_group()  # only on success: on errors peers may be gone
-    if trainer.plotting is not None:
-        trainer.plotting.join()
+    if trainer.plotter is not None:
+        trainer.plotter.finish()
     return result
 
 

@@ -1,0 +1,124 @@
+"""plot.png, drawn by a helper process that loads matplotlib while the run trains.
+
+matplotlib takes 0.5-1 s to import and draw. Drawn at the end of the run, rank 0 spent that time
+after the work was done, on every command's way to its exit. The helper starts with the training
+loop, imports matplotlib on another core at the lowest CPU priority (a core it shares with
+training stays training's), then waits for the history on its stdin: at the end only the
+drawing is left, and it overlaps the teardown.
+
+The helper is disposable. If it cannot start, dies (a signal meant for the job reaches it too),
+or fails, rank 0 draws in its own process as before. It draws nothing when its stdin closes
+empty (rank 0 died) and is ended at once when the run stops without finishing.
+
+    python -m hpc_ddp.train.plotter RUN_DIR     # the helper; the history arrives as JSON on stdin
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.log import get_logger
+from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.train import results
+
+log = get_logger("train")
+
+DRAW_TIMEOUT_S = 60.0  # for the helper, after the history was sent; then rank 0 draws itself
+
+
+class Plotter:
+    """Rank 0's plot: ``start`` with the training loop, ``draw`` at the end, then ``finish``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.history: list[dict[str, Any]] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(run_dir)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        except OSError as err:  # e.g. no process slot left: the plot is drawn here instead
+            log.debug(f"plot helper not started ({err}); rank 0 draws the plot itself")
+
+    def draw(self, history: list[dict[str, Any]]) -> None:
+        """Hand the helper the history (it draws while the run tears down)."""
+        self.history = history
+        if self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(json.dumps(history).encode())
+            self.proc.stdin.close()
+        except OSError:  # the helper is gone (BrokenPipeError): finish() draws here
+            self._discard()
+
+    def finish(self) -> None:
+        """Wait for the plot; draw it in this process if the helper did not."""
+        if self.history is None:
+            self.cancel()
+            return
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=DRAW_TIMEOUT_S)  # its stderr is a few lines at most
+                err = self.proc.stderr.read() if self.proc.stderr else b""
+            except subprocess.TimeoutExpired:
+                self._discard()
+                err = b"timed out"
+            if self.proc is not None and self.proc.returncode == 0:
+                self._close_pipes()
+                return
+            why = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+            log.debug(f"plot helper failed ({why[0]}); rank 0 draws the plot itself")
+        try:
+            results.plot(self.run_dir, self.history)
+        except Exception as err:  # the plot is an extra: the run's results are written
+            log.warning(f"could not draw {RunPaths(self.run_dir).plot}: {err}")
+
+    def cancel(self) -> None:
+        """No plot (the run stopped without finishing): end the helper now. It has written
+        nothing yet, and waiting for its import would delay a preempted run's exit."""
+        self._discard()
+
+    def _discard(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self._close_pipes()
+            self.proc = None
+
+    def _close_pipes(self) -> None:
+        assert self.proc is not None
+        for pipe in (self.proc.stdin, self.proc.stderr):
+            if pipe is not None and not pipe.closed:
+                try:
+                    pipe.close()
+                except OSError:  # stdin's unsent bytes to a dead helper: nothing to keep
+                    pass
+
+
+def main(argv: list[str]) -> int:
+    """The helper: import matplotlib, then draw the history that arrives on stdin (if any)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the trainer
+    os.nice(19)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # the slow import, done before the history comes
+
+    data = sys.stdin.buffer.read()
+    if not data:
+        return 0
+    results.plot(Path(argv[0]), json.loads(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,78 @@
+"""plot.png's helper process (hpc_ddp.train.plotter): it draws what rank 0 hands it, rank 0 draws
+itself when the helper is gone, and a run that does not finish leaves neither plot nor helper."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.train import plotter, results
+from hpc_ddp.train.plotter import Plotter
+
+PNG = b"\x89PNG\r\n\x1a\n"
+HISTORY = [
+    {"epoch": e, "train_loss": 2.0 / e, "test_loss": 2.1 / e, "test_accuracy": 0.2 * e}
+    for e in (1, 2, 3)
+]
+DEADLINE_S = 60
+
+
+def test_the_helper_draws_the_history_it_is_handed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def not_here(*_: object) -> None:
+        raise AssertionError("rank 0 drew the plot itself: the helper should have")
+
+    monkeypatch.setattr(results, "plot", not_here)  # this process only: the helper is another
+    plot = Plotter(tmp_path)
+    assert plot.proc is not None
+    plot.draw(HISTORY)
+    plot.finish()
+    assert plot.proc.returncode == 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_rank0_draws_when_the_helper_is_gone(tmp_path: Path) -> None:
+    plot = Plotter(tmp_path)
+    assert plot.proc is not None
+    plot.proc.kill()  # as a signal meant for the job would
+    plot.proc.wait(timeout=DEADLINE_S)
+    plot.draw(HISTORY)  # a broken pipe: nothing to raise
+    plot.finish()
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_a_run_that_stops_unfinished_ends_the_helper_without_a_plot(tmp_path: Path) -> None:
+    plot = Plotter(tmp_path)
+    proc = plot.proc
+    assert proc is not None
+    plot.finish()  # no history: the run was preempted or failed
+    assert plot.proc is None and proc.returncode is not None  # reaped, not left behind
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_the_helper_leaves_when_rank0_dies_before_the_end(tmp_path: Path) -> None:
+    """Its stdin closes empty when rank 0's process is gone: it exits, drawing nothing."""
+    helper = subprocess.Popen(
+        [sys.executable, "-m", plotter.__name__, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _, err = helper.communicate(b"", timeout=DEADLINE_S)
+    assert helper.returncode == 0, err
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_the_helper_never_writes_through_a_link(tmp_path: Path) -> None:
+    """plot.png goes through private_paths.replace_file in the helper too: a link planted at
+    the path is refused, and rank 0 then reports the plot as not drawn (its own try fails)."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / "plot.png").symlink_to(victim)
+    plot = Plotter(tmp_path)
+    plot.draw(HISTORY)
+    plot.finish()
+    assert victim.read_text() == "keep me"
