@@ -15,6 +15,7 @@ empty (rank 0 died) and is ended at once when the run stops without finishing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,10 +99,9 @@ class Plotter:
         assert self.proc is not None
         for pipe in (self.proc.stdin, self.proc.stderr):
             if pipe is not None and not pipe.closed:
-                try:
+                # OSError: stdin's unsent bytes to a dead helper, nothing worth keeping
+                with contextlib.suppress(OSError):
                     pipe.close()
-                except OSError:  # stdin's unsent bytes to a dead helper: nothing to keep
-                    pass
 
 
 def main(argv: list[str]) -> int:
