@@ -3,6 +3,8 @@ itself when the helper is gone, and a run that does not finish leaves neither pl
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,27 @@ def test_the_helper_never_writes_through_a_link(tmp_path: Path) -> None:
     plot.draw(HISTORY)
     plot.finish()
     assert victim.read_text() == "keep me"
+
+
+def test_a_long_history_outgrows_the_pipe_and_still_arrives(tmp_path: Path) -> None:
+    """Far more than a pipe's 64 KiB: handed over while the helper reads, not dropped."""
+    long = [{**HISTORY[0], "epoch": e, "note": "x" * 300} for e in range(1, 401)]  # ~140 KB
+    plot = Plotter(tmp_path)
+    plot.draw(long)
+    assert plot.proc is not None  # sent in full: the helper draws, rank 0 does not
+    plot.finish()
+    assert plot.proc.returncode == 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_a_helper_that_stops_reading_does_not_hold_rank0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plotter, "SEND_TIMEOUT_S", 1.0)
+    plot = Plotter(tmp_path)
+    assert plot.proc is not None
+    os.kill(plot.proc.pid, signal.SIGSTOP)  # alive, reading nothing
+    plot.draw([{**HISTORY[0], "note": "x" * 300} for _ in range(400)])
+    assert plot.proc is None  # given up on and ended (SIGKILL ends a stopped process too)
+    plot.finish()  # rank 0 draws instead
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG

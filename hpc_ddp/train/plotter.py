@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +32,13 @@ from hpc_ddp.train import results
 
 log = get_logger("train")
 
+SEND_TIMEOUT_S = 60.0  # to hand over a history longer than the pipe holds (helper importing)
 DRAW_TIMEOUT_S = 60.0  # for the helper, after the history was sent; then rank 0 draws itself
 
 
 class Plotter:
-    """Rank 0's plot: ``start`` with the training loop, ``draw`` at the end, then ``finish``."""
+    """Rank 0's plot: made (the helper starts) with the training loop, ``draw`` once the run
+    finished, then ``finish`` after the teardown; ``cancel`` when it did not finish."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -56,10 +60,27 @@ class Plotter:
         if self.proc is None or self.proc.stdin is None:
             return
         try:
-            self.proc.stdin.write(json.dumps(history).encode())
+            sent = self._send(json.dumps(history).encode())
             self.proc.stdin.close()
-        except OSError:  # the helper is gone (BrokenPipeError): finish() draws here
-            self._discard()
+        except OSError:  # the helper is gone (BrokenPipeError)
+            sent = False
+        if not sent:
+            self._discard()  # finish() draws here
+
+    def _send(self, data: bytes) -> bool:
+        """Write within SEND_TIMEOUT_S: a long history outgrows the pipe's buffer, and a helper
+        that stopped reading must not hold rank 0."""
+        assert self.proc is not None and self.proc.stdin is not None
+        fd = self.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        rest = memoryview(data)
+        while rest:
+            _, ready, _ = select.select([], [fd], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return False
+            rest = rest[os.write(fd, rest) :]
+        return True
 
     def finish(self) -> None:
         """Wait for the plot; draw it in this process if the helper did not."""
