@@ -1,10 +1,10 @@
 """plot.png, drawn by a helper process that loads matplotlib while the run trains.
 
 matplotlib takes 0.5-1 s to import and draw. Drawn at the end of the run, rank 0 spent that time
-after the work was done, on every command's way to its exit. The helper starts with the training
-loop, imports matplotlib on another core at the lowest CPU priority (a core it shares with
-training stays training's), then waits for the history on its stdin: at the end only the
-drawing is left, and it overlaps the teardown.
+after the work was done, on every command's way to its exit. The helper starts once an epoch
+has ended (or with the last one), imports matplotlib on another core at the lowest CPU
+priority (a core it shares with training stays training's), then waits for the history on its
+stdin: at the end only the drawing is left, and it overlaps the teardown.
 
 The helper is disposable. If it cannot start, dies (a signal meant for the job reaches it too),
 or fails, rank 0 draws in its own process as before. It draws nothing when its stdin closes
@@ -37,8 +37,8 @@ DRAW_TIMEOUT_S = 60.0  # for the helper, after the history was sent; then rank 0
 
 
 class Plotter:
-    """Rank 0's plot: made (the helper starts) with the training loop, ``draw`` once the run
-    finished, then ``finish`` after the teardown; ``cancel`` when it did not finish."""
+    """Rank 0's plot: made (the helper starts) while the run trains, ``draw`` once it finished,
+    then ``finish`` after the teardown; ``cancel`` when it did not finish."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir

@@ -63,7 +63,7 @@ class Trainer:
         self.rank, self.world_size = ctx.env.rank, ctx.env.world_size
         self.paths = RunPaths(cfg.run_dir)
         self.progress_file = ProgressFile(self.paths, self.rank, self.world_size)
-        self.plotter: Plotter | None = None  # rank 0's plot.png, from the training loop's start
+        self.plotter: Plotter | None = None  # rank 0's plot.png helper, from the second epoch
         self.progress: Progress | None = None  # once training starts: what a stop records
         self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
@@ -132,8 +132,7 @@ class Trainer:
         saves = self.epoch_end_saves
         saves.saved(progress.global_step)  # the checkpoint resumed from, or the start
         self.metrics = self.open_metrics(progress)
-        if self.rank == 0:
-            self.plotter = Plotter(self.paths.root)
+        first_epoch = progress.epoch
         cfg, state = self.cfg, self.state
         plan = state.plan
         steps_per_epoch = plan.steps_per_epoch()
@@ -152,6 +151,11 @@ class Trainer:
         pending = PendingSteps()
         self.clock.start_loop()
         while progress.epoch < cfg.epochs:
+            # The plot's helper starts once an epoch has ended here, or with the last one: not
+            # beside the first steps' CUDA start-up, nor for an attempt that stops within them.
+            plot_soon = progress.epoch > first_epoch or progress.epoch + 1 == cfg.epochs
+            if self.rank == 0 and self.plotter is None and plot_soon:
+                self.plotter = Plotter(self.paths.root)
             times = Times.from_dict(progress.epoch_times)
             done = plan.steps_done(progress.start)
             agree.start_epoch(progress.global_step)
@@ -302,9 +306,10 @@ class Trainer:
         result = self.result(progress, "finished", 0)
         if self.rank == 0:
             results.write_json(self.paths.result, result.to_dict())
-            if progress.history and self.plotter is not None:
+            if progress.history:
                 # Drawn by the helper while the graphs and the process group are torn down;
                 # train() waits for it before returning.
+                self.plotter = self.plotter or Plotter(self.paths.root)
                 self.plotter.draw(progress.history)
             self.progress_file.write(progress, "finished")
             log.info(f"finished: {self.paths.result}")
