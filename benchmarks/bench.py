@@ -52,11 +52,9 @@ PY = sys.executable
 # The stall suite: a save after every STALL_EVERY-th epoch, so each run has as many clean epochs
 # as saving ones and ones after a save (5 of each for ResNet-18, 10 for LeNet's short epochs).
 STALL_EVERY, STALL_EPOCHS_RESNET, STALL_EPOCHS_LENET = 3, 16, 31
-# What the `hpc-ddp` console script runs (pyproject.toml's [project.scripts]), so that a checkout
-# that is not installed runs the same command a user types.
-HPC_DDP = [PY, "-c", "import sys; from hpc_ddp.cli import main; sys.exit(main())"]
-# Flags only the probe's runs carry: a user's plain command has neither.
-BENCH_ONLY_FLAGS = ("--log-every", "--eval-batch-size")
+# What the `hpc-ddp` console script runs (pyproject.toml's [project.scripts]: hpc_ddp.cli's
+# main), so that a checkout that is not installed runs the same command a user types.
+HPC_DDP = [PY, "-m", "hpc_ddp.cli"]
 
 
 class Bench:
@@ -182,7 +180,10 @@ class Bench:
             res.update(json.loads(out.read_text()))
         self.record(name, {"kind": "reference", **res})
 
-    def trainer_flags(self, model: str, epochs: int, batch: int, run_dir: Path) -> list[str]:
+    def trainer_flags(
+        self, model: str, epochs: int, batch: int, run_dir: Path, *, plain: bool = False
+    ) -> list[str]:
+        """The workload's flags; ``plain``: without the probe runs' quiet progress lines."""
         # A fresh run dir: one left by an earlier call on a warm machine would be "finished"
         # (the trainer then does nothing) or be resumed.
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -191,7 +192,9 @@ class Bench:
         flags += ["--synthetic-test-size", str(self.args.test_size)]
         flags += ["--synthetic-variant", self.args.synthetic_variant]
         flags += ["--model", model, "--epochs", str(epochs), "--batch-size", str(batch)]
-        flags += ["--run-dir", str(run_dir), "--log-every", "100000"]
+        flags += ["--run-dir", str(run_dir)]
+        if not plain:
+            flags += ["--log-every", "100000"]
         if not self.args.smoke:
             flags += ["--data-path", "gpu"]
         return flags
@@ -221,12 +224,9 @@ class Bench:
         return self.record(name, {"kind": "ours", "gpus": n, "launcher": launcher, **res})
 
     def plain(self, name: str, n: int, flags: list[str], timeout: float = 120) -> dict:
-        """``hpc-ddp train --nproc-per-node n`` as a user types it: no probe, no bench-only
-        flags; timed from the shell, its own figures from its result.json."""
-        for flag in BENCH_ONLY_FLAGS:
-            if flag in flags:
-                at = flags.index(flag)
-                flags = flags[:at] + flags[at + 2 :]
+        """``hpc-ddp train --nproc-per-node n`` as a user types it (``flags`` from
+        ``lenet_flags(..., plain=True)``): no probe; timed from the shell, its own figures from
+        its result.json."""
         run_dir = Path(flags[flags.index("--run-dir") + 1])
         cmd = [*HPC_DDP, "train", "--nproc-per-node", str(n), *flags]
         res = self.run(name, cmd, timeout=timeout)
@@ -241,17 +241,20 @@ class Bench:
         top = max(self.gpus)
         self.reference(f"plain_ref_ddp_{top}gpu", "ddp", top, 64)
         for i in range(1, self.args.repeats + 1):
-            flags = self.lenet_flags(f"plain{top}r{i}", None)
+            flags = self.lenet_flags(f"plain{top}r{i}", None, plain=True)
             self.plain(f"plain_lenet_{top}gpu_r{i}", top, flags)
 
-    def lenet_flags(self, name: str, graphs: bool | None) -> list[str]:
+    def lenet_flags(self, name: str, graphs: bool | None, *, plain: bool = False) -> list[str]:
         """The reference workload's flags; ``graphs`` True: ``--cuda-graphs`` with synchronous
         checkpoints (the rows measured before both became defaults), False: eager DDP, also
-        synchronous, None: no step or checkpoint flag at all (the defaults)."""
-        flags = self.trainer_flags("lenet", self.args.epochs, 64, self.work / "runs" / name)
+        synchronous, None: no step or checkpoint flag at all (the defaults). ``plain``: the
+        workload's flags only, as a user would type them (no --log-every, --eval-batch-size)."""
+        run_dir = self.work / "runs" / name
+        flags = self.trainer_flags("lenet", self.args.epochs, 64, run_dir, plain=plain)
         flags += ["--optimizer", "adam", "--lr", "1e-3", "--weight-decay", "0"]
         flags += ["--lr-schedule", "constant", "--no-augment", "--amp", "off"]
-        flags += ["--eval-batch-size", "1024"]
+        if not plain:
+            flags += ["--eval-batch-size", "1024"]
         if graphs is None:
             return flags
         if self.args.smoke:  # a CPU has no step to capture: --cuda-graphs would be refused

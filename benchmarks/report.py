@@ -242,34 +242,28 @@ def table_plain(runs: dict) -> list[str]:
     out += [
         "Training s: the conventional script's timer around its epoch loop; for `hpc-ddp train`, "
         "result.json's `train_wall_seconds` (first step to the end of the last epoch, evaluation "
-        "and checkpoints included); `wall_seconds` adds the start-up. To exit: from the shell.",
+        "and checkpoints included), in brackets its `wall_seconds` (start-up added). To exit: "
+        "from the shell.",
         "",
-        "| run | GPUs | training s | wall_seconds | to exit s | test acc | training speed-up | "
+        "| run | GPUs | training s | command-to-exit s | test acc | training speed-up | "
         "exit speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    base_train = ref.get("train_time_s") if _ok(ref) else None
-    base_exit = ref.get("wall_s") if _ok(ref) else None
     if ref is not None:
-        if _ok(ref):
-            out.append(
-                f"| conventional DDP script | {ref.get('gpus')} | {_f(base_train)} | - | "
-                f"{_f(base_exit)} | {_f(ref.get('test_accuracy'), '.4f')} | 1 | 1 |"
-            )
-        else:
-            out.append(f"| conventional DDP script | {ref.get('gpus')} | {_why(ref)} | | | | | |")
+        out.append(_base_row("conventional DDP script", ref, ref.get("gpus")))
+    base = ref if ref is not None and _ok(ref) else {}
     for key, r in ours:
         result = r.get("result") or {}
+        label = f"`hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]})"
         if not _ok(r) or not result:
-            out.append(f"| {key} | {r.get('gpus')} | {_why(r)} | | | | | |")
+            out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | |")
             continue
         train = result.get("train_wall_seconds")
         out.append(
-            f"| `hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]}) | "
-            f"{r.get('gpus')} | {_f(train)} | {_f(result.get('wall_seconds'))} | "
+            f"| {label} | {r.get('gpus')} | {_f(train)} ({_f(result.get('wall_seconds'))}) | "
             f"{_f(r.get('wall_s'))} | {_f(result.get('test_accuracy'), '.4f')} | "
-            f"{_f(_ratio(base_train, train), '.1f')}x | "
-            f"{_f(_ratio(base_exit, r.get('wall_s')), '.1f')}x |"
+            f"{_f(_ratio(base.get('train_time_s'), train), '.1f')}x | "
+            f"{_f(_ratio(base.get('wall_s'), r.get('wall_s')), '.1f')}x |"
         )
     return [*out, ""]
 
