@@ -70,7 +70,7 @@ def test_the_helper_leaves_when_rank0_dies_before_the_end(tmp_path: Path) -> Non
 
 def test_the_helper_never_writes_through_a_link(tmp_path: Path) -> None:
     """plot.png goes through private_paths.replace_file in the helper too: a link planted at
-    the path is refused, and rank 0 then reports the plot as not drawn (its own try fails)."""
+    the path is replaced by the new file, never followed to what it names."""
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     (tmp_path / "plot.png").symlink_to(victim)
@@ -78,6 +78,8 @@ def test_the_helper_never_writes_through_a_link(tmp_path: Path) -> None:
     plot.draw(HISTORY)
     plot.finish()
     assert victim.read_text() == "keep me"
+    assert not (tmp_path / "plot.png").is_symlink()
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
 
 
 def test_a_long_history_outgrows_the_pipe_and_still_arrives(tmp_path: Path) -> None:

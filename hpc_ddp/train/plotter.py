@@ -65,7 +65,7 @@ class Plotter:
         except OSError:  # the helper is gone (BrokenPipeError)
             sent = False
         if not sent:
-            self._discard()  # finish() draws here
+            self.cancel()  # finish() draws here
 
     def _send(self, data: bytes) -> bool:
         """Write within SEND_TIMEOUT_S: a long history outgrows the pipe's buffer, and a helper
@@ -92,7 +92,7 @@ class Plotter:
                 self.proc.wait(timeout=DRAW_TIMEOUT_S)  # its stderr is a few lines at most
                 err = self.proc.stderr.read() if self.proc.stderr else b""
             except subprocess.TimeoutExpired:
-                self._discard()
+                self.cancel()
                 err = b"timed out"
             if self.proc is not None and self.proc.returncode == 0:
                 self._close_pipes()
@@ -105,11 +105,8 @@ class Plotter:
             log.warning(f"could not draw {RunPaths(self.run_dir).plot}: {err}")
 
     def cancel(self) -> None:
-        """No plot (the run stopped without finishing): end the helper now. It has written
-        nothing yet, and waiting for its import would delay a preempted run's exit."""
-        self._discard()
-
-    def _discard(self) -> None:
+        """End the helper now, drawing nothing: the run stopped without finishing (waiting for
+        its import would delay a preempted run's exit), or the helper cannot be used."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
