@@ -7,8 +7,10 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hpc_ddp.cifar import array_cache, synthetic
+from hpc_ddp.cifar import safe_pickle as cifar_pickle
 from hpc_ddp.cifar.gpu_data import load_cifar_arrays
 
 KEYS = ("labels", "fine_labels")
@@ -25,9 +27,9 @@ def test_the_cache_returns_the_pickles_arrays_and_is_used(tmp_path: Path) -> Non
     first = load_cifar_arrays(root, "cifar100", train=True)
     cache = root / "cifar-100-python" / array_cache.CACHE_DIR
     assert sorted(p.name for p in cache.iterdir()) == [
-        "train.images.npy",
-        "train.json",
-        "train.labels.npy",
+        f"{split}.{part}"
+        for split in ("test", "train")
+        for part in ("images.npy", "json", "labels.npy")
     ]
     # Poison the pickle's bytes but keep its size and mtime: a cached read never opens it.
     source = root / "cifar-100-python" / "train"
@@ -37,6 +39,22 @@ def test_the_cache_returns_the_pickles_arrays_and_is_used(tmp_path: Path) -> Non
     second = load_cifar_arrays(root, "cifar100", train=True)
     for a, b in zip(first, second, strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "cifar100"])
+def test_the_generator_caches_exactly_what_its_pickles_hold(tmp_path: Path, dataset: str) -> None:
+    """A run's first read of synthetic data decodes nothing: the generator cached each batch,
+    and the cache holds what decoding the pickle gives (same dtype, shape and values)."""
+    root = synthetic.synthetic_root(tmp_path, dataset, 50, 20, "hard")
+    folder = synthetic.write_synthetic(root, dataset, train_size=50, test_size=20, variant="hard")
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    batches = [folder / n for n in (names if dataset == "cifar10" else ["train", "test"])]
+    for path in batches:
+        cached = array_cache._load(path)
+        assert cached is not None, f"{path.name} was not cached by the generator"
+        decoded = cifar_pickle.batch_arrays(cifar_pickle.load(path), path, KEYS)
+        for a, b in zip(cached, decoded, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
 
 def test_a_replaced_source_is_read_again(tmp_path: Path) -> None:

@@ -5,6 +5,9 @@ re-encodes to bytes, ~0.7 s per read of CIFAR-100's train file on a 2-core CPU a
 every run's start on the H200 machines (benchmarks/NOTES.md). A memory-mapped .npy of the same
 array reads in milliseconds.
 
+The synthetic generator caches the batches it writes (it holds the arrays already), so even a
+run's first read of them decodes nothing.
+
 The cache sits in ``.hpc-ddp-cache/`` next to the batch files and records the source file's size
 and mtime: a replaced source is read from the pickle again (and re-cached). Writes are atomic
 (temp file + rename), so ranks that race to create it all end up reading a whole file; a
@@ -45,7 +48,7 @@ def read_batch(path: Path, label_keys: tuple[str, ...]) -> tuple[np.ndarray, np.
     if cached is not None:
         return cached
     images, labels = cifar_pickle.batch_arrays(cifar_pickle.load(path), path, label_keys)
-    _store(path, images, labels)
+    store(path, images, labels)
     return images, labels
 
 
@@ -97,7 +100,9 @@ def _read_npy(path: Path, dtype: type[np.generic]) -> np.ndarray:
         return np.load(fh, allow_pickle=False)
 
 
-def _store(source: Path, images: np.ndarray, labels: np.ndarray) -> None:
+def store(source: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    """Cache the arrays of the finished batch file ``source`` (what ``read_batch`` would
+    decode from it); a directory that cannot take the cache is left uncached."""
     paths = _paths(source)
     try:
         folder = paths[0].parent
