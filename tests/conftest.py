@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,16 @@ def launches() -> Iterator[list[Launch]]:
     yield started
     for launch in started:
         kill_leftovers(launch.launch_id)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Children the tests start answer SIGINT whatever the suite was started with. A suite run
+    in the background of a script (``./scripts/test.sh &``) inherits SIGINT ignored, and an
+    ignored signal stays ignored across exec: the tests that stop a launch script or a local job
+    with SIGINT would wait for nothing and time out. A handler, unlike SIG_IGN, is reset to the
+    default in every exec'd child."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
