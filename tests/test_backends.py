@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -274,14 +275,24 @@ def _trainer_pids(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_cancelling_a_local_submitit_job_ends_its_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("submitter_ignores_sigint", [False, True])
+def test_cancelling_a_local_submitit_job_ends_its_trainer(
+    tmp_path: Path, submitter_ignores_sigint: bool
+) -> None:
     """submitit cancels a local job with SIGINT to its task; the trainer the task started must
-    end with it (it checkpoints on SIGTERM) instead of training on as an orphan."""
+    end with it (it checkpoints on SIGTERM) instead of training on as an orphan. Also when the
+    submitter ignores SIGINT (a script's ``cmd &`` starts it so): the job must not inherit that,
+    or the cancel waits for nothing."""
     (tmp_path / "data").mkdir()
     run = tmp_path / "run"
     args = train_args(str(tmp_path / "data"), str(run), "--debug-hold-at-step", "2")
     spec = api.JobSpec(name="api-local", nodes=1, procs_per_node=1, time="5", args=args)
-    job = api.submit(spec, "local", folder=tmp_path / "submitit", wait=False)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if submitter_ignores_sigint else None
+    try:
+        job = api.submit(spec, "local", folder=tmp_path / "submitit", wait=False)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     try:
         wait_for(lambda: progress_status(run) == "holding", 120, "the trainer to hold")
         assert job.status() == "RUNNING" and _trainer_pids(run)

@@ -26,6 +26,7 @@ from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
+from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
 from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters, not_used
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
@@ -108,7 +109,7 @@ class SubmititBackend(Backend):
         request.folder.mkdir(parents=True, exist_ok=True)
         # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF
         # kept); submitit reads os.environ itself, hence the temporary scrub.
-        with scrubbed_environ(self.cluster_env):
+        with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
             if request.kind == "local":
                 ex: submitit.Executor = submitit.LocalExecutor(folder=str(request.folder))
             else:

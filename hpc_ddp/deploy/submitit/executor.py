@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, with_this_python
+from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
 from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.extras import require
@@ -100,7 +101,7 @@ class Executor:
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> submitit.Job[Any]:
         """Run ``fn(*args, **kwargs)`` in every task; ``job.results()`` lists every rank's
         return value (rank order), ``job.result()`` is it for a one-task job."""
-        with scrubbed_environ(self.cluster_env):
+        with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
             return self._executor().submit(self._task(fn), *args, **kwargs)
 
     def map_array(
@@ -108,7 +109,7 @@ class Executor:
     ) -> list[submitit.Job[Any]]:
         """One Slurm array task (one job each under the local executor) per element, as
         ``map(fn, *iterables)``: each runs ``fn`` with the whole spec's shape."""
-        with scrubbed_environ(self.cluster_env):
+        with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
             return self._executor().map_array(self._task(fn), *iterables)
 
     def _task(self, fn: Callable[..., Any]) -> Any:

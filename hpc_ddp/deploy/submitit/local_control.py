@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,25 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def cancellable_by_sigint() -> Iterator[None]:
+    """Submit inside this: the local job's controller and tasks then answer SIGINT, the signal
+    every local cancel sends (submitit's ``Job.cancel`` to the controller, ``stop_local`` to the
+    tasks), even when this process ignores it (a script's ``cmd &`` starts it so). An ignored
+    signal stays ignored across exec, and such a job could only be killed without a checkpoint
+    once the cancel timed out; a handler is reset to the default in an exec'd child. The handler
+    does nothing, so this process goes on ignoring SIGINT meanwhile."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda _signum, _frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def stop_local(job: Any, *, now: bool, timeout_s: float, on_event: Callable[[str], None]) -> str:
