@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -347,38 +348,42 @@ def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
 
 
 # ------------------------------------------------------------------------------- run clocks
-def test_a_resume_continues_both_clocks_from_the_checkpoint() -> None:
+def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> None:
     """The run's wall time and its training loop's both go on from the checkpoint's values:
-    result.json's figures cover every attempt, not only the last."""
+    result.json's figures cover every attempt, not only the last. A real save and restore
+    (resume.save/restore through a Checkpointer); the clocks' starts are set, so the sums are
+    exact."""
     from types import SimpleNamespace
 
+    from hpc_ddp.checkpoint import Checkpointer
+    from hpc_ddp.train.loop import Times
     from hpc_ddp.train.progress import Progress
-    from hpc_ddp.train.resume import Clock, restore
+    from hpc_ddp.train.resume import Clock, restore, save
 
-    net = torch.nn.Linear(2, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    progress = Progress(global_step=7, wall_seconds=100.0, train_wall_seconds=60.0)
-    shared = {
-        "model": net.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "scaler": scaler.state_dict(),
-        "progress": vars(progress).copy(),
-    }
-    loaded = SimpleNamespace(
-        world_size=1, shared=shared, per_rank={"rng": rng.capture()}, path="step-00000007"
-    )
-    ckpt = SimpleNamespace(load_latest=lambda map_location: loaded)
-    stepper = SimpleNamespace(optimizer=opt, scheduler=sched, scaler=scaler)
-    state = SimpleNamespace(ckpt=ckpt, net=net, stepper=stepper)
+    def state() -> SimpleNamespace:  # the parts of a TrainState that save and restore read
+        net = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        stepper = SimpleNamespace(
+            optimizer=opt,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
+            scaler=torch.amp.GradScaler("cpu", enabled=False),
+        )
+        ckpt = Checkpointer(tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None)
+        return SimpleNamespace(ckpt=ckpt, net=net, stepper=stepper)
 
-    clock = Clock()
-    assert clock.loop_elapsed() == 0.0  # the loop has not started: nothing counted yet
-    restored = restore(state, 1, clock)  # type: ignore[arg-type]
+    first, before = Clock(), state()
+    assert first.loop_elapsed() == 0.0  # the loop has not started: nothing counted yet
+    first.start_loop()
+    now = time.perf_counter()  # the first attempt: 100 s in all, 60 of them in the loop
+    first.started, first.loop_started = now - 100.0, now - 60.0
+    cfg = TrainConfig(async_checkpoint=False)
+    save(before, cfg, Progress(global_step=7), Times(), first)  # type: ignore[arg-type]
+
+    second = Clock()
+    restored = restore(state(), 1, second)  # type: ignore[arg-type]
     assert restored.global_step == 7 and restored.interruptions == 1
-    assert 100.0 <= clock.elapsed() < 160.0
-    assert clock.loop_elapsed() == 60.0  # still not started in this attempt
-    clock.start_loop()
-    assert 60.0 <= clock.loop_elapsed() < clock.elapsed()
+    assert 100.0 <= restored.wall_seconds < 101.0 and 60.0 <= restored.train_wall_seconds < 61.0
+    assert (second.base, second.loop_base) == (restored.wall_seconds, restored.train_wall_seconds)
+    assert second.loop_elapsed() == restored.train_wall_seconds  # not started in this attempt
+    second.start_loop()
+    assert restored.train_wall_seconds <= second.loop_elapsed() < second.elapsed()
