@@ -13,7 +13,7 @@ from hpc_ddp.cifar import array_cache, synthetic
 from hpc_ddp.cifar import safe_pickle as cifar_pickle
 from hpc_ddp.cifar.gpu_data import load_cifar_arrays
 
-KEYS = ("labels", "fine_labels")
+KEYS = cifar_pickle.LABEL_KEYS
 
 
 def write_batch(path: Path, pixels: np.ndarray, labels: list[int]) -> None:

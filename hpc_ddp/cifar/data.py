@@ -212,7 +212,6 @@ CIFAR_FILES = {
     "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"]),
     "cifar100": ("cifar-100-python", ["train"], ["test"]),
 }
-LABEL_KEYS = ("labels", "fine_labels")
 # The class names: (meta file, key), as torchvision's ``_load_meta`` reads them.
 CLASS_NAMES = {"cifar10": ("batches.meta", "label_names"), "cifar100": ("meta", "fine_label_names")}
 SIZE = 32
@@ -227,7 +226,9 @@ def load_cifar_arrays(
     folder, train_files, test_files = CIFAR_FILES[dataset]
     images, labels = [], []
     for name in train_files if train else test_files:
-        pixels, targets = array_cache.read_batch(Path(data_root) / folder / name, LABEL_KEYS)
+        pixels, targets = array_cache.read_batch(
+            Path(data_root) / folder / name, safe_pickle.LABEL_KEYS
+        )
         images.append(pixels.reshape(-1, 3, SIZE, SIZE))
         labels.append(targets)
     return np.concatenate(images), np.concatenate(labels)

@@ -23,6 +23,9 @@ from hpc_ddp.regular_file import open_regular
 # A batch holds one array (``data``); the meta files none. A file that builds more is no CIFAR
 # file, and refusing early bounds how much memory a crafted file can make the reader allocate.
 MAX_ARRAYS = 4
+# Where a batch keeps its labels: CIFAR-10's "labels", CIFAR-100's "fine_labels" (the first
+# one present is read).
+LABEL_KEYS = ("labels", "fine_labels")
 
 
 class NotCifarFileError(pickle.UnpicklingError):

@@ -33,6 +33,7 @@ from statistics import NormalDist
 import numpy as np
 
 from hpc_ddp.cifar import array_cache
+from hpc_ddp.cifar import safe_pickle as cifar_pickle
 from hpc_ddp.regular_file import read_small
 
 FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
@@ -186,12 +187,12 @@ def _hard_samples(
     return out, [int(x) for x in labels]
 
 
-def _dump_batch(path: Path, batch: dict, label_key: str) -> None:
-    """Write a batch file and its array cache: a run's first read then skips decoding the
-    pickle (the cost array_cache's docstring gives)."""
+def _dump_batch(path: Path, batch: dict) -> None:
+    """Write a batch file and its array cache, the arrays a read of the file gives (the same
+    ``batch_arrays``): a run's first read then skips decoding the pickle (the cost
+    array_cache's docstring gives)."""
     _dump(path, batch)
-    labels = np.asarray(batch[label_key], dtype=np.int64)
-    array_cache.store(path, np.ascontiguousarray(batch["data"]), labels)
+    array_cache.store(path, *cifar_pickle.batch_arrays(batch, path, cifar_pickle.LABEL_KEYS))
 
 
 def _dump(path: Path, obj: dict) -> None:
@@ -258,9 +259,9 @@ def write_synthetic(
         chunks = np.array_split(np.arange(train_size), 5)
         for i, idx in enumerate(chunks, start=1):
             batch = _batch(f"training batch {i} of 5", train_x, train_y, idx)
-            _dump_batch(tmp / f"data_batch_{i}", batch, "labels")
+            _dump_batch(tmp / f"data_batch_{i}", batch)
         test = _batch("testing batch 1 of 1", test_x, test_y, range(test_size))
-        _dump_batch(tmp / "test_batch", test, "labels")
+        _dump_batch(tmp / "test_batch", test)
         meta = {"label_names": names, "num_cases_per_batch": len(chunks[0]), "num_vis": 3072}
         _dump(tmp / "batches.meta", meta)
     else:
@@ -274,7 +275,6 @@ def write_synthetic(
                     "coarse_labels": [label // 5 for label in y],
                     "data": x,
                 },
-                "fine_labels",
             )
         coarse = [f"superclass_{i:02d}" for i in range(20)]
         _dump(tmp / "meta", {"fine_label_names": names, "coarse_label_names": coarse})
