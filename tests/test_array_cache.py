@@ -21,7 +21,9 @@ def write_batch(path: Path, pixels: np.ndarray, labels: list[int]) -> None:
         pickle.dump({"data": pixels, "fine_labels": labels}, fh, protocol=2)  # CIFAR's format
 
 
-def test_the_cache_returns_the_pickles_arrays_and_is_used(tmp_path: Path) -> None:
+def test_the_cache_is_what_reads_use(tmp_path: Path) -> None:
+    """The generator cached every split; a later read takes the cache and never opens the
+    pickle (that the cache holds the pickle's arrays: the test below)."""
     root = synthetic.synthetic_root(tmp_path, "cifar100", 64, 16)
     synthetic.write_synthetic(root, "cifar100", train_size=64, test_size=16)
     first = load_cifar_arrays(root, "cifar100", train=True)
