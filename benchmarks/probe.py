@@ -264,11 +264,11 @@ def report(path: str, cfg: config.TrainConfig, code: int) -> None:
         }
     out["after_training_s"] = {
         name: ev[name][1] - ev[name][0]
-        for name in ("finish", "release_graphs", "destroy_process_group")
+        for name in ("finish", "release_graphs", "end_process_group")
         if name in ev
     }
-    if "exit" in ev and "destroy_process_group" in ev:  # the plot's join, and train()'s return
-        out["after_training_s"]["to_return"] = ev["exit"][0] - ev["destroy_process_group"][1]
+    if "exit" in ev and "end_process_group" in ev:  # the plot's join, and train()'s return
+        out["after_training_s"]["to_return"] = ev["exit"][0] - ev["end_process_group"][1]
     if "exit" in ev:  # the shell's wall time less this: the processes' own exit
         out["returned_from_command_s"] = ev["exit"][0] - t_cmd
     out["saves"] = SAVES
@@ -354,22 +354,22 @@ def main() -> None:
         hdist._wait_until_listening = lambda *_: None  # type: ignore[attr-defined]
     if pargs.probe_no_progress_file:  # what the per-step progress.json write costs
         train_report.ProgressFile.write = lambda self, progress, status: None  # type: ignore[method-assign]
-    destroy = torch.distributed.destroy_process_group
+    end_group = hdist.end_process_group  # train() imports it from hpc_ddp.dist when called
     done: list[int] = []
 
-    def report_then_destroy(*args: Any, **kwargs: Any) -> Any:
-        # Training is over when the trainer destroys its group: report first, so that the
+    def report_then_end(*args: Any, **kwargs: Any) -> Any:
+        # Training is over when the trainer ends its group: report first, so that the
         # figures survive even if the teardown were to hang.
         if int(os.environ.get("RANK", 0)) == 0 and not done:
             report(pargs.probe_json, cfg, 0)
             done.append(1)
         t0 = time.time()
         try:
-            return destroy(*args, **kwargs)
+            return end_group(*args, **kwargs)
         finally:  # run() below reports again with it, once train() returns
-            EVENTS.append(("destroy_process_group", t0, time.time()))
+            EVENTS.append(("end_process_group", t0, time.time()))
 
-    torch.distributed.destroy_process_group = report_then_destroy
+    hdist.end_process_group = report_then_end
 
     def run() -> int:
         code = tr.train(cfg).exit_code

@@ -9,7 +9,7 @@ Three things users hit on real clusters shape this module:
   communicator down; with Gloo the peers see a closed socket. Either way, bounded.
 * Gloo processes sometimes abort in a C++ destructor at interpreter exit, after all work is done
   (measured with torch 2.13 and 2.14: 10-30 % of runs, under every launcher).
-  ``shutdown_and_exit`` destroys the group, flushes and leaves with ``os._exit`` so a finished
+  ``shutdown_and_exit`` ends the group, flushes and leaves with ``os._exit`` so a finished
   job can never be turned into a failed one.
 """
 
@@ -225,13 +225,34 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
             return
 
 
+_exit_follows = False  # set by run_main and shutdown_and_exit: os._exit ends this process next
+
+
+def end_process_group(release: Callable[[], object] | None = None) -> None:
+    """Destroy this process's group, calling ``release`` first (what must go before it, such as
+    a graph's captured NCCL work).
+
+    Where the process exits next (``run_main``, ``shutdown_and_exit``), an NCCL group is left to
+    the exit instead, once this GPU's queued work is done: its destroy took 0.3-0.5 s at 4 GPUs
+    (benchmarks/NOTES.md) and frees nothing that the exit does not. Gloo's is still destroyed.
+    """
+    if _exit_follows and dist.get_backend() == "nccl":
+        torch.cuda.synchronize()  # this rank's last collective has run; its peers' are theirs
+        return
+    if release is not None:
+        release()
+    dist.destroy_process_group()
+
+
 def shutdown_and_exit(code: int = 0) -> NoReturn:
     """Leave without running C++ static destructors (the Gloo exit abort), flushing first."""
+    global _exit_follows
+    _exit_follows = True
     if code == 0 and dist.is_available() and dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            end_process_group()
         except Exception as err:  # the work is done; a teardown hiccup must not fail the job
-            print(f"hpc-ddp: warning: destroy_process_group failed: {err}", file=sys.stderr)
+            print(f"hpc-ddp: warning: ending the process group failed: {err}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe must not block exit
             stream.flush()
@@ -304,6 +325,9 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Run a worker entry point and exit through ``shutdown_and_exit`` whatever happens.
 
     On error the process group is not destroyed (that can block on peers); the process exits
-    and the peers' collectives fail.
+    and the peers' collectives fail. ``main`` ending its own NCCL group (``end_process_group``)
+    leaves it to this exit.
     """
+    global _exit_follows
+    _exit_follows = True
     shutdown_and_exit(exit_code_of(main))

@@ -7,8 +7,9 @@ loops). A graph replay launches all of them with one call, so the GPU, not the C
 
 Same semantics as the eager DDP step, which is what makes it safe as an option:
 - gradients are averaged over ranks exactly as DDP does (sum of per-rank gradients / world size),
-  through one all-reduce over a flat gradient buffer that the parameters' ``.grad`` views point
-  into (DDP's ``gradient_as_bucket_view``), captured inside the graph;
+  over a flat gradient buffer that the parameters' ``.grad`` views point into (DDP's
+  ``gradient_as_bucket_view``), bucket by bucket while backward runs, as DDP overlaps them
+  (``grad_buckets``), captured inside the graph;
 - rank 0's parameters and buffers are broadcast at start, as DDP's constructor does;
 - every micro-batch is trained on exactly once: the first ``warmup`` steps run eagerly (on a side
   stream, to settle cuBLAS/cuDNN workspaces, NCCL communicators and the optimizer's state), the
@@ -39,6 +40,7 @@ from torch import nn
 from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.grad_buckets import BucketedAllReduce
 from hpc_ddp.train.loop import Stepper, Times
 
 
@@ -185,8 +187,13 @@ class GraphedStep:
         self.allreduce_in_graph = allreduce_in_graph
         self.device = next(model.parameters()).device
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        params = [p for p in model.parameters() if p.requires_grad]
+        # Reversed: backward produces the last layers' gradients first, so the buckets that
+        # fill first lie at the front of the buffer (grad_buckets).
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.flat = flat_grads(params)
+        self.buckets: BucketedAllReduce | None = None
+        if self.world_size > 1 and allreduce_in_graph:
+            self.buckets = BucketedAllReduce(params, self.flat, self.world_size)
         broadcast_from_rank0(model)
         self.prepared = False  # make_capturable runs at the first step, after any restore
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -208,6 +215,8 @@ class GraphedStep:
     # The step in three parts; identical whether run eagerly or recorded into a graph.
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.flat.zero_()  # backward accumulates into the .grad views, so start from zero
+        if self.buckets is not None:
+            self.buckets.begin()
         with self._autocast():
             out = self.model(x)
         loss = F.cross_entropy(out.float(), y, reduction="sum")
@@ -215,7 +224,9 @@ class GraphedStep:
         self.loss.copy_(loss.detach())
 
     def _allreduce(self) -> None:
-        if self.world_size > 1:  # DDP's average: sum of the ranks' gradients / world size
+        if self.buckets is not None:  # started during backward: the rest, then the average
+            self.buckets.finish()
+        elif self.world_size > 1:  # DDP's average: sum of the ranks' gradients / world size
             dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
             self.flat.div_(self.world_size)
 
@@ -263,6 +274,8 @@ class GraphedStep:
         """Destroy the graphs. Must run before the process group is destroyed: NCCL keeps the
         resources of a captured all-reduce until its graph is gone, and ncclCommDestroy waits
         for them, so destroying the group first hangs forever (seen on H200s, NCCL 2.28)."""
+        if self.buckets is not None:
+            self.buckets.remove()
         if self.graphs:
             torch.cuda.synchronize(self.device)
             for graph in self.graphs:

@@ -356,7 +356,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     """
     import torch.distributed as dist
 
-    from hpc_ddp.dist import init_distributed
+    from hpc_ddp.dist import end_process_group, init_distributed
 
     clock = Clock()
     own_group = ctx is None and not dist.is_initialized()
@@ -399,10 +399,9 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         ctrl_c.uninstall()
         flag.uninstall()
         lock.release()
-    if own_group:
+    if own_group:  # only on success: on errors peers may be gone
         # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
-        state.stepper.close()
-        dist.destroy_process_group()  # only on success: on errors peers may be gone
+        end_process_group(release=state.stepper.close)
     if trainer.plotter is not None:
         trainer.plotter.finish()
     return result
