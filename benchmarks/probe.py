@@ -378,6 +378,7 @@ def main() -> None:
             report(pargs.probe_json, cfg, code)
         return code
 
+    hdist.leave_group_to_exit()  # as the `hpc-ddp train` worker does (forked workers inherit it)
     if pargs.probe_nproc == 1:
         hdist.run_main(run)
 

@@ -225,16 +225,28 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
             return
 
 
-_exit_follows = False  # set by run_main and shutdown_and_exit: os._exit ends this process next
+_exit_follows = False  # leave_group_to_exit or shutdown_and_exit: os._exit ends the process next
+
+
+def leave_group_to_exit() -> None:
+    """Declare that this process exits once its one training is done (the ``hpc-ddp train``
+    worker, under every launcher): ``end_process_group`` then leaves an NCCL group to the exit.
+
+    Not for a ``run_main`` entry point in general: one that trains twice needs the first group
+    destroyed before the second starts.
+    """
+    global _exit_follows
+    _exit_follows = True
 
 
 def end_process_group(release: Callable[[], object] | None = None) -> None:
     """Destroy this process's group, calling ``release`` first (what must go before it, such as
     a graph's captured NCCL work).
 
-    Where the process exits next (``run_main``, ``shutdown_and_exit``), an NCCL group is left to
-    the exit instead, once this GPU's queued work is done: its destroy took 0.3-0.5 s at 4 GPUs
-    (benchmarks/NOTES.md) and frees nothing that the exit does not. Gloo's is still destroyed.
+    Where the process exits next (``leave_group_to_exit``, ``shutdown_and_exit``), an NCCL group
+    is left to the exit instead, once this GPU's queued work is done: its destroy took 0.3-0.5 s
+    at 4 GPUs (benchmarks/NOTES.md) and frees nothing that the exit does not. Gloo's is still
+    destroyed.
     """
     if _exit_follows and dist.get_backend() == "nccl":
         torch.cuda.synchronize()  # this rank's last collective has run; its peers' are theirs
@@ -325,9 +337,6 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Run a worker entry point and exit through ``shutdown_and_exit`` whatever happens.
 
     On error the process group is not destroyed (that can block on peers); the process exits
-    and the peers' collectives fail. ``main`` ending its own NCCL group (``end_process_group``)
-    leaves it to this exit.
+    and the peers' collectives fail.
     """
-    global _exit_follows
-    _exit_follows = True
     shutdown_and_exit(exit_code_of(main))

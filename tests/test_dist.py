@@ -212,3 +212,44 @@ def test_a_rank_that_reaches_a_stray_listener_instead_of_rank_0_fails_at_its_dea
     assert f"connected to 127.0.0.1:{port}, but no rank-0 store answered" in out1, out1
     assert "port source: HPC_DDP_MASTER_PORT" in out1 and "HINT: rank 0 could not bind" in out1
     assert took < 60, f"{took:.1f} s"
+
+
+_END_GROUP = r"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hpc_ddp.dist as hdist
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+# NCCL needs a GPU, which this machine lacks: the Gloo group is reported as NCCL's and the GPU
+# sync is recorded instead of run.
+calls = []
+gloo_backend = dist.get_backend
+dist.get_backend = lambda group=None: "nccl"
+torch.cuda.synchronize = lambda device=None: calls.append("synchronize")
+if sys.argv[1] == "exit-follows":
+    hdist.leave_group_to_exit()
+hdist.end_process_group(release=lambda: calls.append("release"))
+dist.get_backend = gloo_backend
+print(calls, dist.is_initialized(), flush=True)
+hdist.shutdown_and_exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("api", "['release'] False"), ("exit-follows", "['synchronize'] True")],
+)
+def test_an_nccl_group_is_left_to_the_exit_only_where_the_worker_declared_it(
+    mode: str, expected: str
+) -> None:
+    """``train()`` from the API destroys its group (releasing captured work first), so a second
+    training can start one; the ``hpc-ddp train`` worker, which exits next, only waits for its
+    GPU and leaves the group to the exit."""
+    out = subprocess.run(
+        [sys.executable, "-c", _END_GROUP, mode], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected, out.stdout + out.stderr

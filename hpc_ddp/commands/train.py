@@ -46,10 +46,11 @@ def run(args: argparse.Namespace) -> NoReturn:
     require("train", "training")
     check_installed(cfg.metrics)  # --metrics tensorboard without it: said before torch loads
 
-    from hpc_ddp.dist import run_main, shutdown_and_exit
+    from hpc_ddp.dist import leave_group_to_exit, run_main, shutdown_and_exit
     from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose
 
     def worker() -> NoReturn:
+        leave_group_to_exit()  # one training, then the exit: no NCCL destroy on the way out
         # run_main prints any error with this process's rank and exits with its code (os._exit).
         run_main(lambda: train(cfg).exit_code)
 

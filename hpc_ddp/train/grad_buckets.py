@@ -2,8 +2,10 @@
 DDP's is.
 
 Why: one all-reduce of the whole flat gradient after backward leaves all of it exposed. For
-ResNet-18 (42.8 MiB of fp32 gradients) that was ~0.3 ms of a 10.8 ms step on 4 GPUs: the whole
-gap between 97 % weak scaling and linear (benchmarks/NOTES.md).
+ResNet-18 (42.8 MiB of fp32 gradients) on 4 H200s it added 0.31 ms to a 10.66 ms step;
+overlapped it adds 0.21 ms (NCCL's kernels slow the backward beside them), and weak scaling
+went from 97.1-97.5 % to 97.6-98.0 % (benchmarks/README.md). Smaller buckets than DDP's were
+slower there.
 
 How: the flat gradient buffer is laid out in reverse parameter order (the order in which
 backward roughly produces gradients) and cut into contiguous buckets of DDP's default sizes. A
