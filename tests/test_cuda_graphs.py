@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.cifar.models import build_model
+from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import cuda_graphs
@@ -86,16 +86,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     shutdown_and_exit(0)  # Gloo can abort at interpreter exit (hpc_ddp.dist explains); this cannot
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_two_ranks_match_ddp(tmp_path) -> None:
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
     assert r0["diff"] < 1e-5 and r1["diff"] < 1e-5  # same math as DDP, up to rounding
     for p0, p1 in zip(r0["params"], r1["params"], strict=True):

@@ -5,7 +5,6 @@ order during backward, and a parameter without a gradient does not hold the step
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hpc_ddp.cifar.models import build_model
+from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
 from hpc_ddp.train.cuda_graphs import flat_grads
 from hpc_ddp.train.grad_buckets import BucketedAllReduce, bucket_bounds
@@ -74,17 +74,11 @@ def _worker(rank: int, port: int, out: str, unused: bool) -> None:
     shutdown_and_exit(0)  # Gloo can abort at interpreter exit (hpc_ddp.dist explains); this cannot
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("unused", [False, True])
 def test_buckets_sum_like_one_allreduce_and_start_during_backward(tmp_path, unused) -> None:
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(_free_port(), out, unused), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out, unused), nprocs=2, join=True)
     r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
     buckets = len(r0["bounds"])
     assert buckets >= 3, r0["bounds"]
