@@ -56,7 +56,7 @@ def _worker(rank: int, port: int, out: str, unused: bool) -> None:
         flat.zero_()
         buckets.begin()
         model(x).square().mean().backward()
-        started_during_backward.append(buckets._next)
+        started_during_backward.append(buckets.started)
         buckets.finish()
         reference.zero_grad(set_to_none=False)
         reference(x).square().mean().backward()

@@ -4,8 +4,8 @@ DDP's is.
 Why: one all-reduce of the whole flat gradient after backward leaves all of it exposed. For
 ResNet-18 (42.8 MiB of fp32 gradients) on 4 H200s it added 0.31 ms to a 10.66 ms step;
 overlapped it adds 0.21 ms (NCCL's kernels slow the backward beside them), and weak scaling
-went from 97.1-97.5 % to 97.6-98.0 % (benchmarks/README.md). Smaller buckets than DDP's were
-slower there.
+went from 97.2 to 97.8 % and from 97.5 to 98.0 % (medians, two machines; benchmarks/README.md).
+Smaller buckets than DDP's were slower there.
 
 How: the flat gradient buffer is laid out in reverse parameter order (the order in which
 backward roughly produces gradients) and cut into contiguous buckets of DDP's default sizes. A
@@ -23,12 +23,13 @@ the capturing stream current, which is how DDP's own reducer is captured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: a small first bucket starts the communication early
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb default
@@ -72,7 +73,7 @@ class BucketedAllReduce:
     _next: int = field(init=False, default=0)
     _works: list[dist.Work] = field(init=False, default_factory=list)
     _active: bool = field(init=False, default=False)
-    _hooks: list = field(init=False, default_factory=list)
+    _hooks: list[RemovableHandle] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         numels = [p.numel() for p in self.params]
@@ -87,7 +88,12 @@ class BucketedAllReduce:
             for p in self.params[a:b]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(index)))
 
-    def _hook(self, bucket: int):
+    @property
+    def started(self) -> int:
+        """How many buckets have started their all-reduce since ``begin``."""
+        return self._next
+
+    def _hook(self, bucket: int) -> Callable[[torch.Tensor], None]:
         def ready(_param: torch.Tensor) -> None:
             if self._active:
                 self._left[bucket] -= 1
