@@ -225,7 +225,7 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
             return
 
 
-_exit_follows = False  # leave_group_to_exit or shutdown_and_exit: os._exit ends the process next
+_exit_follows = False  # leave_group_to_exit: this process exits once its training is done
 
 
 def leave_group_to_exit() -> None:
@@ -239,16 +239,18 @@ def leave_group_to_exit() -> None:
     _exit_follows = True
 
 
-def end_process_group(release: Callable[[], object] | None = None) -> None:
+def end_process_group(
+    release: Callable[[], object] | None = None, *, exiting: bool = False
+) -> None:
     """Destroy this process's group, calling ``release`` first (what must go before it, such as
     a graph's captured NCCL work).
 
-    Where the process exits next (``leave_group_to_exit``, ``shutdown_and_exit``), an NCCL group
-    is left to the exit instead, once this GPU's queued work is done: its destroy took 0.3-0.5 s
-    at 4 GPUs (benchmarks/NOTES.md) and frees nothing that the exit does not. Gloo's is still
-    destroyed.
+    Where the process exits next (``exiting``: ``shutdown_and_exit``; or declared by
+    ``leave_group_to_exit``), an NCCL group is left to the exit instead, once this GPU's queued
+    work is done: its destroy took 0.3-0.5 s at 4 GPUs (benchmarks/NOTES.md) and frees nothing
+    that the exit does not. Gloo's is still destroyed.
     """
-    if _exit_follows and dist.get_backend() == "nccl":
+    if (exiting or _exit_follows) and dist.get_backend() == "nccl":
         torch.cuda.synchronize()  # this rank's last collective has run; its peers' are theirs
         return
     if release is not None:
@@ -258,11 +260,9 @@ def end_process_group(release: Callable[[], object] | None = None) -> None:
 
 def shutdown_and_exit(code: int = 0) -> NoReturn:
     """Leave without running C++ static destructors (the Gloo exit abort), flushing first."""
-    global _exit_follows
-    _exit_follows = True
     if code == 0 and dist.is_available() and dist.is_initialized():
         try:
-            end_process_group()
+            end_process_group(exiting=True)
         except Exception as err:  # the work is done; a teardown hiccup must not fail the job
             print(f"hpc-ddp: warning: ending the process group failed: {err}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
