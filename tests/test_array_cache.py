@@ -11,6 +11,7 @@ import pytest
 
 from hpc_ddp.cifar import array_cache, synthetic
 from hpc_ddp.cifar import safe_pickle as cifar_pickle
+from hpc_ddp.cifar.data import CIFAR_FILES
 from hpc_ddp.cifar.gpu_data import load_cifar_arrays
 
 KEYS = cifar_pickle.LABEL_KEYS
@@ -49,9 +50,8 @@ def test_the_generator_caches_exactly_what_its_pickles_hold(tmp_path: Path, data
     and the cache holds what decoding the pickle gives (same dtype, shape and values)."""
     root = synthetic.synthetic_root(tmp_path, dataset, 50, 20, "hard")
     folder = synthetic.write_synthetic(root, dataset, train_size=50, test_size=20, variant="hard")
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    batches = [folder / n for n in (names if dataset == "cifar10" else ["train", "test"])]
-    for path in batches:
+    _, train_files, test_files = CIFAR_FILES[dataset]  # the files the reader opens
+    for path in (folder / name for name in train_files + test_files):
         cached = array_cache._load(path)
         assert cached is not None, f"{path.name} was not cached by the generator"
         decoded = cifar_pickle.batch_arrays(cifar_pickle.load(path), path, KEYS)
