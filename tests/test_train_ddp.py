@@ -175,7 +175,7 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
     from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
 
-    longer = {"synthetic_train_size": 4096, "epochs": 3, "log_every": 1000}  # 128 steps/epoch
+    longer = {"synthetic_train_size": 4096, "epochs": 2, "log_every": 1000}  # 128 steps/epoch
     reference_run(tmp_path / "ref", data_dir, timeout=300, **longer)
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, **longer)
@@ -199,7 +199,7 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
 
     final = run(torchrun_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr
-    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=384)
+    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=256)
 
 
 @pytest.mark.slow
@@ -214,10 +214,12 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     assert ddp_options(model)["forward_sync_buffers"] is True
     assert ddp_options(model, one_device=False) == {}  # split across GPUs: DDP's defaults
 
-    # One epoch (8 steps, then an evaluation that reads rank 1's BatchNorm statistics): where
-    # the settings changed a result, the first evaluation and the weights would already differ.
+    # One epoch of 2 steps, then an evaluation that reads rank 1's BatchNorm statistics: where
+    # the settings changed a result, the weights or that evaluation would already differ. Two
+    # steps, not one: DDP's default broadcast before step 2 is the first to send rank 0's
+    # statistics (before step 1 both ranks hold the initial ones).
     ours, theirs = tmp_path / "ours", tmp_path / "defaults"
-    resnet = {"model": "resnet18", "epochs": 1}
+    resnet = {"model": "resnet18", "epochs": 1, "synthetic_train_size": 64}  # 2 ranks x 16 x 2
     done = run(torchrun_cmd(2, train_args(ours, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     assert "FutureWarning" not in done.stderr, done.stderr
