@@ -26,8 +26,11 @@ from trainer_helpers import (
 )
 
 
-def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """One uninterrupted single-process run of SMALL: checked by the first test, and the
+    reference the interrupted run must end equal to (one process start instead of two)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
     # As a rendered GPU job sets it: torch writes flight recorder dumps there on an NCCL
     # timeout but never makes the directory, so the trainer must (and only then).
     fr = {"TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace/rank_"}
@@ -36,6 +39,11 @@ def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def test_single_process_writes_results(finished: Path, data_dir: Path) -> None:
+    run_dir = finished
     assert (run_dir / "nccl_trace").is_dir()
     result = read_result(run_dir)
     assert result["status"] == "finished" and result["world_size"] == 1
@@ -64,9 +72,11 @@ def test_single_process_writes_results(tmp_path: Path, data_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_exits_75_and_resume_matches_uninterrupted(tmp_path: Path, data_dir: Path) -> None:
-    ref = run(single_cmd(train_args(tmp_path / "ref", data_dir, checkpoint_every_steps=5)))
-    assert ref.returncode == 0, ref.stderr
+def test_sigterm_exits_75_and_resume_matches_uninterrupted(
+    tmp_path: Path, data_dir: Path, finished: Path
+) -> None:
+    """SIGTERM at step 7 -> exit 75; the resumed run (loader workers, a checkpoint every 5
+    steps) ends as the uninterrupted run without them did: neither changes a result."""
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, checkpoint_every_steps=5)
     rc, log = interrupt_at(
@@ -88,12 +98,12 @@ def test_sigterm_exits_75_and_resume_matches_uninterrupted(tmp_path: Path, data_
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step 7" in resumed.stdout
     result = read_result(run_dir)
-    assert result["params_sha256"] == read_result(tmp_path / "ref")["params_sha256"]
+    assert result["params_sha256"] == read_result(finished)["params_sha256"]
     assert result["interruptions"] == 1 and result["steps"] == 32
     # The clocks go on from the checkpoint's (test_train_units has the exact sums).
     assert result["train_wall_seconds"] > first_attempt["train_wall_seconds"]
     assert result["wall_seconds"] > first_attempt["wall_seconds"]
-    ref_rows, rows = read_metrics(tmp_path / "ref"), read_metrics(run_dir)
+    ref_rows, rows = read_metrics(finished), read_metrics(run_dir)
     assert [r["epoch"] for r in rows] == [1, 2]  # no duplicate rows from the first attempt
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in ref_rows]
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in ref_rows]
