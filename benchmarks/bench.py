@@ -233,6 +233,11 @@ class Bench:
         result = run_dir / "result.json"
         if res.get("rc") == 0 and result.exists():
             res["result"] = json.loads(result.read_text())
+            from hpc_ddp.runtime.run_paths import RunPaths
+
+            # Each epoch's seconds and their split: where a slower repeat's time went.
+            rows = RunPaths(run_dir).metrics.read_text().splitlines()
+            res["epochs"] = [{k: json.loads(row)[k] for k in ("seconds", "time")} for row in rows]
         return self.record(name, {"kind": "plain", "gpus": n, **res})
 
     def suite_plain(self) -> None:

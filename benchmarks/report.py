@@ -64,11 +64,14 @@ def _why(run: dict) -> str:
     return "timed out" if run.get("rc") == "timeout" else f"failed (rc={run.get('rc')})"
 
 
-def _base_row(label: str, r: dict, n: Any) -> str:
+def _base_row(label: str, r: dict, n: Any, *, epochs_cell: bool = False) -> str:
+    """The conventional script's row; ``epochs_cell``: the plain table's per-epoch column,
+    which that script's output does not have."""
+    split = " - |" if epochs_cell else ""
     if not _ok(r):
-        return f"| {label} | {n} | {_why(r) if r else 'not run'} | | | | |"
+        return f"| {label} | {n} | {_why(r) if r else 'not run'} |{split} | | | |"
     return (
-        f"| {label} | {n} | {_f(r.get('train_time_s'))} | {_f(r.get('wall_s'))} | "
+        f"| {label} | {n} | {_f(r.get('train_time_s'))} |{split} {_f(r.get('wall_s'))} | "
         f"{_f(r.get('test_accuracy'), '.4f')} | 1 | 1 |"
     )
 
@@ -245,27 +248,37 @@ def table_plain(runs: dict) -> list[str]:
         "and checkpoints included), in brackets its `wall_seconds` (start-up added). To exit: "
         "from the shell.",
         "",
-        "| run | GPUs | training s | command-to-exit s | test acc | training speed-up | "
-        "exit speed-up |",
-        "|---|---|---|---|---|---|---|",
+        "| run | GPUs | training s | epoch 1 s, later epochs median s | command-to-exit s | "
+        "test acc | training speed-up | exit speed-up |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     if ref is not None:
-        out.append(_base_row("conventional DDP script", ref, ref.get("gpus")))
+        out.append(_base_row("conventional DDP script", ref, ref.get("gpus"), epochs_cell=True))
     base = ref if ref is not None and _ok(ref) else {}
     for key, r in ours:
         result = r.get("result") or {}
         label = f"`hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]})"
         if not _ok(r) or not result:
-            out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | |")
+            out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | | |")
             continue
         train = result.get("train_wall_seconds")
         out.append(
             f"| {label} | {r.get('gpus')} | {_f(train)} ({_f(result.get('wall_seconds'))}) | "
-            f"{_f(r.get('wall_s'))} | {_f(result.get('test_accuracy'), '.4f')} | "
+            f"{_epoch_split(r.get('epochs') or [])} | {_f(r.get('wall_s'))} | "
+            f"{_f(result.get('test_accuracy'), '.4f')} | "
             f"{_f(_ratio(base.get('train_time_s'), train), '.1f')}x | "
             f"{_f(_ratio(base.get('wall_s'), r.get('wall_s')), '.1f')}x |"
         )
     return [*out, ""]
+
+
+def _epoch_split(epochs: list[dict]) -> str:
+    """Epoch 1 (CUDA's first use of each kernel, the capture) apart from the steady epochs."""
+    if not epochs:
+        return "-"
+    later = sorted(e["seconds"] for e in epochs[1:])
+    median = later[len(later) // 2] if later else None
+    return f"{_f(epochs[0]['seconds'], '.3f')}, {_f(median, '.3f')}"
 
 
 def table_ttfs(runs: dict) -> list[str]:
