@@ -175,7 +175,9 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
     from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
 
-    longer = {"synthetic_train_size": 4096, "epochs": 2, "log_every": 1000}  # 128 steps/epoch
+    # One epoch of 384 steps: the bound below ends before the epoch does, so a run that acted on
+    # the flag only at the epoch's end (the other place the ranks agree) fails the test.
+    longer = {"synthetic_train_size": 12288, "epochs": 1, "log_every": 1000}
     reference_run(tmp_path / "ref", data_dir, timeout=300, **longer)
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, **longer)
@@ -195,11 +197,13 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     found = re.search(r"preempted \(SIGUSR1\): checkpointed at step (\d+)", text)
     assert found, text
     # progress.json lags the job by < 0.5 s and the test's poll; the rest is the bound.
-    assert progress["step"] <= int(found.group(1)) <= progress["step"] + AGREE_MAX_STEPS + 60
+    step = int(found.group(1))
+    assert progress["step"] <= step <= progress["step"] + AGREE_MAX_STEPS + 60
+    assert step < 384, f"the flag was acted on at the epoch's end (step {step}), not before"
 
     final = run(torchrun_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr
-    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=256)
+    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=384)
 
 
 @pytest.mark.slow
