@@ -6,11 +6,15 @@ the whole import. That depends on the installed torch, so it is checked against 
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import job_env, train_args
 
 SCRIPT = """
 import importlib, sys, time
@@ -57,3 +61,48 @@ def test_runs_that_will_import_torch_dynamo_are_the_ones_prefetched() -> None:
     assert needs_dynamo(TrainConfig(), env)
     assert not needs_dynamo(TrainConfig(amp="bf16"), env)
     assert not needs_dynamo(TrainConfig(cuda_graphs="on"), env)  # refused: needs a GPU
+
+
+def test_the_fork_parent_imports_torch_dynamo_only_for_cpu_workers_short_of_cores(
+    tmp_path: Path,
+) -> None:
+    """No NVIDIA driver and nothing in CUDA_VISIBLE_DEVICES (the workers run eager DDP on the
+    CPU) with fewer than two cores per worker: yes; anything else keeps the workers' own
+    prefetch. The driver is a directory under a stand-in /proc, as the real one would be."""
+    from hpc_ddp.train.prefetch import import_before_fork
+
+    bare, gpu = tmp_path / "bare", tmp_path / "gpu"
+    bare.mkdir()
+    (gpu / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
+    assert import_before_fork(2, {}, proc_root=str(bare), cores=2)
+    assert import_before_fork(4, {}, proc_root=str(bare), cores=7)
+    assert not import_before_fork(4, {}, proc_root=str(bare), cores=8)  # a core each to spare
+    assert not import_before_fork(1, {}, proc_root=str(bare), cores=1)  # no fork at all
+    assert not import_before_fork(2, {}, proc_root=str(gpu), cores=2)  # a GPU machine
+    visible = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert not import_before_fork(2, visible, proc_root=str(bare), cores=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
+def test_forked_cpu_workers_inherit_torch_dynamo_instead_of_importing_it(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """On one core, ``hpc-ddp train --nproc-per-node 2`` imports torch._dynamo once, in the
+    parent before the fork (``-X importtime`` prints every import of every process, forked ones
+    included); each worker importing it would print it twice."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "hpc_ddp.cli", "train", "--nproc-per-node"]
+    cmd += ["2", *train_args(tmp_path / "run", data_dir, epochs=1)]
+    one_core = {min(os.sched_getaffinity(0))}
+    done = subprocess.run(
+        cmd,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        preexec_fn=lambda: os.sched_setaffinity(0, one_core),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # torch._dynamo's heaviest module, once per process that imports it (2 with each worker's).
+    imports = re.findall(r"^import time:.*\| +torch\._dynamo\.convert_frame$", done.stderr, re.M)
+    assert len(imports) == 1, imports

@@ -19,10 +19,13 @@ most of the time, so the overlap is with waits and C++ work, not with the main t
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
+from collections.abc import Mapping
 
 from hpc_ddp.cluster import DistEnv
+from hpc_ddp.cluster.devices import count_visible_gpus, has_nvidia_driver
 from hpc_ddp.dist import process_device
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import cuda_graphs
@@ -45,6 +48,29 @@ def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
     except ConfigError:
         return False
     return not choice.captured or config.data_path == "torchvision"
+
+
+def import_before_fork(
+    nproc: int,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    proc_root: str = "/proc",
+    cores: int | None = None,
+) -> bool:
+    """Whether the ``--nproc-per-node`` parent imports torch._dynamo before forking, so that its
+    workers inherit it instead of each importing it on its prefetch thread.
+
+    Only for CPU workers (no NVIDIA driver, nothing in CUDA_VISIBLE_DEVICES: eager DDP over
+    Gloo, which needs it) with fewer than two cores each: there the workers' imports compete
+    with their own start-up for the cores, and one import in the parent is cheaper (2 ranks on
+    2 cores: 1.4-2.0 s less CPU time, the command 0.1-0.55 s sooner; benchmarks/NOTES.md).
+    With cores to spare, and on GPU machines, each worker's import overlaps its start-up on a
+    core of its own, as before. Touches no CUDA: the parent must not, before a fork.
+    """
+    if nproc < 2 or count_visible_gpus(environ, proc_root) or has_nvidia_driver(proc_root):
+        return False
+    available = cores if cores is not None else len(os.sched_getaffinity(0))
+    return available < 2 * nproc
 
 
 class DynamoPrefetch:
