@@ -69,8 +69,10 @@ def import_before_fork(
     """
     if nproc < 2 or count_visible_gpus(environ, proc_root) or has_nvidia_driver(proc_root):
         return False
-    available = cores if cores is not None else len(os.sched_getaffinity(0))
-    return available < 2 * nproc
+    if cores is None:  # the cores this process may run on (taskset, a Slurm allocation)
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux only: else all of them
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    return cores < 2 * nproc
 
 
 class DynamoPrefetch:
