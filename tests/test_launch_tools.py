@@ -204,11 +204,15 @@ def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> 
 
 
 def _sleepers(launch_id: str) -> int:
-    return sum(
-        1
-        for pid in processes_of(launch_id)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0")
-    )
+    return sum(1 for pid in processes_of(launch_id) if _cmdline(pid).startswith(b"sleep\0"))
+
+
+def _cmdline(pid: int) -> bytes:
+    """The process's command line; empty once it has exited (it may, after being listed)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize("tool", TOOLS)
