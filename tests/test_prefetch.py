@@ -16,6 +16,8 @@ import pytest
 import torch
 from trainer_helpers import job_env, train_args
 
+from hpc_ddp.train.prefetch import import_before_fork
+
 SCRIPT = """
 import importlib, sys, time
 import torch
@@ -69,8 +71,6 @@ def test_the_fork_parent_imports_torch_dynamo_only_for_cpu_workers_short_of_core
     """No NVIDIA driver and nothing in CUDA_VISIBLE_DEVICES (the workers run eager DDP on the
     CPU) with fewer than two cores per worker: yes; anything else keeps the workers' own
     prefetch. The driver is a directory under a stand-in /proc, as the real one would be."""
-    from hpc_ddp.train.prefetch import import_before_fork
-
     bare, gpu = tmp_path / "bare", tmp_path / "gpu"
     bare.mkdir()
     (gpu / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
@@ -83,7 +83,9 @@ def test_the_fork_parent_imports_torch_dynamo_only_for_cpu_workers_short_of_core
     assert not import_before_fork(2, visible, proc_root=str(bare), cores=2)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
+@pytest.mark.skipif(
+    not import_before_fork(2, cores=1), reason="a machine with GPUs: its workers import their own"
+)
 def test_forked_cpu_workers_inherit_torch_dynamo_instead_of_importing_it(
     tmp_path: Path, data_dir: Path
 ) -> None:
