@@ -105,6 +105,12 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+    if choice.backend == "gloo":
+        # Gloo's init can return on one rank while a peer is still connecting to it; a rank that
+        # then exits without a collective (a function with none, shutdown_and_exit) fails that
+        # peer with "Connection closed by peer" (seen in tests/test_fn_executor.py). One
+        # collective first: every rank is connected. NCCL's init is collective on every rank.
+        dist.all_reduce(torch.zeros(1))
     return DistContext(env=env, backend=choice.backend, device=device, reason=choice.reason)
 
 

@@ -38,13 +38,8 @@ class FunctionTask(submitit.helpers.Checkpointable):
         if not self.distributed:
             return self.fn(*args, **kwargs)
         from hpc_ddp.dist import init_distributed  # torch: only when a process group is asked for
-        from hpc_ddp.runtime.collectives import Comm
 
-        ctx = init_distributed(dist_env)
-        # Gloo's init can return on one rank while a peer is still connecting to it: a rank whose
-        # fn does no collective would then exit under that peer ("Connection closed by peer",
-        # seen in tests/test_fn_executor.py). One collective first: every rank is connected.
-        Comm(ctx.device).barrier()
+        init_distributed(dist_env)  # every rank connected when it returns
         # submitit pickles the return value after this method returns; the process then exits
         # through the interpreter's teardown, where Gloo can abort in a C++ destructor after the
         # work is done. Leave through os._exit instead, with the status the result pickle tells.
