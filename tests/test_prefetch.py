@@ -16,6 +16,7 @@ import pytest
 import torch
 from trainer_helpers import job_env, train_args
 
+from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.prefetch import import_before_fork
 
 SCRIPT = """
@@ -56,7 +57,6 @@ def test_runs_that_will_import_torch_dynamo_are_the_ones_prefetched() -> None:
     """On a machine without CUDA: eager DDP, so yes; a run the trainer will refuse (bf16 on a
     CPU, --cuda-graphs on a CPU) imports nothing, so no."""
     from hpc_ddp.cluster import detect_env
-    from hpc_ddp.train.config import TrainConfig
     from hpc_ddp.train.prefetch import needs_dynamo
 
     env = detect_env({})
@@ -65,26 +65,32 @@ def test_runs_that_will_import_torch_dynamo_are_the_ones_prefetched() -> None:
     assert not needs_dynamo(TrainConfig(cuda_graphs="on"), env)  # refused: needs a GPU
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
 def test_the_fork_parent_imports_torch_dynamo_only_for_cpu_workers_short_of_cores(
     tmp_path: Path,
 ) -> None:
     """No NVIDIA driver and nothing in CUDA_VISIBLE_DEVICES (the workers run eager DDP on the
     CPU) with fewer than two cores per worker: yes; anything else keeps the workers' own
-    prefetch. The driver is a directory under a stand-in /proc, as the real one would be."""
+    prefetch, and a run the trainer will refuse imports nothing. The driver is a directory
+    under a stand-in /proc, as the real one would be."""
+    cfg = TrainConfig()
     bare, gpu = tmp_path / "bare", tmp_path / "gpu"
     bare.mkdir()
     (gpu / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
-    assert import_before_fork(2, {}, proc_root=str(bare), cores=2)
-    assert import_before_fork(4, {}, proc_root=str(bare), cores=7)
-    assert not import_before_fork(4, {}, proc_root=str(bare), cores=8)  # a core each to spare
-    assert not import_before_fork(1, {}, proc_root=str(bare), cores=1)  # no fork at all
-    assert not import_before_fork(2, {}, proc_root=str(gpu), cores=2)  # a GPU machine
+    assert import_before_fork(cfg, 2, {}, proc_root=str(bare), cores=2)
+    assert import_before_fork(cfg, 4, {}, proc_root=str(bare), cores=7)
+    assert not import_before_fork(cfg, 4, {}, proc_root=str(bare), cores=8)  # a core each to spare
+    assert not import_before_fork(cfg, 1, {}, proc_root=str(bare), cores=1)  # no fork at all
+    assert not import_before_fork(cfg, 2, {}, proc_root=str(gpu), cores=2)  # a GPU machine
     visible = {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert not import_before_fork(2, visible, proc_root=str(bare), cores=2)
+    assert not import_before_fork(cfg, 2, visible, proc_root=str(bare), cores=2)
+    refused = TrainConfig(amp="bf16")  # bf16 on a CPU: refused before any import
+    assert not import_before_fork(refused, 2, {}, proc_root=str(bare), cores=2)
 
 
 @pytest.mark.skipif(
-    not import_before_fork(2, cores=1), reason="a machine with GPUs: its workers import their own"
+    not import_before_fork(TrainConfig(), 2, cores=1),
+    reason="a machine with GPUs: its workers import their own",
 )
 def test_forked_cpu_workers_inherit_torch_dynamo_instead_of_importing_it(
     tmp_path: Path, data_dir: Path

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     from hpc_ddp.spawn import launch
     from hpc_ddp.train.prefetch import TARGET, import_before_fork
 
-    if import_before_fork(args.nproc_per_node):
+    if import_before_fork(cfg, args.nproc_per_node):
         importlib.import_module(TARGET)  # inherited by every worker (see import_before_fork)
     code = launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
     # Like the workers, flush and leave without the interpreter's teardown: with torch and the

@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from hpc_ddp.cluster import DistEnv
+from hpc_ddp.cluster import DistEnv, detect_env
 from hpc_ddp.cluster.devices import count_visible_gpus, has_nvidia_driver
 from hpc_ddp.dist import process_device
 from hpc_ddp.errors import ConfigError
@@ -51,6 +51,7 @@ def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
 
 
 def import_before_fork(
+    config: TrainConfig,
     nproc: int,
     environ: Mapping[str, str] = os.environ,
     *,
@@ -60,8 +61,9 @@ def import_before_fork(
     """Whether the ``--nproc-per-node`` parent imports torch._dynamo before forking, so that its
     workers inherit it instead of each importing it on its prefetch thread.
 
-    Only for CPU workers (no NVIDIA driver, nothing in CUDA_VISIBLE_DEVICES: eager DDP over
-    Gloo, which needs it) with fewer than two cores each: there the workers' imports compete
+    Only for CPU workers (no NVIDIA driver, nothing in CUDA_VISIBLE_DEVICES) that will import
+    it (``needs_dynamo``: eager DDP over Gloo, unless the trainer refuses the run) and have
+    fewer than two cores each: there the workers' imports compete
     with their own start-up for the cores, and one import in the parent is cheaper (2 ranks on
     2 cores: 1.4-2.0 s less CPU time, the command 0.1-0.55 s sooner; benchmarks/NOTES.md).
     With cores to spare, and on GPU machines, each worker's import overlaps its start-up on a
@@ -72,7 +74,7 @@ def import_before_fork(
     if cores is None:  # the cores this process may run on (taskset, a Slurm allocation)
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only: else all of them
         cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-    return cores < 2 * nproc
+    return cores < 2 * nproc and needs_dynamo(config, detect_env({}))  # a CPU rank's view
 
 
 class DynamoPrefetch:
