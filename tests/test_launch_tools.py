@@ -29,7 +29,7 @@ from launch_support import (
     processes_of,
 )
 
-from hpc_ddp.localslurm import wait_for
+from hpc_ddp.localslurm import procs, wait_for
 
 TOOLS = ("pdsh", "clush")
 BOUND_S = 60  # a failed launch must end well within this (torchrun alone would wait 300 s)
@@ -204,15 +204,8 @@ def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> 
 
 
 def _sleepers(launch_id: str) -> int:
-    return sum(1 for pid in processes_of(launch_id) if _cmdline(pid).startswith(b"sleep\0"))
-
-
-def _cmdline(pid: int) -> bytes:
-    """The process's command line; empty once it has exited (it may, after being listed)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+    # procs.cmdline is empty for a process that exited after being listed (it may)
+    return sum(1 for pid in processes_of(launch_id) if procs.cmdline(pid)[:1] == ["sleep"])
 
 
 @pytest.mark.parametrize("tool", TOOLS)
