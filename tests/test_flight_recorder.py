@@ -186,9 +186,9 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 def test_a_real_gloo_hang_names_the_lagging_rank_the_collective_and_the_step(
     tmp_path: Path,
 ) -> None:
-    """Torch-written dumps of a real hang: rank 1 skipped step 4's first all-reduce (#7 of the
-    default group) after a collective on a second group (its own #1); Gloo leaves every entry
-    "scheduled" and marks finished ones retired."""
+    """Torch-written dumps of a real hang: rank 1 skipped step 4's first all-reduce (#8 of the
+    default group, whose #1 is init_distributed's own) after a collective on a second group (its
+    own #1); Gloo leaves every entry "scheduled" and marks finished ones retired."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     _real_hang(run_dir)
@@ -199,17 +199,17 @@ def test_a_real_gloo_hang_names_the_lagging_rank_the_collective_and_the_step(
         rf"2 flight recorder dump\(s\) in {re.escape(str(dumps))} \(version \d+\.\d+\)\n", out
     )
     default = out[out.index("process group 0 (default_pg):") : out.index("process group 1")]
-    assert "rank 0: entered #7 gloo:all_reduce sizes=[[1000]] (scheduled); completed #6 " in default
-    assert "rank 1: entered #6 gloo:all_reduce sizes=[[10]] (completed); completed #6 " in default
+    assert "rank 0: entered #8 gloo:all_reduce sizes=[[1000]] (scheduled); completed #7 " in default
+    assert "rank 1: entered #7 gloo:all_reduce sizes=[[10]] (completed); completed #7 " in default
     assert (
-        "ranks [1] lag: last entered #6, the others wait in #7 "
+        "ranks [1] lag: last entered #7, the others wait in #8 "
         f"(gloo:all_reduce called at {HANG_WORKER}:"
     ) in default
     side = out[out.index("process group 1") : out.index("training:")]
     assert "all ranks completed collective #1: no collective was pending" in side
     assert f"training: rank 0 last reported global step 3 (epoch 0) in {run_dir}" in out
     before = "\n".join(report(run_dir / "before_hang"))
-    assert "all ranks completed collective #6: no collective was pending" in before, before
+    assert "all ranks completed collective #7: no collective was pending" in before, before
 
 
 def test_gpu_jobs_switch_the_recorder_on_with_dumps_in_the_run_dir() -> None:
