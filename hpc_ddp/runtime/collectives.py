@@ -29,7 +29,12 @@ class Comm:
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over ranks, in float64 so counts stay exact."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.sum_tensor(torch.tensor(values, dtype=torch.float64, device=self.device))
+
+    def sum_tensor(self, t: torch.Tensor) -> list[float]:
+        """``sum`` of values already in a tensor (on any device: no host read before the
+        all-reduce); the one host read is the result's."""
+        t = t.to(self.device)
         if self.active:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()

@@ -39,7 +39,9 @@ from torch import nn
 
 from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.evaluation import Batches, EvalSums
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.eval_graph import GraphedEval
 from hpc_ddp.train.grad_buckets import BucketedAllReduce
 from hpc_ddp.train.loop import Stepper, Times
 
@@ -311,6 +313,7 @@ class GraphedStepper(Stepper):
     one line. ``model`` is the bare module; ``comm_timer`` only counts the all-reduces."""
 
     graphed: GraphedStep = field(init=False)
+    evaluation: GraphedEval = field(init=False)
 
     def __post_init__(self) -> None:
         # GRAPH_ALLREDUCE_VAR=0: keep the all-reduce out of the graph (see GraphedStep).
@@ -318,6 +321,17 @@ class GraphedStepper(Stepper):
         self.graphed = GraphedStep(
             self.model, self.optimizer, amp_dtype=self.amp_dtype, allreduce_in_graph=in_graph
         )
+        self.evaluation = GraphedEval(self.model, self.graphed.device, pool=self._step_pool)
+
+    def _step_pool(self) -> object | None:
+        """The training graph's memory pool, once captured (eval_graph: why it is shared)."""
+        return self.graphed.graphs[0].pool() if self.graphed.graphs else None
+
+    def eval_sums(
+        self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
+    ) -> EvalSums:
+        """Evaluation replayed as CUDA graphs (``eval_graph``): one launch per batch."""
+        return self.evaluation.accumulate(model, batches, amp_dtype)
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
@@ -337,4 +351,5 @@ class GraphedStepper(Stepper):
 
     def close(self) -> None:
         """Call before ``destroy_process_group`` (see ``GraphedStep.release``)."""
+        self.evaluation.release()
         self.graphed.release()

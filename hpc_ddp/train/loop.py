@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc_ddp.runtime.evaluation import Batches, EvalSums, accumulate
 from hpc_ddp.runtime.exact_allreduce import allreduce_per_tensor
 
 
@@ -104,6 +105,12 @@ class Stepper:
 
     def close(self) -> None:
         """Nothing to release before ``destroy_process_group`` (the graphed stepper has)."""
+
+    def eval_sums(
+        self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
+    ) -> EvalSums:
+        """Evaluation's per-rank sums (``evaluate``'s ``sums_of``): eager, batch by batch."""
+        return accumulate(model, batches, amp_dtype)
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times

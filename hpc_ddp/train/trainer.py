@@ -247,7 +247,9 @@ class Trainer:
         # The plain module: ranks may run different numbers of eval batches, and DDP's forward
         # must not be entered unevenly. Rank 0's BatchNorm buffers are what DDP trains with.
         self.comm.broadcast_buffers(self.state.net)
-        metrics = evaluate(self.state.net, batches, self.comm, self.state.amp)
+        metrics = evaluate(
+            self.state.net, batches, self.comm, self.state.amp, sums_of=self.state.stepper.eval_sums
+        )
         times.eval += time.perf_counter() - t0
         epoch_seconds = times.data + times.compute + times.checkpoint
         row = {
