@@ -39,6 +39,7 @@ from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
+from hpc_ddp.train.step_rate import LatencyAdvice
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class Trainer:
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
         self.metrics = MetricWriters([])  # rank 0's, once training starts (metric_writers.py)
         self.epoch_end_saves = EpochEndSaves(cfg.checkpoint_interval_s)  # from the restored step
+        self.latency = LatencyAdvice(enabled=ctx.device.type == "cuda" and self.rank == 0)
 
     def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
         """progress.json says how training stopped (nothing to say before it started)."""
@@ -247,9 +249,14 @@ class Trainer:
         # The plain module: ranks may run different numbers of eval batches, and DDP's forward
         # must not be entered unevenly. Rank 0's BatchNorm buffers are what DDP trains with.
         self.comm.broadcast_buffers(self.state.net)
-        metrics = evaluate(
-            self.state.net, batches, self.comm, self.state.amp, sums_of=self.state.stepper.eval_sums
-        )
+        with self.latency.evaluating(self.state.net):
+            metrics = evaluate(
+                self.state.net,
+                batches,
+                self.comm,
+                self.state.amp,
+                sums_of=self.state.stepper.eval_sums,
+            )
         times.eval += time.perf_counter() - t0
         epoch_seconds = times.data + times.compute + times.checkpoint
         row = {
@@ -272,6 +279,12 @@ class Trainer:
             f"time data {times.data:.2f}s compute {times.compute:.2f}s{comm} "
             f"checkpoint {times.checkpoint:.2f}s eval {times.eval:.2f}s"
         )
+        plan = self.state.plan
+        advice = self.latency.epoch_ended(
+            times.compute, plan.steps_per_epoch(), plan.micro_batch * plan.accum_steps
+        )
+        if advice:
+            log.info(advice)
         progress.history.append(row)
         progress.epoch += 1
         progress.start = 0
