@@ -1,12 +1,12 @@
 """Whether a GPU run's step is bound by kernel latency rather than arithmetic, said once.
 
-A small model's step is a fixed chain of short kernels (LeNet: ~90 of them, ~0.4 ms on an H100 or
-H200 whether a GPU's batch holds 16 samples or 64). Spreading the same global batch over more
-GPUs shrinks each GPU's batch, not the step, so it does not shorten the run; a larger batch per
-GPU would use the GPUs. The trainer counts the model's arithmetic once (forward hooks on its
-convolutions and linear layers while the first evaluation runs eagerly) and times the steady
-step (the attempt's second epoch), and says so when the rate is far below what any datacenter
-GPU computes.
+A small model's step is a fixed chain of short kernels (LeNet's captured step: ~90 kernels,
+~0.4 ms on an H100 or H200 at 64 samples per GPU, for 0.25 GFLOP). Where a step computes at under
+2 TFLOP/s on a GPU that does tens, arithmetic is a few percent of it at most: a smaller batch per
+GPU would barely shorten it, so spreading the same global batch over more GPUs does not shorten
+the run, while a larger batch per GPU would use them. The trainer counts the model's arithmetic
+once (forward hooks on its convolutions and linear layers while the first evaluation runs
+eagerly), times the steady step (the attempt's second epoch), and says so.
 """
 
 from __future__ import annotations
