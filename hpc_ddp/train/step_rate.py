@@ -72,9 +72,9 @@ def latency_bound_line(flops_per_sample: float, samples_per_step: int, step_s: f
         return None
     return (
         f"step: {1e3 * step_s:.2f} ms for {step_flops / 1e9:.2f} GFLOP per GPU "
-        f"({rate / 1e12:.2f} TFLOP/s): bound by kernel latency, not arithmetic. A step this "
-        "small takes about as long whatever the batch per GPU, so the same global batch on more "
-        "GPUs would not train faster; a larger batch per GPU would use them"
+        f"({rate / 1e12:.2f} TFLOP/s): bound by kernel latency, not arithmetic. A smaller "
+        "batch per GPU would barely shorten it, so the same global batch on more GPUs would not "
+        "train faster; a larger batch per GPU would use them"
     )
 
 
