@@ -45,14 +45,23 @@ class _Recorded:
 class GraphedEval:
     """``accumulate(model, batches, amp_dtype)`` like ``evaluation.accumulate``, for ``model`` on
     one CUDA device, replaying a recorded graph per batch shape. ``pool`` returns the memory pool
-    to share (the training step's), or None. Call ``release`` before the model goes."""
+    to share (the training step's), or None; ``may_record`` says whether recording is safe now.
+    Call ``release`` before the model goes."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, pool: Callable[[], object] | None = None
+        self,
+        model: nn.Module,
+        device: torch.device,
+        pool: Callable[[], object] | None = None,
+        may_record: Callable[[], bool] = lambda: True,
     ) -> None:
         self.model = model
         self.device = device
         self.pool = pool
+        # False while another thread may call CUDA: a recording in progress makes CUDA refuse
+        # other threads' pinned allocations (a background checkpoint save copying to the host).
+        # The batch then runs eagerly and its shape is recorded at a later evaluation.
+        self.may_record = may_record
         self.sums = EvalSums.zeros(device)  # the graphs add into these
         self.warmed: set[Shape] = set()
         self.eager_only: set[Shape] = set()
@@ -92,6 +101,8 @@ class GraphedEval:
             return self.recorded.get(shape)
         if shape not in self.warmed:
             self.warmed.add(shape)
+            return None
+        if not self.may_record():
             return None
         try:
             self.recorded[shape] = self._record(x, y, amp_dtype)

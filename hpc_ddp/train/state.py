@@ -128,6 +128,7 @@ def build_state(
     )
     if isinstance(stepper, cuda_graphs.GraphedStepper):
         stepper.graphed.before_capture = ckpt.wait  # no background save overlaps the capture
+        stepper.evaluation.may_record = lambda: not ckpt.in_flight  # nor evaluation's recording
     return TrainState(amp, plan, net, model, choice.captured, stepper, train_data, eval_data, ckpt)
 
 

@@ -1,0 +1,31 @@
+"""When ``GraphedEval`` records a batch shape (its decision only; the recording itself needs a
+GPU: tests/test_gpu_eval_graph.py). Here ``_record`` is replaced by a stand-in that returns a
+marker, because CUDA graphs cannot exist on this machine."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_ddp.cifar.models import build_model
+from hpc_ddp.train.eval_graph import GraphedEval
+
+
+def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(n, 3, 32, 32), torch.zeros(n, dtype=torch.int64)
+
+
+def test_a_shape_is_recorded_at_its_second_batch_and_not_while_a_save_runs() -> None:
+    busy = [True]
+    graphed = GraphedEval(
+        build_model("lenet", 10), torch.device("cpu"), may_record=lambda: not busy[0]
+    )
+    recorded = []
+    graphed._record = lambda x, y, amp: recorded.append(len(y)) or "graph"  # type: ignore[method-assign]
+    x, y = _batch(4)
+    assert graphed._recorded(x, y, None) is None  # first batch: the eager warm-up
+    assert graphed._recorded(x, y, None) is None  # a background save in flight: eager again
+    assert recorded == [] and not graphed.eager_only
+    busy[0] = False
+    assert graphed._recorded(x, y, None) == "graph" and recorded == [4]
+    assert graphed._recorded(x, y, None) == "graph" and recorded == [4]  # recorded once
+    assert graphed._recorded(*_batch(3), None) is None  # another shape warms up on its own
