@@ -9,10 +9,11 @@ The same numbers as ``evaluation.accumulate``: a batch runs ``EvalSums.add_batch
 or recorded, adding into running sums that live at fixed addresses, in batch order. Each batch
 shape is run eagerly once (on a side stream, as ``torch.cuda.graph`` asks of warm-up work),
 recorded at its second batch, and replayed from then on; the capture runs nothing, so every
-batch is counted once. A forward that cannot be recorded (one reading a value on the host) runs
-eagerly, said once in the log. The model's parameters and buffers are read where they live: the
-optimizer updates them in place and checkpoints restore them in place, so a graph recorded in
-epoch 1 evaluates the weights of every later epoch.
+batch is counted once. No recording starts while a background checkpoint save runs (CUDA would
+refuse its pinned copies); the batch runs eagerly instead. A forward that cannot be recorded
+(one reading a value on the host) runs eagerly, said once in the log. The model's parameters and
+buffers are read where they live: the optimizer updates them in place and checkpoints restore
+them in place, so a graph recorded in epoch 1 evaluates the weights of every later epoch.
 
 The graphs share the training step's memory pool when it has one: neither graph reads the
 other's temporaries and they never run at once (one stream), so evaluation holds no memory of
