@@ -1,29 +1,55 @@
 #!/usr/bin/env bash
-# One device call for the default command's speed: the start-up floor beside the default command's
-# time to first step, the headline against the conventional script, a finished run's command
-# again, and the GPU tests of the defaults. The floor script (interpreter, import torch, 4 forked
-# ranks, NCCL, one all-reduce) is a measuring stick kept outside the project: copy it to
-# .gpu/i17/startup_floor.py (git-ignored) and carry .gpu/i17.
+# The default command's speed targets, each in one device call (at most ~9 minutes each):
+#
+#   benchmarks/issue17_call.sh            the plain command 5 times against the conventional
+#                                         script (each epoch's seconds kept), the start-up floor
+#                                         alternating with two time-to-first-step runs (the exit
+#                                         target), ResNet-18 weak scaling at 1 and all GPUs twice
+#   benchmarks/issue17_call.sh checks     the GPU tests, then accuracy over 4 seeds (one per GPU)
+#
+# The floor (interpreter, import torch, one forked rank per GPU, NCCL, one all-reduce) is a
+# measuring stick kept outside the project: copy it to .gpu/i17/startup_floor.py (git-ignored)
+# and carry .gpu/i17. Output under $OUT: cards.txt (GPUs, cores, CPU, seconds per part),
+# floor.txt, tables.md (each suite's rows), json.tgz (bench.json files and logs).
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-O=${OUT:-/tmp/out}; mkdir -p $O
-nvidia-smi -L > $O/cards.txt; python3 -c 'import torch;print(torch.__version__, torch.cuda.nccl.version())' >> $O/cards.txt
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+O=${OUT:-/tmp/out}; mkdir -p "$O"
 T=$SECONDS
-# 1. the floor, 3 runs, before and after the ttfs suite (same machine, same call)
-for i in 1 2; do python3 .gpu/i17/startup_floor.py 4 $((29611+i)); done > $O/floor.txt 2>&1
-# 2. time to first step of the default command (probe), 3 repeats, + eager prefetch A/B
-timeout 150 python3 benchmarks/bench.py --gpus 4 --suites ttfs --repeats 3 --ttfs-eager --budget-s 110 --out $O/ttfs > $O/ttfs.log 2>&1
-python3 .gpu/i17/startup_floor.py 4 29619 >> $O/floor.txt 2>&1
-echo "after ttfs: $((SECONDS-T)) s"
-# 3. the headline: conventional DDP script vs default command vs --cuda-graphs, 4 GPUs
-timeout 220 python3 benchmarks/bench.py --gpus 4 --suites ref --lean --budget-s 190 --out $O/ref > $O/ref.log 2>&1
-echo "after ref: $((SECONDS-T)) s"
-# 4. a finished run's command again (was 8.3 s on 4 GPUs)
-A="--nproc-per-node 4 --synthetic --dataset cifar100 --data-dir /tmp/f/d --run-dir /tmp/f/r --epochs 1 --log-every 100000"
-(time python3 -m hpc_ddp.train $A) > $O/finished.txt 2>&1
-for i in 1 2 3 4 5; do /usr/bin/time -f "rerun %e s" python3 -m hpc_ddp.train $A >> $O/finished.txt 2>&1; done
-echo "after finished: $((SECONDS-T)) s"
-# 5. GPU tests of the new defaults
-timeout $((560-(SECONDS-T))) python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py --timeout 150 -k "default or graph or cli or resume or syncbn" > $O/tests.txt 2>&1
-echo "after tests: $((SECONDS-T)) s"
-tail -3 $O/floor.txt; grep -E "^\|" $O/ttfs/tables.md 2>/dev/null | head -20; grep -E "^\|" $O/ref/tables.md 2>/dev/null | head -20; grep rerun $O/finished.txt; tail -3 $O/tests.txt
+NG=$(nvidia-smi -L | wc -l)
+W=/tmp/hpc-ddp-bench
+nvidia-smi -L > "$O/cards.txt"; nproc >> "$O/cards.txt"; lscpu | grep "Model name" >> "$O/cards.txt"
+log() { echo "$1: $((SECONDS-T)) s" >> "$O/cards.txt"; }
+
+if [ "${1:-}" = checks ]; then
+  timeout 450 python3 -m pytest -q -rs -p no:cacheprovider --timeout 200 \
+    tests/test_gpu.py tests/test_gpu_plugins.py tests/test_gpu_eval_graph.py > "$O/tests.txt" 2>&1
+  log tests
+  timeout $((570-(SECONDS-T))) python3 benchmarks/accuracy.py --seeds 0,1,2,3 --out /tmp/acc \
+    > "$O/acc.log" 2>&1
+  log accuracy
+  cp /tmp/acc/accuracy.json "$O/" 2>/dev/null
+  cat "$O/cards.txt"; tail -3 "$O/tests.txt"; tail -6 "$O/acc.log"
+  exit 0
+fi
+
+floor() { s=$(date +%s.%N); python3 .gpu/i17/startup_floor.py "$NG" "$1" | sed "s/\$/ shell_start=$s/"; }
+timeout 200 python3 benchmarks/bench.py --gpus "$NG" --suites plain --repeats 5 --budget-s 195 \
+  --work $W --out /tmp/plain > /tmp/plain.log 2>&1
+log plain
+floor 29612 > "$O/floor.txt" 2>&1
+for r in 1 2; do
+  timeout 40 python3 benchmarks/bench.py --gpus "$NG" --suites ttfs --repeats 1 --budget-s 38 \
+    --work $W --out /tmp/ttfs$r > /tmp/ttfs$r.log 2>&1
+  floor $((29619+r)) >> "$O/floor.txt" 2>&1
+done
+log ttfs
+timeout $((560-(SECONDS-T))) python3 benchmarks/bench.py --gpus 1,"$NG" --suites weak --repeats 2 \
+  --budget-s $((550-(SECONDS-T))) --work $W --out /tmp/weak > /tmp/weak.log 2>&1
+log weak
+(cd /tmp && tar czf "$O/json.tgz" ./*/bench.json ./*.log)
+for s in plain ttfs1 ttfs2 weak; do
+  echo "## $s"; grep -E "^\|" /tmp/$s/tables.md | grep -v "^|---"
+done > "$O/tables.md" 2>/dev/null
+cat "$O/cards.txt"; grep FLOOR "$O/floor.txt"
+grep -E "^## |conventional DDP script \| $NG \| [0-9]|nproc-per-node|^\| [14] \| [0-9]|ttfs_lenet" \
+  "$O/tables.md" | head -40
