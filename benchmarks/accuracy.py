@@ -5,7 +5,8 @@
 One process each (batch 64, Adam 1e-3, 10 epochs, CIFAR-100 LeNet on the hard synthetic files):
 the question is whether the two scripts learn alike, which one run per script cannot answer when
 one run's accuracy swings by points from epoch to epoch. On a GPU machine the seeds run side by
-side, one per GPU (``--parallel``, default: as many as GPUs). ``--cpu`` runs both on the CPU
+side, one per GPU (``--parallel``, default: as many as GPUs; ``--per-gpu K``: K runs share each
+GPU, for more seeds in one call). ``--cpu`` runs both on the CPU
 (Gloo), one at a time, where the algorithm is the same and no GPU time is needed. Writes
 OUT/accuracy.json and prints mean and spread per script.
 """
@@ -26,12 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN, TEST = 50_000, 10_000
 
 
-def run_side_by_side(jobs: list[tuple[list[str], Path]], slots: int, cpu: bool) -> None:
-    """Run the commands, ``slots`` at a time, each on its own GPU (slot i -> GPU i)."""
+def run_side_by_side(
+    jobs: list[tuple[list[str], Path]], slots: int, cpu: bool, gpus: int = 1
+) -> None:
+    """Run the commands, ``slots`` at a time, slot i on GPU i % ``gpus`` (several a GPU when
+    ``slots`` exceeds it: the conventional script is bound by its host's data pipeline)."""
     for first in range(0, len(jobs), slots):
         running: list[tuple[subprocess.Popen[Any], list[str], Path]] = []
         for slot, (cmd, log) in enumerate(jobs[first : first + slots]):
-            env = dict(os.environ) if cpu else {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot)}
+            gpu = {"CUDA_VISIBLE_DEVICES": str(slot % gpus)}
+            env = dict(os.environ) if cpu else {**os.environ, **gpu}
             with log.open("w") as fh:
                 proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
             running.append((proc, cmd, log))
@@ -47,7 +52,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/hpc-ddp-accuracy")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--parallel", type=int, default=0, help="seeds at once (0: one per GPU)")
+    parser.add_argument("--parallel", type=int, default=0, help="runs at once (0: one per GPU)")
+    parser.add_argument("--per-gpu", type=int, default=1, help="runs a GPU takes at once")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from hpc_ddp.cifar import synthetic
@@ -78,8 +84,9 @@ def main() -> None:
         cmd += ["--epochs", str(args.epochs), "--seed", str(seed), "--run-dir", str(run_dir)]
         cmd += ["--log-every", "100000"] + ([] if args.cpu else ["--cuda-graphs"])
         ours.append((cmd, out / f"ours{seed}.log"))
-    slots = args.parallel or (1 if args.cpu else _gpu_count())
-    run_side_by_side(refs + ours, slots, args.cpu)
+    gpus = 1 if args.cpu else _gpu_count()
+    slots = args.parallel or (1 if args.cpu else gpus * max(args.per_gpu, 1))
+    run_side_by_side(refs + ours, slots, args.cpu, gpus)
     results: dict[str, list[float]] = {
         "conventional": [
             json.loads((work / f"ref{s}.json").read_text())["test_accuracy"] for s in seeds
