@@ -1,0 +1,123 @@
+"""CUDA's first use, op by op: what epoch 1 of a captured LeNet run pays beyond later epochs.
+
+    PYTHONPATH=$PWD python3 benchmarks/first_use.py [--model lenet] [--json OUT.json] [--cpu]
+
+In one fresh process on one GPU (no process group), in the trainer's order: the data's
+normalisation and batch gathers, the captured step (three eager warm-up steps, the capture, the
+first replays), the step's bookkeeping (the loss's float64 copy, the sync point's stack and
+cat, the scheduler's fill), then one evaluation's ops (forward in eval mode, loss, argmax,
+comparison, sums, the totals' vector). Each op runs twice, synchronised: the first call's excess
+over the second is CUDA loading that op's kernels. ``--cpu`` checks the plumbing on a machine
+without a GPU (its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hpc_ddp.cifar.gpu_data import normalize
+from hpc_ddp.cifar.models import build_model
+from hpc_ddp.runtime.evaluation import EvalSums, batch_terms
+
+
+def timed(device: torch.device, fn: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="lenet")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--eval-batch", type=int, default=256)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--cpu", action="store_true")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    dev = torch.device("cpu" if args.cpu else "cuda", 0 if not args.cpu else None)
+    rows: list[tuple[str, float, float]] = []
+
+    def op(name: str, fn: Callable[[], object]) -> None:
+        rows.append((name, timed(dev, fn), timed(dev, fn)))
+
+    context_ms = timed(dev, lambda: torch.zeros(1, device=dev))
+    raw = torch.randint(0, 256, (4096, 3, 32, 32), dtype=torch.uint8, device=dev)
+    images: list[torch.Tensor] = []
+    op(
+        "data: normalize (uint8 -> float32, divide, subtract)",
+        lambda: images.append(normalize(raw)),
+    )
+    labels = torch.randint(0, 100, (4096,), device=dev)
+    sel = torch.arange(args.batch, device=dev)
+    op("data: index_select float32", lambda: images[0].index_select(0, sel))
+    op("data: index_select int64", lambda: labels.index_select(0, sel))
+    x, y = images[0].index_select(0, sel), labels.index_select(0, sel)
+
+    torch.manual_seed(0)
+    net = build_model(args.model, 100).to(dev)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0)
+    if dev.type == "cuda":
+        from hpc_ddp.train.cuda_graphs import GraphedStep
+
+        step = GraphedStep(net, opt)
+        for i in range(step.warmup + 2):  # eager warm-up steps, the capture, the first replays
+            what = (
+                "eager" if i < step.warmup else "capture + replay" if i == step.warmup else "replay"
+            )
+            rows.append((f"step {i + 1} ({what})", timed(dev, lambda: step.step(x, y)), 0.0))
+        loss = step.loss
+    else:
+        loss = F.cross_entropy(net(x), y, reduction="sum")
+    lr = torch.tensor(1e-3, device=dev)
+    op("bookkeeping: loss float64 copy", lambda: loss.double())
+    losses = [loss.double() for _ in range(4)]
+    op("bookkeeping: stack float64", lambda: torch.stack(losses))
+    host = torch.tensor([64.0, 0.0, 1.0], dtype=torch.float64)
+    op("bookkeeping: cat with host values", lambda: torch.cat([torch.stack(losses), host.to(dev)]))
+    op("bookkeeping: scheduler fill", lambda: lr.fill_(1e-3))
+
+    ex = images[0][: args.eval_batch]
+    ey = labels[: args.eval_batch]
+    net.eval()
+    with torch.no_grad():
+        op("eval: forward at the eval batch", lambda: net(ex))
+        op("eval: loss and correct (batch_terms)", lambda: batch_terms(net, ex, ey, None))
+        sums = EvalSums.zeros(dev)
+        op("eval: running sums (+=)", lambda: sums.add_batch(net, ex, ey, None))
+
+        def totals() -> torch.Tensor:
+            t = torch.zeros(6, dtype=torch.float64, device=dev)
+            t[0], t[1], t[2] = sums.loss, sums.correct, 1000
+            return t
+
+        op("eval: totals vector", totals)
+    report = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "context_ms": context_ms,
+        "ops": [{"op": n, "first_ms": a, "second_ms": b} for n, a, b in rows],
+        "seconds": time.perf_counter() - t0,
+    }
+    print(f"{report['device']}: context {context_ms:.1f} ms")
+    print("| op | first call ms | second call ms |\n|---|---|---|")
+    for name, first, second in rows:
+        print(f"| {name} | {first:.2f} | {second:.2f} |")
+    extra = sum(max(a - b, 0.0) for n, a, b in rows if not n.startswith("step "))
+    print(f"first use outside the step: {extra:.1f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
