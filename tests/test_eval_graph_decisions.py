@@ -29,3 +29,17 @@ def test_a_shape_is_recorded_at_its_second_batch_and_not_while_a_save_runs() -> 
     assert graphed._recorded(x, y, None) == "graph" and recorded == [4]
     assert graphed._recorded(x, y, None) == "graph" and recorded == [4]  # recorded once
     assert graphed._recorded(*_batch(3), None) is None  # another shape warms up on its own
+
+
+def test_at_most_max_recorded_shapes_are_recorded() -> None:
+    """Inputs of many sizes: the first MAX_RECORDED shapes get graphs, the rest run eagerly."""
+    from hpc_ddp.train.eval_graph import MAX_RECORDED
+
+    graphed = GraphedEval(build_model("lenet", 10), torch.device("cpu"))
+    graphed._record = lambda x, y, amp: "graph"  # type: ignore[method-assign]
+    for n in range(1, MAX_RECORDED + 3):
+        for _ in range(2):  # each size's warm-up, then its second batch
+            graphed._recorded(*_batch(n), None)
+    assert len(graphed.recorded) == MAX_RECORDED
+    assert len(graphed.eager_only) == 2
+    assert graphed._recorded(*_batch(MAX_RECORDED + 1), None) is None

@@ -5,15 +5,16 @@ Why: an evaluation batch of a small model is a few dozen short kernels, and eage
 in which the GPU mostly waits, as much as 10 % of a steady LeNet epoch. A replay launches a
 batch's kernels with one call.
 
-The same numbers as ``evaluation.accumulate``: a batch runs ``EvalSums.add_batch`` whether eager
-or recorded, adding into running sums that live at fixed addresses, in batch order. Each batch
-shape is run eagerly once (on a side stream, as ``torch.cuda.graph`` asks of warm-up work),
-recorded at its second batch, and replayed from then on; the capture runs nothing, so every
-batch is counted once. No recording starts while a background checkpoint save runs (CUDA would
-refuse its pinned copies); the batch runs eagerly instead. A forward that cannot be recorded
-(one reading a value on the host) runs eagerly, said once in the log. The model's parameters and
-buffers are read where they live: the optimizer updates them in place and checkpoints restore
-them in place, so a graph recorded in epoch 1 evaluates the weights of every later epoch.
+The same numbers as ``evaluation.accumulate``: a batch runs ``EvalSums.add_batch`` whether eager or
+recorded, adding into running sums that live at fixed addresses, in batch order. Each batch shape is
+run eagerly once (on a side stream, as ``torch.cuda.graph`` asks of warm-up work), recorded at its
+second batch, and replayed from then on (at most ``MAX_RECORDED`` shapes; others stay eager); the
+capture runs nothing, so every batch is counted once. No recording starts while a background
+checkpoint save runs (CUDA would refuse its pinned copies); the batch runs eagerly instead. A
+forward that cannot be recorded (one reading a value on the host) runs eagerly, said once in the
+log. The model's parameters and buffers are read where they live: the optimizer updates them in
+place and checkpoints restore them in place, so a graph recorded in epoch 1 evaluates the weights of
+every later epoch.
 
 The graphs share the training step's memory pool when it has one: neither graph reads the
 other's temporaries and they never run at once (one stream), so evaluation holds no memory of
@@ -34,6 +35,9 @@ from hpc_ddp.runtime.evaluation import Batches, EvalSums
 log = get_logger("train")
 
 Shape = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.dtype]
+# Recorded shapes at most: a fixed-size test set has two (the batch and the short last one);
+# inputs of many sizes (sequences, say) would otherwise record a graph for each.
+MAX_RECORDED = 4
 
 
 @dataclass
@@ -104,6 +108,9 @@ class GraphedEval:
             self.warmed.add(shape)
             return None
         if not self.may_record():
+            return None
+        if len(self.recorded) >= MAX_RECORDED:
+            self.eager_only.add(shape)
             return None
         try:
             self.recorded[shape] = self._record(x, y, amp_dtype)
