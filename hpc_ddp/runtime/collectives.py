@@ -34,16 +34,16 @@ class Comm:
     def sum_tensor(self, t: torch.Tensor) -> list[float]:
         """``sum`` of values already in a tensor (on any device: no host read before the
         all-reduce); the one host read is the result's."""
-        t = t.to(self.device)
-        if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return self._reduce(t, dist.ReduceOp.SUM)
 
     def max(self, values: list[float]) -> list[float]:
         """Element-wise maximum over ranks."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self._reduce(torch.tensor(values, dtype=torch.float64), dist.ReduceOp.MAX)
+
+    def _reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> list[float]:
+        t = t.to(self.device)
         if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=op)
         return t.tolist()
 
     def barrier(self) -> None:

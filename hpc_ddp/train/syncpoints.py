@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from hpc_ddp.runtime.collectives import Comm
 
@@ -98,10 +97,7 @@ class PendingSteps:
         k = len(self.losses)
         host = torch.tensor([*map(float, self.counts), preempt, pace], dtype=torch.float64)
         losses = torch.stack(self.losses).to(device=comm.device, dtype=torch.float64)
-        t = torch.cat([losses, host.to(comm.device)])
-        if comm.active:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        values = t.tolist()  # the one host sync of the interval
+        values = comm.sum_tensor(torch.cat([losses, host.to(comm.device)]))  # the one host sync
         self.losses.clear()
         self.counts.clear()
         return values[:k], values[k : 2 * k], values[2 * k], values[2 * k + 1] / comm.world_size
