@@ -141,11 +141,11 @@ class Trainer:
         log.info(
             f"training {cfg.model} on {cfg.dataset}{' (synthetic)' if cfg.synthetic else ''}: "
             f"{plan.n} samples, {self.world_size} process(es), {steps_per_epoch} steps/epoch, "
-            f"global batch {plan.micro_batch * plan.accum_steps * self.world_size}, "
+            f"global batch {plan.rank_step_samples * self.world_size}, "
             f"device {self.ctx.device}, backend {self.ctx.backend}"
         )
         if self.rank == 0 and wants_live_bar(sys.stdout, os.environ):
-            global_batch = plan.micro_batch * plan.accum_steps * self.world_size
+            global_batch = plan.rank_step_samples * self.world_size
             self.bar = LiveBar(sys.stdout, cfg.epochs, global_batch)
             self._unhook_bar = before_each_line(self.bar.clear)
         state.model.train()
@@ -281,7 +281,7 @@ class Trainer:
         )
         plan = self.state.plan
         advice = self.latency.epoch_ended(
-            times.compute, plan.steps_per_epoch(), plan.micro_batch * plan.accum_steps
+            times.compute, plan.steps_per_epoch(), plan.rank_step_samples
         )
         if advice:
             log.info(advice)
