@@ -132,7 +132,7 @@ class Bench:
         if rc != 0:
             tail = log.read_text(errors="replace").splitlines()[-15:]
             print("\n".join(f"    | {line}" for line in tail), flush=True)
-        return {"rc": rc, "wall_s": wall, "log": str(log)}
+        return {"rc": rc, "wall_s": wall, "log": str(log), "t0": t0}
 
     def record(self, name: str, entry: dict) -> dict:
         earlier = self.results["runs"].get(name)
@@ -233,6 +233,13 @@ class Bench:
         result = run_dir / "result.json"
         if res.get("rc") == 0 and result.exists():
             res["result"] = json.loads(result.read_text())
+            # The shell's time outside train(): before it (interpreter, import torch, the forks)
+            # and after result.json (the ranks' exit, the parent's wait): where a slower exit went.
+            written = result.stat().st_mtime - res["t0"]
+            res["outside_train_s"] = {
+                "before": written - res["result"]["wall_seconds"],
+                "after": res["wall_s"] - written,
+            }
             from hpc_ddp.runtime.run_paths import RunPaths
 
             # Each epoch's seconds and their split: where a slower repeat's time went.

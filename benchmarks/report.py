@@ -65,13 +65,13 @@ def _why(run: dict) -> str:
 
 
 def _base_row(label: str, r: dict, n: Any, *, epochs_cell: bool = False) -> str:
-    """The conventional script's row; ``epochs_cell``: the plain table's per-epoch column,
-    which that script's output does not have."""
+    """The conventional script's row; ``epochs_cell``: the plain table's per-epoch and outside-
+    train() columns, which that script's output does not have."""
     split = " - |" if epochs_cell else ""
     if not _ok(r):
-        return f"| {label} | {n} | {_why(r) if r else 'not run'} |{split} | | | |"
+        return f"| {label} | {n} | {_why(r) if r else 'not run'} |{split} |{split} | | |"
     return (
-        f"| {label} | {n} | {_f(r.get('train_time_s'))} |{split} {_f(r.get('wall_s'))} | "
+        f"| {label} | {n} | {_f(r.get('train_time_s'))} |{split} {_f(r.get('wall_s'))} |{split} "
         f"{_f(r.get('test_accuracy'), '.4f')} | 1 | 1 |"
     )
 
@@ -249,8 +249,8 @@ def table_plain(runs: dict) -> list[str]:
         "from the shell.",
         "",
         "| run | GPUs | training s | epoch 1 s, later epochs median s | command-to-exit s | "
-        "test acc | training speed-up | exit speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "before train(), after result.json s | test acc | training speed-up | exit speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     if ref is not None:
         out.append(_base_row("conventional DDP script", ref, ref.get("gpus"), epochs_cell=True))
@@ -259,17 +259,25 @@ def table_plain(runs: dict) -> list[str]:
         result = r.get("result") or {}
         label = f"`hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]})"
         if not _ok(r) or not result:
-            out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | | |")
+            out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | | | |")
             continue
         train = result.get("train_wall_seconds")
         out.append(
             f"| {label} | {r.get('gpus')} | {_f(train)} ({_f(result.get('wall_seconds'))}) | "
             f"{_epoch_split(r.get('epochs') or [])} | {_f(r.get('wall_s'))} | "
+            f"{_outside_split(r.get('outside_train_s'))} | "
             f"{_f(result.get('test_accuracy'), '.4f')} | "
             f"{_f(_ratio(base.get('train_time_s'), train), '.1f')}x | "
             f"{_f(_ratio(base.get('wall_s'), r.get('wall_s')), '.1f')}x |"
         )
     return [*out, ""]
+
+
+def _outside_split(outside: dict | None) -> str:
+    """The exit's time outside train(): before it (start-up) and after its result.json."""
+    if not outside:
+        return "-"
+    return f"{_f(outside['before'])}, {_f(outside['after'])}"
 
 
 def _epoch_split(epochs: list[dict]) -> str:
