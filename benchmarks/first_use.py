@@ -1,6 +1,7 @@
 """CUDA's first use, op by op: what epoch 1 of a captured LeNet run pays beyond later epochs.
 
     PYTHONPATH=$PWD python3 benchmarks/first_use.py [--model lenet] [--json OUT.json] [--cpu]
+        [--nproc N [--warm-allreduce] [--port P]]
 
 In one fresh process on one GPU (no process group), in the trainer's order: the data's
 normalisation and batch gathers, the captured step (three eager warm-up steps, the capture, the
@@ -9,17 +10,25 @@ cat, the scheduler's fill), then one evaluation's ops (forward in eval mode, los
 comparison, sums, the totals' vector). Each op runs twice, synchronised: the first call's excess
 over the second is CUDA loading that op's kernels. ``--cpu`` checks the plumbing on a machine
 without a GPU (its figures mean nothing).
+
+``--nproc N``: N fresh processes, one GPU each, join NCCL and finish one all-reduce first (what
+the start-up floor does), then run the same ops; the step's gradient all-reduces now run inside
+it, and rank 0 reports. ``--warm-allreduce`` runs one all-reduce at the gradients' size before
+the step, as its own row: whether the first step's extra time on several GPUs is that
+collective's first run or the processes loading kernels side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpc_ddp.cifar.gpu_data import normalize
@@ -30,6 +39,8 @@ from hpc_ddp.runtime.evaluation import EvalSums, batch_terms
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()  # every rank starts the op together: a collective waits for none
     t0 = time.perf_counter()
     fn()
     if device.type == "cuda":
@@ -44,9 +55,35 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=256)
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--nproc", type=int, default=1, help="processes, one GPU each")
+    parser.add_argument("--warm-allreduce", action="store_true")
+    parser.add_argument("--port", type=int, default=29640, help="the ranks' rendezvous port")
     args = parser.parse_args()
+    if args.nproc > 1:
+        torch.multiprocessing.spawn(measure, args=(args,), nprocs=args.nproc)
+    else:
+        measure(0, args)
+
+
+def join(rank: int, args: argparse.Namespace) -> torch.device:
+    """This rank's device; with ``--nproc``, the process group joined and one all-reduce done."""
+    if args.cpu:
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    if args.nproc > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        backend, device_id = ("gloo", None) if args.cpu else ("nccl", dev)
+        dist.init_process_group(backend, rank=rank, world_size=args.nproc, device_id=device_id)
+        dist.all_reduce(torch.ones(1, device=dev))
+    return dev
+
+
+def measure(rank: int, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
-    dev = torch.device("cpu" if args.cpu else "cuda", 0 if not args.cpu else None)
+    dev = join(rank, args)
+    join_ms = 1e3 * (time.perf_counter() - t0)  # with --nproc: the context, NCCL, one all-reduce
     rows: list[tuple[str, float, float]] = []
 
     def op(name: str, fn: Callable[[], object]) -> None:
@@ -68,6 +105,9 @@ def main() -> None:
     torch.manual_seed(0)
     net = build_model(args.model, 100).to(dev)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0)
+    if args.warm_allreduce and dist.is_initialized():
+        flat = torch.zeros(sum(p.numel() for p in net.parameters()), device=dev)
+        op("collective: all-reduce at the gradients' size", lambda: dist.all_reduce(flat))
     if dev.type == "cuda":
         from hpc_ddp.train.cuda_graphs import GraphedStep
 
@@ -105,11 +145,19 @@ def main() -> None:
         op("eval: totals vector", totals)
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "processes": args.nproc,
+        "warm_allreduce": args.warm_allreduce,
+        "join_ms": join_ms,
         "context_ms": context_ms,
         "ops": [{"op": n, "first_ms": a, "second_ms": b} for n, a, b in rows],
         "seconds": time.perf_counter() - t0,
     }
-    print(f"{report['device']}: context {context_ms:.1f} ms")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank != 0:
+        return
+    print(f"{report['device']} x {args.nproc}: join {join_ms:.1f} ms, context {context_ms:.1f} ms")
     print("| op | first call ms | second call ms |\n|---|---|---|")
     for name, first, second in rows:
         print(f"| {name} | {first:.2f} | {second:.2f} |")
