@@ -67,12 +67,10 @@ def main() -> None:
 
 def join(rank: int, args: argparse.Namespace) -> torch.device:
     """This rank's device; with ``--nproc``, the process group joined and one all-reduce done."""
-    if args.cpu:
-        dev = torch.device("cpu")
-    else:
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
     if args.nproc > 1:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # makes the context: one process alone times it apart
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         backend, device_id = ("gloo", None) if args.cpu else ("nccl", dev)
         dist.init_process_group(backend, rank=rank, world_size=args.nproc, device_id=device_id)

@@ -90,8 +90,8 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     epochs = [row["epoch"] for row in history]
-    # Fixed margins, not tight_layout(): measuring the text costs a render as long as the
-    # savefig's, on the command's way to its exit; these fit tick labels of up to six characters.
+    # Fixed margins, not tight_layout(): its measuring of the text costs about what savefig's
+    # render does, on the command's way to its exit. They fit tick labels of up to six characters.
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     fig.subplots_adjust(left=0.08, right=0.985, bottom=0.12, top=0.92, wspace=0.22)
     ax_loss.plot(epochs, [row["train_loss"] for row in history], marker="o", label="train")
