@@ -158,7 +158,7 @@ def test_forced_on_refuses_what_it_cannot_capture(kw, device, amp, devices, word
     assert err.value.exit_code == 2 and err.value.hint
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     model = build_model("lenet", 10)
     opt, sched, _ = _parts(model)
@@ -169,7 +169,7 @@ def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(5e-3)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_make_capturable_puts_sgd_on_its_fused_kernel_with_the_same_steps() -> None:
     """SGD under --cuda-graphs: fused kernel, tensor LR that schedulers fill, the same update as
     the multi-tensor SGD (momentum, weight decay) the eager step runs."""
