@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from hpc_ddp.cifar.gpu_data import normalize
 from hpc_ddp.cifar.models import build_model
-from hpc_ddp.runtime.evaluation import EvalSums, batch_terms
+from hpc_ddp.runtime.evaluation import EvalSums, batch_terms, totals
 
 
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
@@ -134,13 +134,8 @@ def measure(rank: int, args: argparse.Namespace) -> None:
         op("eval: loss and correct (batch_terms)", lambda: batch_terms(net, ex, ey, None))
         sums = EvalSums.zeros(dev)
         op("eval: running sums (+=)", lambda: sums.add_batch(net, ex, ey, None))
-
-        def totals() -> torch.Tensor:
-            t = torch.zeros(6, dtype=torch.float64, device=dev)
-            t[0], t[1], t[2] = sums.loss, sums.correct, 1000
-            return t
-
-        op("eval: totals vector", totals)
+        sums.count = len(ey)
+        op("eval: totals vector", lambda: totals(sums, rank, args.nproc))
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "processes": args.nproc,

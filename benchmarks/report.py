@@ -64,10 +64,10 @@ def _why(run: dict) -> str:
     return "timed out" if run.get("rc") == "timeout" else f"failed (rc={run.get('rc')})"
 
 
-def _base_row(label: str, r: dict, n: Any, *, epochs_cell: bool = False) -> str:
-    """The conventional script's row; ``epochs_cell``: the plain table's per-epoch and outside-
-    train() columns, which that script's output does not have."""
-    split = " - |" if epochs_cell else ""
+def _base_row(label: str, r: dict, n: Any, *, plain_columns: bool = False) -> str:
+    """The conventional script's row; ``plain_columns``: with the plain table's per-epoch and
+    outside-train() columns, which that script's output does not have."""
+    split = " - |" if plain_columns else ""
     if not _ok(r):
         return f"| {label} | {n} | {_why(r) if r else 'not run'} |{split} |{split} | | |"
     return (
@@ -253,7 +253,7 @@ def table_plain(runs: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     if ref is not None:
-        out.append(_base_row("conventional DDP script", ref, ref.get("gpus"), epochs_cell=True))
+        out.append(_base_row("conventional DDP script", ref, ref.get("gpus"), plain_columns=True))
     base = ref if ref is not None and _ok(ref) else {}
     for key, r in ours:
         result = r.get("result") or {}

@@ -12,7 +12,7 @@ from torch import nn
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.sampler import eval_indices
 
-__all__ = ["EvalSums", "accumulate", "eval_indices", "evaluate"]
+__all__ = ["EvalSums", "accumulate", "batch_terms", "eval_indices", "evaluate", "totals"]
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
@@ -86,6 +86,17 @@ def accumulate(model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
     return sums
 
 
+def totals(sums: EvalSums, rank: int, world_size: int) -> torch.Tensor:
+    """``[loss, correct, samples of rank 0, ..., samples of rank n-1]`` on the sums' device: the
+    per-rank counts ride in the same all-reduce (each rank fills only its own slot), and one
+    host read ends it."""
+    out = torch.zeros(2 + world_size, dtype=torch.float64, device=sums.loss.device)
+    out[0] = sums.loss
+    out[1] = sums.correct
+    out[2 + rank] = sums.count
+    return out
+
+
 Accumulate = Callable[[nn.Module, Batches, "torch.dtype | None"], EvalSums]
 
 
@@ -115,13 +126,7 @@ def evaluate(
         sums = sums_of(model, batches, amp_dtype)
     finally:
         model.train(was_training)
-    # [loss, correct, samples of rank 0, ..., samples of rank n-1]: the per-rank counts ride in
-    # the same all-reduce (each rank fills only its own slot), and one host read ends it.
-    totals = torch.zeros(2 + comm.world_size, dtype=torch.float64, device=sums.loss.device)
-    totals[0] = sums.loss
-    totals[1] = sums.correct
-    totals[2 + comm.rank] = sums.count
-    loss, correct, *per_rank = comm.sum_tensor(totals)
+    loss, correct, *per_rank = comm.sum_tensor(totals(sums, comm.rank, comm.world_size))
     count = sum(per_rank)
     return {
         "test_loss": loss / max(count, 1),
