@@ -1,7 +1,7 @@
 """CUDA's first use, op by op: what epoch 1 of a captured LeNet run pays beyond later epochs.
 
     PYTHONPATH=$PWD python3 benchmarks/first_use.py [--model lenet] [--json OUT.json] [--cpu]
-        [--nproc N [--warm-allreduce] [--port P]]
+        [--warm-kernels] [--nproc N [--warm-allreduce] [--port P]]
 
 In one fresh process on one GPU (no process group), in the trainer's order: the data's
 normalisation and batch gathers, the captured step (three eager warm-up steps, the capture, the
@@ -15,7 +15,10 @@ without a GPU (its figures mean nothing).
 the start-up floor does), then run the same ops; the step's gradient all-reduces now run inside
 it, and rank 0 reports. ``--warm-allreduce`` runs one all-reduce at the gradients' size before
 the step, as its own row: whether the first step's extra time on several GPUs is that
-collective's first run or the processes loading kernels side by side.
+collective's first run or the processes loading kernels side by side (on 4 x H200 it was not:
+the gradients' first all-reduce took 0.46 ms). ``--warm-kernels`` runs the trainer's CUDA warm-up
+(hpc_ddp/train/kernel_warmup.py) on a thread beside the join, as ``train()`` does: what of the
+first use it takes off the step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ import torch.nn.functional as F
 from hpc_ddp.cifar.gpu_data import normalize
 from hpc_ddp.cifar.models import build_model
 from hpc_ddp.runtime.evaluation import EvalSums, batch_terms, totals
+from hpc_ddp.train.cuda_graphs import make_capturable
+from hpc_ddp.train.kernel_warmup import KernelWarmup
+from hpc_ddp.train.optim import without_dynamo
 
 
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
@@ -57,12 +63,28 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--nproc", type=int, default=1, help="processes, one GPU each")
     parser.add_argument("--warm-allreduce", action="store_true")
+    parser.add_argument(
+        "--warm-kernels", action="store_true", help="the trainer's CUDA warm-up beside the join"
+    )
     parser.add_argument("--port", type=int, default=29640, help="the ranks' rendezvous port")
     args = parser.parse_args()
     if args.nproc > 1:
         torch.multiprocessing.spawn(measure, args=(args,), nprocs=args.nproc)
     else:
         measure(0, args)
+
+
+def start_warmup(rank: int, args: argparse.Namespace) -> KernelWarmup:
+    """The trainer's warm-up thread, as ``train()`` starts it beside the process group."""
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = without_dynamo(torch.optim.AdamW)(params, lr=1e-3, weight_decay=0)
+        if dev.type == "cuda":
+            make_capturable(optimizer, dev)
+        return optimizer
+
+    return KernelWarmup([dev], make, None).launch()
 
 
 def join(rank: int, args: argparse.Namespace) -> torch.device:
@@ -80,7 +102,10 @@ def join(rank: int, args: argparse.Namespace) -> torch.device:
 
 def measure(rank: int, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
+    warmup = start_warmup(rank, args) if args.warm_kernels else None
     dev = join(rank, args)
+    if warmup is not None:
+        warmup.finish()
     join_ms = 1e3 * (time.perf_counter() - t0)  # with --nproc: the context, NCCL, one all-reduce
     rows: list[tuple[str, float, float]] = []
 
@@ -102,7 +127,8 @@ def measure(rank: int, args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     net = build_model(args.model, 100).to(dev)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0)
+    # the trainer's AdamW (optim.build_optimizer): torch's own would import torch._dynamo here
+    opt = without_dynamo(torch.optim.AdamW)(net.parameters(), lr=1e-3, weight_decay=0)
     if args.warm_allreduce and dist.is_initialized():
         flat = torch.zeros(sum(p.numel() for p in net.parameters()), device=dev)
         op("collective: all-reduce at the gradients' size", lambda: dist.all_reduce(flat))
@@ -140,24 +166,33 @@ def measure(rank: int, args: argparse.Namespace) -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "processes": args.nproc,
         "warm_allreduce": args.warm_allreduce,
+        "warm_kernels": args.warm_kernels,
         "join_ms": join_ms,
         "context_ms": context_ms,
         "ops": [{"op": n, "first_ms": a, "second_ms": b} for n, a, b in rows],
         "seconds": time.perf_counter() - t0,
     }
+    if rank == 0:
+        print_report(report, rows, args.json)
     if dist.is_initialized():
+        if dev.type == "cuda":
+            step.release()  # captured NCCL work goes before its communicator, or teardown hangs
         dist.barrier()
         dist.destroy_process_group()
-    if rank != 0:
-        return
-    print(f"{report['device']} x {args.nproc}: join {join_ms:.1f} ms, context {context_ms:.1f} ms")
+
+
+def print_report(report: dict, rows: list[tuple[str, float, float]], json_path: str | None) -> None:
+    print(
+        f"{report['device']} x {report['processes']}: join {report['join_ms']:.1f} ms, "
+        f"context {report['context_ms']:.1f} ms"
+    )
     print("| op | first call ms | second call ms |\n|---|---|---|")
     for name, first, second in rows:
         print(f"| {name} | {first:.2f} | {second:.2f} |")
     extra = sum(max(a - b, 0.0) for n, a, b in rows if not n.startswith("step "))
     print(f"first use outside the step: {extra:.1f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,11 @@ case "${1:-}" in
     port=29640
     for w in "" --warm-allreduce "" --warm-allreduce; do
       port=$((port + 1))
-      timeout 60 python3 benchmarks/first_use.py --nproc "$NG" $w --port $port \
+      echo "## first_use.py --nproc $NG $w" >> "$O/first_use_n.txt"
+      timeout 45 python3 benchmarks/first_use.py --nproc "$NG" $w --port $port \
         >> "$O/first_use_n.txt" 2>&1
     done
+    log first_use
     timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --timeout 200 \
       tests/test_gpu.py tests/test_gpu_plugins.py tests/test_gpu_eval_graph.py > "$O/tests.txt" 2>&1
     log tests; cat "$O/cards.txt" "$O/first_use.txt"

@@ -342,6 +342,33 @@ def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
 
 
 @need(1)
+def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
+    """The thread's miniature step under bf16 autocast with the captured step's optimizer
+    (AdamW, capturable and fused) runs, and leaves the CPU's and the GPU's generators as they
+    were: the run it overlaps computes what it would have computed without it."""
+    from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.cuda_graphs import make_capturable
+    from hpc_ddp.train.kernel_warmup import KernelWarmup
+    from hpc_ddp.train.optim import build_optimizer
+
+    device = torch.device("cuda", 0)
+
+    def make(params):
+        optimizer = build_optimizer(TrainConfig(), params)
+        make_capturable(optimizer, device)
+        return optimizer
+
+    torch.manual_seed(3)
+    cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    warmup = KernelWarmup([device], make, torch.bfloat16).launch()
+    warmup.finish()
+    assert warmup.error is None, warmup.error
+    assert warmup.seconds > 0
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert torch.equal(torch.cuda.get_rng_state(device), gpu)
+
+
+@need(1)
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
     from hpc_ddp.cifar.models import build_model

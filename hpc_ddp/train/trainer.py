@@ -28,6 +28,7 @@ from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.finished import finished_answer
+from hpc_ddp.train.kernel_warmup import KernelWarmup
 from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.metric_records import Record, step_record
 from hpc_ddp.train.metric_writers import MetricWriters, open_writers
@@ -379,12 +380,17 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     set_rank(env.rank)
     prefetch = DynamoPrefetch.start() if needs_dynamo(config, env) else None
     if ctx is None:
-        ctx = init_distributed(
-            env,
-            backend=config.backend,
-            timeout_s=config.timeout_s,
-            connect_timeout_s=config.connect_timeout_s,
-        )
+        warmup = KernelWarmup.start(config, env)  # CUDA's one-time costs beside the join
+        try:
+            ctx = init_distributed(
+                env,
+                backend=config.backend,
+                timeout_s=config.timeout_s,
+                connect_timeout_s=config.connect_timeout_s,
+            )
+        finally:
+            if warmup is not None:
+                warmup.finish()
     if prefetch is not None:
         prefetch.process_group_ready()
     comm = Comm(ctx.device)

@@ -1,0 +1,145 @@
+"""CUDA's one-time costs paid on a thread while the process group comes up.
+
+A process's first training step on a GPU loads cuDNN and cuBLAS, creates their handles, starts
+autograd's device thread and loads the module of each kernel at its first launch (CUDA's lazy
+loading): 270-640 ms for the first LeNet step on an H200, with the first evaluation's new
+kernels most of what made a 4-GPU run's first epoch 0.5 s slower than the next ones
+(benchmarks/NOTES.md). Meanwhile the process group's start waits on its peers with the GPU idle
+(1.2-1.3 s on 4 GPUs). ``KernelWarmup`` runs a miniature of the trainer's step in that wait: the
+GPU data path's conversion and gathers, convolution, batch norm, pooling, linear, cross-entropy
+and backward (under the run's autocast), the run's optimizer as the step will call it, and
+evaluation's reductions, on zeros of its own.
+
+It changes nothing the run computes: no random number generator is drawn from and no tensor of
+the run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process
+group is up, because a CUDA graph capture forbids other threads' CUDA work; what is left of
+start-up does not overlap it. A failed warm-up is logged and costs nothing else: the step then
+loads what it needs itself, as it always did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_ddp.cifar.gpu_data import normalize
+from hpc_ddp.cluster import DistEnv
+from hpc_ddp.dist import process_device
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.log import get_logger
+from hpc_ddp.train import cuda_graphs
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.optim import amp_dtype, build_optimizer
+
+log = get_logger("train")
+
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def warm_kernels(
+    device: torch.device, make_optimizer: MakeOptimizer, amp: torch.dtype | None
+) -> None:
+    """One miniature training step and evaluation on ``device``, on tensors made for it."""
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        raw = torch.zeros(8, 3, 8, 8, dtype=torch.uint8, device=device)
+        labels = torch.zeros(8, dtype=torch.int64, device=device)
+        pick = torch.arange(4, device=device)
+        x, y = normalize(raw).index_select(0, pick), labels.index_select(0, pick)
+        conv_w = nn.Parameter(torch.zeros(4, 3, 3, 3, device=device))
+        bn_w, bn_b = (
+            nn.Parameter(torch.ones(4, device=device)),
+            nn.Parameter(torch.zeros(4, device=device)),
+        )
+        fc_w = nn.Parameter(torch.zeros(10, 16, device=device))
+        fc_b = nn.Parameter(torch.zeros(10, device=device))
+        params = [conv_w, bn_w, bn_b, fc_w, fc_b]
+        optimizer = make_optimizer(params)
+        running = torch.zeros(4, device=device), torch.ones(4, device=device)
+
+        def forward(training: bool) -> torch.Tensor:
+            autocast = torch.autocast(device.type, dtype=amp, enabled=amp is not None)
+            with autocast:
+                h = F.conv2d(x, conv_w, padding=1)
+                h = F.batch_norm(h, *running, bn_w, bn_b, training=training)
+                h = F.max_pool2d(F.relu(h), 4).flatten(1)
+                return F.linear(h, fc_w, fc_b)
+
+        loss = F.cross_entropy(forward(True).float(), y, reduction="sum")
+        (loss / y.shape[0]).backward()
+        optimizer.step()
+        with torch.no_grad():
+            out = forward(False).float()
+            total = F.cross_entropy(out, y, reduction="sum").double()
+            correct = out.argmax(dim=1).eq(y).sum().double()
+            host = torch.tensor([1.0], dtype=torch.float64).to(device)
+            torch.cat([torch.stack([total, correct]), host])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+class KernelWarmup:
+    """``start()`` (or ``launch()``) before the process group, ``finish()`` once it is up."""
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        make_optimizer: MakeOptimizer,
+        amp: torch.dtype | None,
+    ) -> None:
+        self.devices = list(devices)
+        self.make_optimizer = make_optimizer
+        self.amp = amp
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kernel-warmup", daemon=True)
+
+    @classmethod
+    def start(cls, config: TrainConfig, env: DistEnv) -> KernelWarmup | None:
+        """Start the thread for a GPU process (None on CPU, or for a run the trainer will
+        refuse: the refusal comes first, with its own message)."""
+        device = process_device(env)
+        if device.type != "cuda":
+            return None
+        try:
+            amp = amp_dtype(config, device)
+            captured = cuda_graphs.choose(config, device, amp, len(env.gpus) or 1).captured
+        except ConfigError:
+            return None
+        devices = [torch.device("cuda", index) for index in env.gpus] or [device]
+
+        def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            optimizer = build_optimizer(config, params)
+            if captured:  # the kernels the captured step records: capturable, fused
+                cuda_graphs.make_capturable(optimizer, params[0].device)
+            return optimizer
+
+        return cls(devices, make_optimizer, amp).launch()
+
+    def launch(self) -> KernelWarmup:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            for device in self.devices:
+                warm_kernels(device, self.make_optimizer, self.amp)
+        except Exception as err:  # the step will load what it needs itself
+            self.error = err
+        self.seconds = time.perf_counter() - began
+
+    def finish(self) -> None:
+        """Wait for the thread: after this, no other thread runs CUDA work of ours."""
+        self._thread.join()
+        if self.error is not None:
+            log.warning(
+                f"the CUDA warm-up failed, so the first step loads its kernels: {self.error!r}"
+            )
+        else:
+            log.debug(f"CUDA warm-up: {self.seconds:.3f} s on a thread beside the process group")

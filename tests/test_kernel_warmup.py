@@ -1,0 +1,73 @@
+"""The CUDA warm-up beside the process group (hpc_ddp/train/kernel_warmup.py).
+
+Its promise is to change nothing the run computes. The miniature step runs on the CPU here with
+the same code the GPU thread runs (no GPU in CI: tests/test_gpu.py runs it on one), so what it
+draws from the random number generators and what it leaves behind is checked for real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpc_ddp.cluster import detect_env
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.kernel_warmup import KernelWarmup, warm_kernels
+from hpc_ddp.train.optim import build_optimizer
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_miniature_step_draws_no_random_numbers(optimizer: str) -> None:
+    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    made: list[torch.optim.Optimizer] = []
+
+    def make(params):
+        made.append(build_optimizer(cfg, params))
+        return made[0]
+
+    warm_kernels(torch.device("cpu"), make, None)
+    assert torch.equal(torch.get_rng_state(), before)
+    # the optimizer really stepped: its state exists (Adam) or its parameters got gradients
+    params = made[0].param_groups[0]["params"]
+    assert all(p.grad is not None for p in params)
+    if optimizer == "adam":
+        assert len(made[0].state) == len(params)
+
+
+def test_no_warmup_for_a_cpu_process() -> None:
+    env = detect_env({})  # no launcher, no GPU named: a CPU rank's view here
+    assert KernelWarmup.start(TrainConfig(), env) is None
+
+
+def test_a_failed_warmup_is_logged_and_finish_returns(caplog) -> None:
+    def broken(params):
+        raise RuntimeError("no optimizer today")
+
+    warmup = KernelWarmup([torch.device("cpu")], broken, None).launch()
+    with caplog.at_level("WARNING", logger="hpc_ddp"):
+        warmup.finish()
+    assert isinstance(warmup.error, RuntimeError)
+    assert "the CUDA warm-up failed" in caplog.text and "no optimizer today" in caplog.text
+
+
+def test_the_warmup_imports_no_torch_dynamo() -> None:
+    """On the captured path nothing else imports it (prefetch.needs_dynamo), and its import
+    takes seconds: a warm-up that pulled it in would hold up the join it is meant to hide in."""
+    script = (
+        "import sys, torch\n"
+        "from hpc_ddp.train.config import TrainConfig\n"
+        "from hpc_ddp.train.kernel_warmup import warm_kernels\n"
+        "from hpc_ddp.train.optim import build_optimizer\n"
+        "warm_kernels(torch.device('cpu'), lambda p: build_optimizer(TrainConfig(), p), None)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
