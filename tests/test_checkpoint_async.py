@@ -20,6 +20,7 @@ import pytest
 import torch
 from trainer_helpers import (
     assert_resumed_like,
+    forked_cmd,
     interrupt_at,
     job_env,
     read_result,
@@ -216,7 +217,7 @@ def test_async_and_sync_runs_write_identical_weights_and_checkpoints(
     tmp_path: Path, data_dir: Path, sync_reference: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    done = run(torchrun_cmd(2, train_args(run_dir, data_dir, async_checkpoint=True, **EVERY)))
+    done = run(forked_cmd(2, train_args(run_dir, data_dir, async_checkpoint=True, **EVERY)))
     assert done.returncode == 0, done.stderr
     ours, ref = read_result(run_dir), read_result(sync_reference)
     assert ours["steps"] == ref["steps"] == 16
@@ -256,7 +257,7 @@ def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
     assert "preempted (SIGUSR1): checkpointed at step 5" in log
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000005\n"
 
-    final = run(torchrun_cmd(2, args))
+    final = run(forked_cmd(2, args))
     assert final.returncode == 0, final.stderr
     assert "step 5)" in final.stdout  # resumed from the preemption checkpoint
     assert_resumed_like(run_dir, sync_reference, interruptions=1, steps=16)

@@ -14,6 +14,7 @@ import pytest
 from trainer_helpers import (
     HPC_DDP,
     assert_resumed_like,
+    forked_cmd,
     interrupt_at,
     job_env,
     read_result,
@@ -138,10 +139,10 @@ def test_plugin_resumed_after_a_signal_ends_bit_identical_and_learns(
     assert "preempted (SIGUSR1): checkpointed at step 5" in log, log
 
     # The run's identity includes the plug-ins: another model is refused, nothing written.
-    other = run(torchrun_cmd(2, plugin_args(run_dir, plugin, model=f"{plugin}:wider")))
+    other = run(forked_cmd(2, plugin_args(run_dir, plugin, model=f"{plugin}:wider")))
     assert other.returncode != 0 and f"{plugin}:mlp' -> '{plugin}:wider'" in other.stderr
 
-    final = run(torchrun_cmd(2, args), timeout=300)
+    final = run(forked_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr
     assert "resumed from" in final.stdout and "step 5" in final.stdout
     result = assert_resumed_like(run_dir, ref_dir, interruptions=1, steps=24)

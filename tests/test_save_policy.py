@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from trainer_helpers import (
     assert_resumed_like,
+    forked_cmd,
     interrupt_at,
     reference_run,
     run,
@@ -95,6 +96,6 @@ def test_a_preemption_after_skipped_epoch_ends_still_saves_and_resumes_exactly(
     )
     assert rc != 0 and "preempted (SIGUSR1): checkpointed at step 11" in log, log
     assert _saved_steps(log) == [11], log
-    final = run(torchrun_cmd(2, args))
+    final = run(forked_cmd(2, args))
     assert final.returncode == 0, final.stderr
     assert_resumed_like(run_dir, ref, interruptions=1, steps=16)

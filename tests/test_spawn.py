@@ -18,6 +18,7 @@ import pytest
 from trainer_helpers import (
     HPC_DDP,
     finish,
+    forked_cmd,
     holding,
     interrupt_at,
     job_env,
@@ -35,10 +36,6 @@ from hpc_ddp.localslurm import wait_for
 from hpc_ddp.spawn import check_can_spawn
 
 WORKER = Path(__file__).parent / "workers" / "spawn_worker.py"
-
-
-def spawn_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [HPC_DDP, "train", "--nproc-per-node", str(nproc), *args]
 
 
 def gone(pid: int) -> bool:
@@ -143,7 +140,7 @@ def test_forked_ranks_preempt_resume_and_match_torchrun_bit_for_bit(
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir)
     rc, log = interrupt_at(
-        spawn_cmd(2, [*args, "--debug-hold-at-step", "5"]),
+        forked_cmd(2, [*args, "--debug-hold-at-step", "5"]),
         run_dir,
         tmp_path / "1.log",
         launcher=True,  # SIGUSR1 to the parent only: it forwards to both workers
@@ -152,7 +149,7 @@ def test_forked_ranks_preempt_resume_and_match_torchrun_bit_for_bit(
     assert "2 process(es)" in log and "preempted (SIGUSR1): checkpointed at step 5" in log, log
     assert read_json(run_dir / "progress.json")["status"] == "preempted"
 
-    final = run(spawn_cmd(2, args))
+    final = run(forked_cmd(2, args))
     assert final.returncode == 0, final.stderr
     result, reference = read_result(run_dir), read_result(torchrun_reference)
     assert result["interruptions"] == 1 and result["world_size"] == 2
@@ -165,7 +162,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
     # 1. SIGKILL one rank: the parent names it, stops the other, exits 128 + 9.
     run_dir = tmp_path / "run"
     log = tmp_path / "killed.log"
-    proc = start(spawn_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
+    proc = start(forked_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
     try:
         progress = wait_for_progress(run_dir, holding, proc)
         os.kill(progress["pids"][1], signal.SIGKILL)
@@ -178,7 +175,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
 
     # 2. SIGKILL the parent (no handler can run): the workers die with it (PR_SET_PDEATHSIG).
     run_dir = tmp_path / "run2"
-    proc = start(spawn_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
+    proc = start(forked_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
     pids: list[int] = []
     try:
         pids = wait_for_progress(run_dir, holding, proc)["pids"]

@@ -13,6 +13,7 @@ import torch
 from trainer_helpers import (
     assert_resumed_like,
     finish,
+    forked_cmd,
     holding,
     interrupt_at,
     read_json,
@@ -81,7 +82,7 @@ def test_interrupted_twice_matches_uninterrupted_bit_for_bit(
     assert read_json(run_dir / "progress.json")["status"] == "preempted"
     assert "step 3" in log  # it resumed from the first interruption
 
-    final = run(torchrun_cmd(2, args))
+    final = run(forked_cmd(2, args))
     assert final.returncode == 0, final.stderr
     result = assert_resumed_like(run_dir, ref_dir, interruptions=2, steps=16)
     assert result["test_accuracy"] == reference["test_accuracy"]
@@ -114,7 +115,7 @@ def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
     stopped = read_json(run_dir / "progress.json")  # rank 0 survived the peer: says it failed
     assert stopped["status"] == "failed" and stopped["stopped_at"] and stopped["reason"], stopped
 
-    resumed = run(torchrun_cmd(2, args))
+    resumed = run(forked_cmd(2, args))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step 4)" in resumed.stdout
     assert read_result(run_dir)["params_sha256"] == read_result(reference)["params_sha256"]
@@ -123,10 +124,10 @@ def test_a_killed_rank_fails_the_job_fast_and_the_rerun_resumes_exactly(
 @pytest.mark.slow
 def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) -> None:
     common = {"epochs": 1, "augment": False}
-    big = run(torchrun_cmd(2, train_args(tmp_path / "big", data_dir, batch_size=32, **common)))
+    big = run(forked_cmd(2, train_args(tmp_path / "big", data_dir, batch_size=32, **common)))
     assert big.returncode == 0, big.stderr
     acc_args = train_args(tmp_path / "acc", data_dir, batch_size=8, accum_steps=4, **common)
-    acc = run(torchrun_cmd(2, acc_args))
+    acc = run(forked_cmd(2, acc_args))
     assert acc.returncode == 0, acc.stderr
     r_big, r_acc = read_result(tmp_path / "big"), read_result(tmp_path / "acc")
     assert r_big["steps"] == r_acc["steps"] == 4
@@ -175,9 +176,10 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
     from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
 
-    # One epoch of 384 steps: the bound below ends before the epoch does, so a run that acted on
-    # the flag only at the epoch's end (the other place the ranks agree) fails the test.
-    longer = {"synthetic_train_size": 12288, "epochs": 1, "log_every": 1000}
+    # One epoch of 256 steps: the bound below (at most 40 + 64 + 60) ends before the epoch does,
+    # so a run that acted on the flag only at the epoch's end (the other place the ranks agree)
+    # fails the test.
+    longer = {"synthetic_train_size": 8192, "epochs": 1, "log_every": 1000}
     reference_run(tmp_path / "ref", data_dir, timeout=300, **longer)
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, **longer)
@@ -199,11 +201,11 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     # progress.json lags the job by < 0.5 s and the test's poll; the rest is the bound.
     step = int(found.group(1))
     assert progress["step"] <= step <= progress["step"] + AGREE_MAX_STEPS + 60
-    assert step < 384, f"the flag was acted on at the epoch's end (step {step}), not before"
+    assert step < 256, f"the flag was acted on at the epoch's end (step {step}), not before"
 
-    final = run(torchrun_cmd(2, args), timeout=300)
+    final = run(forked_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr
-    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=384)
+    assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=256)
 
 
 @pytest.mark.slow
