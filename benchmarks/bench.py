@@ -100,7 +100,14 @@ class Bench:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    def run(
+        self,
+        name: str,
+        cmd: list[str],
+        timeout: float,
+        env: dict | None = None,
+        cwd: Path = REPO,
+    ) -> dict:
         """Run ``cmd``; return {rc, wall_s, log}. Skips (rc=None) when the budget is spent."""
         if self.left() < min(timeout, 30):
             print(f"[bench] skip {name}: {self.left():.0f} s of budget left", flush=True)
@@ -118,7 +125,7 @@ class Bench:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=full_env,
-                cwd=REPO,
+                cwd=cwd,
                 start_new_session=True,
             )
             try:
@@ -223,13 +230,19 @@ class Bench:
             res.update(json.loads(out.read_text()))
         return self.record(name, {"kind": "ours", "gpus": n, "launcher": launcher, **res})
 
-    def plain(self, name: str, n: int, flags: list[str], timeout: float = 120) -> dict:
+    def plain(
+        self, name: str, n: int, flags: list[str], timeout: float = 120, base: Path | None = None
+    ) -> dict:
         """``hpc-ddp train --nproc-per-node n`` as a user types it (``flags`` from
         ``lenet_flags(..., plain=True)``): no probe; timed from the shell, its own figures from
-        its result.json."""
+        its result.json. ``base``: a directory holding another revision's ``hpc_ddp`` package,
+        run from there (``python -m`` puts the working directory before PYTHONPATH)."""
         run_dir = Path(flags[flags.index("--run-dir") + 1])
         cmd = [*HPC_DDP, "train", "--nproc-per-node", str(n), *flags]
-        res = self.run(name, cmd, timeout=timeout)
+        if base is None:
+            res = self.run(name, cmd, timeout=timeout)
+        else:
+            res = self.run(name, cmd, timeout=timeout, env={"PYTHONPATH": str(base)}, cwd=base)
         result = run_dir / "result.json"
         if res.get("rc") == 0 and result.exists():
             res["result"] = json.loads(result.read_text())
@@ -245,16 +258,22 @@ class Bench:
             # Each epoch's seconds and their split: where a slower repeat's time went.
             rows = RunPaths(run_dir).metrics.read_text().splitlines()
             res["epochs"] = [{k: json.loads(row)[k] for k in ("seconds", "time")} for row in rows]
-        return self.record(name, {"kind": "plain", "gpus": n, **res})
+        base_dir = {"base": str(base)} if base is not None else {}
+        return self.record(name, {"kind": "plain", "gpus": n, **base_dir, **res})
 
     def suite_plain(self) -> None:
         """The conventional script, then the plain default command --repeats times, on the
-        most GPUs, in one call: the ratios users would measure themselves."""
+        most GPUs, in one call: the ratios users would measure themselves. ``--plain-base``:
+        each repeat also with that revision, the order alternating (a drift of the machine
+        lands on both sides)."""
         top = max(self.gpus)
         self.reference(f"plain_ref_ddp_{top}gpu", "ddp", top, 64)
+        base = self.args.plain_base
         for i in range(1, self.args.repeats + 1):
-            flags = self.lenet_flags(f"plain{top}r{i}", None, plain=True)
-            self.plain(f"plain_lenet_{top}gpu_r{i}", top, flags)
+            runs = [("", None)] + ([("_base", base)] if base is not None else [])
+            for suffix, where in runs[:: 1 if i % 2 else -1]:
+                flags = self.lenet_flags(f"plain{top}{suffix}r{i}", None, plain=True)
+                self.plain(f"plain_lenet_{top}gpu{suffix}_r{i}", top, flags, base=where)
 
     def lenet_flags(self, name: str, graphs: bool | None, *, plain: bool = False) -> list[str]:
         """The reference workload's flags; ``graphs`` True: ``--cuda-graphs`` with synchronous
@@ -533,6 +552,12 @@ def main() -> None:
         "compared) or easy (learnt in an epoch)",
     )
     parser.add_argument("--ddpcost-extras", action="store_true", help="ddpcost: 2 more runs")
+    parser.add_argument(
+        "--plain-base",
+        type=lambda text: Path(text).resolve(),
+        help="plain: also run the revision whose hpc_ddp/ is in this directory, alternating "
+        "(e.g. git archive REV hpc_ddp | tar -x -C DIR)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,

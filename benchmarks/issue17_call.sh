@@ -10,6 +10,9 @@
 #                                         trainer's CUDA warm-up
 #   benchmarks/issue17_call.sh accuracy   both scripts' accuracy over 12 seeds, 3 runs a GPU
 #
+# BASE=DIR (a directory holding another revision's hpc_ddp/, carried in an ignored folder, e.g.
+# git archive REV hpc_ddp | tar -x -C .gpu/base): the plain runs alternate with that revision's.
+#
 # The floor (interpreter, import torch, one forked rank per GPU, NCCL, one all-reduce) is a
 # measuring stick kept outside the project: copy it to .gpu/i17/startup_floor.py (git-ignored)
 # and carry .gpu/i17. Output under $OUT: cards.txt (GPUs, cores, CPU, seconds per part),
@@ -52,7 +55,12 @@ esac
 
 floor() { s=$(date +%s.%N); python3 .gpu/i17/startup_floor.py "$NG" "$1" | sed "s/\$/ shell_start=$s/"; }
 floor 29610 > "$O/floor.txt" 2>&1  # a floor before the plain runs and after them
-timeout 200 python3 benchmarks/bench.py --gpus "$NG" --suites plain --repeats 5 --budget-s 195 \
+if [ -n "${BASE:-}" ]; then  # another revision's hpc_ddp/ in $BASE: its plain runs alternate
+  plain=(--plain-base "$BASE" --budget-s 280); limit=285
+else
+  plain=(--budget-s 195); limit=200
+fi
+timeout $limit python3 benchmarks/bench.py --gpus "$NG" --suites plain --repeats 5 "${plain[@]}" \
   --work $W --out /tmp/plain > /tmp/plain.log 2>&1
 log plain
 floor 29612 >> "$O/floor.txt" 2>&1

@@ -257,7 +257,8 @@ def table_plain(runs: dict) -> list[str]:
     base = ref if ref is not None and _ok(ref) else {}
     for key, r in ours:
         result = r.get("result") or {}
-        label = f"`hpc-ddp train --nproc-per-node {r.get('gpus')}` ({key.rsplit('_', 1)[-1]})"
+        which = ("base " if r.get("base") else "") + key.rsplit("_", 1)[-1]
+        label = f"`hpc-ddp train --nproc-per-node {r.get('gpus')}` ({which})"
         if not _ok(r) or not result:
             out.append(f"| {label} | {r.get('gpus')} | {_why(r)} | | | | | | |")
             continue
