@@ -2,7 +2,7 @@
 
 A process's first training step on a GPU loads cuDNN and cuBLAS, creates their handles, starts
 autograd's device thread and loads the module of each kernel at its first launch (CUDA's lazy
-loading): 270-640 ms for the first LeNet step on an H200, with the first evaluation's new
+loading): 270-880 ms for the first LeNet step on an H200, with the first evaluation's new
 kernels most of what made a 4-GPU run's first epoch 0.5 s slower than the next ones
 (benchmarks/NOTES.md). Meanwhile the process group's start waits on its peers with the GPU idle
 (1.2-1.3 s on 4 GPUs). ``KernelWarmup`` runs a miniature of the trainer's step in that wait: the
@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp.cifar.gpu_data import normalize
 from hpc_ddp.cluster import DistEnv
 from hpc_ddp.dist import process_device
 from hpc_ddp.errors import ConfigError
@@ -46,6 +45,8 @@ def warm_kernels(
     device: torch.device, make_optimizer: MakeOptimizer, amp: torch.dtype | None
 ) -> None:
     """One miniature training step and evaluation on ``device``, on tensors made for it."""
+    from hpc_ddp.cifar.gpu_data import normalize  # GPU runs only: CPU ones never import it here
+
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         raw = torch.zeros(8, 3, 8, 8, dtype=torch.uint8, device=device)
         labels = torch.zeros(8, dtype=torch.int64, device=device)
