@@ -1,7 +1,8 @@
 """Asynchronous checkpoints (``--async-checkpoint``): snapshot, background commit, errors.
 
 In-process tests drive ``Checkpointer.save_async`` with phase hooks (no timing); the trainer
-tests run two real Gloo ranks under torchrun and compare against the synchronous path.
+tests run two real Gloo ranks (interrupted under torchrun, the rest forked: ``forked_cmd``) and
+compare against the synchronous path.
 """
 
 from __future__ import annotations

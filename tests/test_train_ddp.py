@@ -1,4 +1,9 @@
-"""Two real Gloo ranks under real torchrun: exact resume, exact evaluation, accumulation, errors."""
+"""Two real Gloo ranks under real torchrun: exact resume, exact evaluation, accumulation, errors.
+
+The runs that only provide weights to compare against (the uninterrupted reference, resumes
+after torchrun's interruption, the big-batch twin) fork their workers instead
+(``forked_cmd``): half the CPU time, the same weights (tests/test_spawn.py).
+"""
 
 from __future__ import annotations
 
