@@ -1,6 +1,7 @@
 """Plug-in models and datasets (``--model MODULE:FUNCTION --dataset MODULE:FUNCTION``) on the
 trainer: a user's MLP and synthetic dataset, written to a temporary .py file, trained under
-real torchrun with 2 Gloo ranks, interrupted by a real signal mid-epoch and resumed; and each
+real torchrun with 2 Gloo ranks, interrupted by a real signal mid-epoch and resumed (the resume
+and the reference fork their ranks: ``forked_cmd``); and each
 broken contract through the real ``hpc-ddp train``. Nothing is mocked.
 """
 
