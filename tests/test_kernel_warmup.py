@@ -8,6 +8,7 @@ draws from the random number generators and what it leaves behind is checked for
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -71,3 +72,30 @@ def test_the_warmup_imports_no_torch_dynamo() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_deterministic_run_sets_cublas_up_before_the_warmup_uses_it() -> None:
+    """The warm-up is a GPU process's first cuBLAS user, and cuBLAS's workspace size is read
+    once: ``--deterministic``'s CUBLAS_WORKSPACE_CONFIG must be set before the thread starts,
+    not later in build_net. A fresh interpreter (the switch is process-wide), the device made
+    to read as a GPU and the thread not started: no GPU here."""
+    script = (
+        "import os, torch\n"
+        "import hpc_ddp.train.kernel_warmup as kw\n"
+        "from hpc_ddp.cluster import detect_env\n"
+        "from hpc_ddp.train.config import TrainConfig\n"
+        "kw.process_device = lambda env: torch.device('cuda', 0)\n"
+        "kw.KernelWarmup.launch = lambda self: self\n"
+        "for deterministic in (False, True):\n"
+        "    config = TrainConfig(deterministic=deterministic)\n"
+        "    warmup = kw.KernelWarmup.start(config, detect_env({}))\n"
+        "    assert warmup is not None\n"
+        "    print(deterministic, torch.are_deterministic_algorithms_enabled(),\n"
+        "          os.environ.get('CUBLAS_WORKSPACE_CONFIG'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "None", "True", "True", ":4096:8"]

@@ -14,7 +14,8 @@ It changes nothing the run computes: no random number generator is drawn from an
 the run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process
 group is up, because a CUDA graph capture forbids other threads' CUDA work; what is left of
 start-up does not overlap it. A failed warm-up is logged and costs nothing else: the step then
-loads what it needs itself, as it always did.
+loads what it needs itself, as it always did. Being the process's first cuBLAS user, it sets a
+``--deterministic`` run's cuBLAS workspace up first (``rng.use_deterministic_kernels``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hpc_ddp.cluster import DistEnv
 from hpc_ddp.dist import process_device
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
+from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.optim import amp_dtype, build_optimizer
@@ -107,6 +109,10 @@ class KernelWarmup:
         device = process_device(env)
         if device.type != "cuda":
             return None
+        if config.deterministic:
+            # The warm-up makes the process's first cuBLAS call, which sizes cuBLAS's workspace
+            # from CUBLAS_WORKSPACE_CONFIG for good: a deterministic run's setting comes first.
+            use_deterministic_kernels()
         try:
             amp = amp_dtype(config, device)
             captured = cuda_graphs.choose(config, device, amp, len(env.gpus) or 1).captured
