@@ -37,9 +37,12 @@ import torch.nn.functional as F
 from hpc_ddp.cifar.gpu_data import normalize
 from hpc_ddp.cifar.models import build_model
 from hpc_ddp.runtime.evaluation import EvalSums, batch_terms, totals
-from hpc_ddp.train.cuda_graphs import make_capturable
-from hpc_ddp.train.kernel_warmup import KernelWarmup
-from hpc_ddp.train.optim import without_dynamo
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.kernel_warmup import KernelWarmup, optimizer_factory
+from hpc_ddp.train.optim import build_optimizer
+
+# The reference workload's optimizer (benchmarks/README.md): AdamW, 1e-3, no weight decay.
+WORKLOAD = TrainConfig(optimizer="adam", lr=1e-3, weight_decay=0.0)
 
 
 def timed(device: torch.device, fn: Callable[[], object]) -> float:
@@ -77,13 +80,7 @@ def main() -> None:
 def start_warmup(rank: int, args: argparse.Namespace) -> KernelWarmup:
     """The trainer's warm-up thread, as ``train()`` starts it beside the process group."""
     dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
-
-    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        optimizer = without_dynamo(torch.optim.AdamW)(params, lr=1e-3, weight_decay=0)
-        if dev.type == "cuda":
-            make_capturable(optimizer, dev)
-        return optimizer
-
+    make = optimizer_factory(WORKLOAD, captured=dev.type == "cuda")
     return KernelWarmup([dev], make, None).launch()
 
 
@@ -127,8 +124,8 @@ def measure(rank: int, args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     net = build_model(args.model, 100).to(dev)
-    # the trainer's AdamW (optim.build_optimizer): torch's own would import torch._dynamo here
-    opt = without_dynamo(torch.optim.AdamW)(net.parameters(), lr=1e-3, weight_decay=0)
+    # the trainer's AdamW: torch's own would import torch._dynamo here
+    opt = build_optimizer(WORKLOAD, net.parameters())
     if args.warm_allreduce and dist.is_initialized():
         flat = torch.zeros(sum(p.numel() for p in net.parameters()), device=dev)
         op("collective: all-reduce at the gradients' size", lambda: dist.all_reduce(flat))

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_ddp.cluster import DistEnv
+from hpc_ddp.dist import process_device
 from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.evaluation import Batches, EvalSums
@@ -44,6 +46,7 @@ from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.eval_graph import GraphedEval
 from hpc_ddp.train.grad_buckets import BucketedAllReduce
 from hpc_ddp.train.loop import Stepper, Times
+from hpc_ddp.train.optim import amp_dtype
 
 
 def unsupported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> list[str]:
@@ -110,6 +113,17 @@ def choose(
     if problems:
         return StepChoice(False, "; ".join(problems))
     return StepChoice(True, "auto: this run qualifies; --no-cuda-graphs for eager DDP")
+
+
+def choose_before_start(cfg: TrainConfig, env: DistEnv) -> StepChoice | None:
+    """``choose`` from the launcher's view, before the process group binds the device: what
+    start-up prepares for (the torch._dynamo prefetch, the CUDA warm-up). None for settings the
+    trainer will refuse: the refusal, with its message, comes after, before any of that work."""
+    device = process_device(env)
+    try:
+        return choose(cfg, device, amp_dtype(cfg, device), len(env.gpus) or 1)
+    except ConfigError:
+        return None
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:

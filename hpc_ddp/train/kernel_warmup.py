@@ -31,7 +31,6 @@ from torch import nn
 
 from hpc_ddp.cluster import DistEnv
 from hpc_ddp.dist import process_device
-from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.train import cuda_graphs
@@ -41,6 +40,19 @@ from hpc_ddp.train.optim import amp_dtype, build_optimizer
 log = get_logger("train")
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def optimizer_factory(config: TrainConfig, *, captured: bool) -> MakeOptimizer:
+    """The run's optimizer as its step will call it: ``optim.build_optimizer``'s, made
+    capturable (and fused) for the captured step, whose kernels those are."""
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(config, params)
+        if captured:
+            cuda_graphs.make_capturable(optimizer, params[0].device)
+        return optimizer
+
+    return make
 
 
 def warm_kernels(
@@ -105,28 +117,18 @@ class KernelWarmup:
     @classmethod
     def start(cls, config: TrainConfig, env: DistEnv) -> KernelWarmup | None:
         """Start the thread for a GPU process (None on CPU, or for a run the trainer will
-        refuse: the refusal comes first, with its own message)."""
+        refuse: the refusal, with its message, comes once the process group is up)."""
         device = process_device(env)
-        if device.type != "cuda":
+        choice = cuda_graphs.choose_before_start(config, env)
+        if device.type != "cuda" or choice is None:
             return None
         if config.deterministic:
             # The warm-up makes the process's first cuBLAS call, which sizes cuBLAS's workspace
             # from CUBLAS_WORKSPACE_CONFIG for good: a deterministic run's setting comes first.
             use_deterministic_kernels()
-        try:
-            amp = amp_dtype(config, device)
-            captured = cuda_graphs.choose(config, device, amp, len(env.gpus) or 1).captured
-        except ConfigError:
-            return None
         devices = [torch.device("cuda", index) for index in env.gpus] or [device]
-
-        def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-            optimizer = build_optimizer(config, params)
-            if captured:  # the kernels the captured step records: capturable, fused
-                cuda_graphs.make_capturable(optimizer, params[0].device)
-            return optimizer
-
-        return cls(devices, make_optimizer, amp).launch()
+        make = optimizer_factory(config, captured=choice.captured)
+        return cls(devices, make, amp_dtype(config, device)).launch()
 
     def launch(self) -> KernelWarmup:
         self._thread.start()

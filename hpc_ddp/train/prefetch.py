@@ -26,11 +26,8 @@ from collections.abc import Mapping
 
 from hpc_ddp.cluster import DistEnv, detect_env
 from hpc_ddp.cluster.devices import count_visible_gpus, has_nvidia_driver
-from hpc_ddp.dist import process_device
-from hpc_ddp.errors import ConfigError
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.optim import amp_dtype
 
 # About half of torch._dynamo's import time (604 of its ~890 modules on torch 2.14).
 STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
@@ -42,12 +39,8 @@ def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
     step has no DDP wrapper and its optimizer skips the import (optim.py), so on the
     GPU-resident data path it never pays for it. Settings the trainer will refuse count as not
     needing it: the refusal comes before any import."""
-    device = process_device(env)
-    try:
-        choice = cuda_graphs.choose(config, device, amp_dtype(config, device), len(env.gpus) or 1)
-    except ConfigError:
-        return False
-    return not choice.captured or config.data_path == "torchvision"
+    choice = cuda_graphs.choose_before_start(config, env)
+    return choice is not None and (not choice.captured or config.data_path == "torchvision")
 
 
 def import_before_fork(
