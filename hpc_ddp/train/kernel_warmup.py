@@ -14,8 +14,8 @@ It changes nothing the run computes: no random number generator is drawn from an
 the run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process
 group is up, because a CUDA graph capture forbids other threads' CUDA work; what is left of
 start-up does not overlap it. A failed warm-up is logged and costs nothing else: the step then
-loads what it needs itself, as it always did. Being the process's first cuBLAS user, it sets a
-``--deterministic`` run's cuBLAS workspace up first (``rng.use_deterministic_kernels``).
+loads what it needs itself, as it always did. It is the process's first cuBLAS user, so
+``train()`` makes a ``--deterministic`` run's kernel settings before starting it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch import nn
 from hpc_ddp.cluster import DistEnv
 from hpc_ddp.dist import process_device
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.optim import amp_dtype, build_optimizer
@@ -122,10 +121,6 @@ class KernelWarmup:
         choice = cuda_graphs.choose_before_start(config, env)
         if device.type != "cuda" or choice is None:
             return None
-        if config.deterministic:
-            # The warm-up makes the process's first cuBLAS call, which sizes cuBLAS's workspace
-            # from CUBLAS_WORKSPACE_CONFIG for good: a deterministic run's setting comes first.
-            use_deterministic_kernels()
         devices = [torch.device("cuda", index) for index in env.gpus] or [device]
         make = optimizer_factory(config, captured=choice.captured)
         return cls(devices, make, amp_dtype(config, device)).launch()

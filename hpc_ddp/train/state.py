@@ -66,8 +66,6 @@ def load_splits(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> Splits:
 
 def build_net(cfg: TrainConfig, num_classes: int, devices: list[torch.device]) -> torch.nn.Module:
     rng.seed_everything(cfg.seed)  # identical initial weights on every rank and every run
-    if cfg.deterministic:
-        rng.use_deterministic_kernels()
     net = models.build_model(cfg.model, num_classes, sync_bn=cfg.sync_bn)
     if len(devices) > 1 and not isinstance(net, torch.nn.Sequential):
         raise ConfigError(

@@ -24,6 +24,7 @@ from hpc_ddp.log import before_each_line, get_logger, set_rank
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
 from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
+from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
@@ -375,6 +376,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     from hpc_ddp.dist import end_process_group, init_distributed
 
     clock = Clock()
+    if config.deterministic:  # before any CUDA work of ours: cuBLAS reads its setting once
+        use_deterministic_kernels()
     own_group = ctx is None and not dist.is_initialized()
     env = ctx.env if ctx else detect_env(gpus_per_process=config.gpus_per_process or None)
     set_rank(env.rank)
