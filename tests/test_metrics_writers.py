@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from trainer_helpers import (
     finish,
+    forked_cmd,
     holding,
     interrupt_at,
     job_env,
@@ -50,7 +51,7 @@ SAME_VALUES = ("train_loss", "lr", "test_loss", "test_accuracy", "test_samples",
 
 
 def spawn_cmd(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
-    return single_cmd([*train_args(run_dir, data_dir, **SETTINGS), "--nproc-per-node", "2", *extra])
+    return forked_cmd(2, [*train_args(run_dir, data_dir, **SETTINGS), *extra])
 
 
 def read_csv(run_dir: Path) -> list[dict[str, str]]:

@@ -164,8 +164,7 @@ def test_the_cause_is_printed_before_another_rank_failed(tmp_path: Path, data_di
     first = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
     assert first.returncode == 0, first.stderr
     for _ in range(3):
-        argv = [*train_args(run_dir, data_dir, epochs=1, lr=0.5), "--nproc-per-node", "2"]
-        done = run(single_cmd(argv))
+        done = run(forked_cmd(2, train_args(run_dir, data_dir, epochs=1, lr=0.5)))
         err = done.stderr
         cause = re.search(r"^\[rank 0/2 \S+\] error: run dir .* different settings", err, re.M)
         peer = re.search(r"^\[rank 1/2 \S+\] error: 1 other rank\(s\) failed while open", err, re.M)
