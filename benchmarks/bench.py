@@ -239,10 +239,8 @@ class Bench:
         run from there (``python -m`` puts the working directory before PYTHONPATH)."""
         run_dir = Path(flags[flags.index("--run-dir") + 1])
         cmd = [*HPC_DDP, "train", "--nproc-per-node", str(n), *flags]
-        if base is None:
-            res = self.run(name, cmd, timeout=timeout)
-        else:
-            res = self.run(name, cmd, timeout=timeout, env={"PYTHONPATH": str(base)}, cwd=base)
+        env = {"PYTHONPATH": str(base)} if base is not None else None
+        res = self.run(name, cmd, timeout=timeout, env=env, cwd=base or REPO)
         result = run_dir / "result.json"
         if res.get("rc") == 0 and result.exists():
             res["result"] = json.loads(result.read_text())
@@ -258,8 +256,7 @@ class Bench:
             # Each epoch's seconds and their split: where a slower repeat's time went.
             rows = RunPaths(run_dir).metrics.read_text().splitlines()
             res["epochs"] = [{k: json.loads(row)[k] for k in ("seconds", "time")} for row in rows]
-        base_dir = {"base": str(base)} if base is not None else {}
-        return self.record(name, {"kind": "plain", "gpus": n, **base_dir, **res})
+        return self.record(name, {"kind": "plain", "gpus": n, "base": base and str(base), **res})
 
     def suite_plain(self) -> None:
         """The conventional script, then the plain default command --repeats times, on the

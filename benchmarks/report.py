@@ -254,7 +254,7 @@ def table_plain(runs: dict) -> list[str]:
     ]
     if ref is not None:
         out.append(_base_row("conventional DDP script", ref, ref.get("gpus"), plain_columns=True))
-    base = ref if ref is not None and _ok(ref) else {}
+    conventional = ref if ref is not None and _ok(ref) else {}
     for key, r in ours:
         result = r.get("result") or {}
         which = ("base " if r.get("base") else "") + key.rsplit("_", 1)[-1]
@@ -268,8 +268,8 @@ def table_plain(runs: dict) -> list[str]:
             f"{_epoch_split(r.get('epochs') or [])} | {_f(r.get('wall_s'))} | "
             f"{_outside_split(r.get('outside_train_s'))} | "
             f"{_f(result.get('test_accuracy'), '.4f')} | "
-            f"{_f(_ratio(base.get('train_time_s'), train), '.1f')}x | "
-            f"{_f(_ratio(base.get('wall_s'), r.get('wall_s')), '.1f')}x |"
+            f"{_f(_ratio(conventional.get('train_time_s'), train), '.1f')}x | "
+            f"{_f(_ratio(conventional.get('wall_s'), r.get('wall_s')), '.1f')}x |"
         )
     return [*out, ""]
 
