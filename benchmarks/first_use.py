@@ -77,16 +77,14 @@ def main() -> None:
         measure(0, args)
 
 
-def start_warmup(rank: int, args: argparse.Namespace) -> KernelWarmup:
+def start_warmup(dev: torch.device) -> KernelWarmup:
     """The trainer's warm-up thread, as ``train()`` starts it beside the process group."""
-    dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
     make = optimizer_factory(WORKLOAD, captured=dev.type == "cuda")
     return KernelWarmup([dev], make, None).launch()
 
 
-def join(rank: int, args: argparse.Namespace) -> torch.device:
-    """This rank's device; with ``--nproc``, the process group joined and one all-reduce done."""
-    dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+def join(rank: int, dev: torch.device, args: argparse.Namespace) -> None:
+    """With ``--nproc``: the process group joined and one all-reduce done."""
     if args.nproc > 1:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # makes the context: one process alone times it apart
@@ -94,13 +92,13 @@ def join(rank: int, args: argparse.Namespace) -> torch.device:
         backend, device_id = ("gloo", None) if args.cpu else ("nccl", dev)
         dist.init_process_group(backend, rank=rank, world_size=args.nproc, device_id=device_id)
         dist.all_reduce(torch.ones(1, device=dev))
-    return dev
 
 
 def measure(rank: int, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
-    warmup = start_warmup(rank, args) if args.warm_kernels else None
-    dev = join(rank, args)
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+    warmup = start_warmup(dev) if args.warm_kernels else None
+    join(rank, dev, args)
     if warmup is not None:
         warmup.finish()
     join_ms = 1e3 * (time.perf_counter() - t0)  # with --nproc: the context, NCCL, one all-reduce
