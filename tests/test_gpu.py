@@ -347,17 +347,10 @@ def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
     (AdamW, capturable and fused) runs, and leaves the CPU's and the GPU's generators as they
     were: the run it overlaps computes what it would have computed without it."""
     from hpc_ddp.train.config import TrainConfig
-    from hpc_ddp.train.cuda_graphs import make_capturable
-    from hpc_ddp.train.kernel_warmup import KernelWarmup
-    from hpc_ddp.train.optim import build_optimizer
+    from hpc_ddp.train.kernel_warmup import KernelWarmup, optimizer_factory
 
     device = torch.device("cuda", 0)
-
-    def make(params):
-        optimizer = build_optimizer(TrainConfig(), params)
-        make_capturable(optimizer, device)
-        return optimizer
-
+    make = optimizer_factory(TrainConfig(), captured=True)
     torch.manual_seed(3)
     cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state(device)
     warmup = KernelWarmup([device], make, torch.bfloat16).launch()

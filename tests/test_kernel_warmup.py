@@ -24,7 +24,7 @@ from hpc_ddp.train.optim import build_optimizer
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_the_miniature_step_draws_no_random_numbers(optimizer: str) -> None:
-    cfg = dataclasses.replace(TrainConfig(), optimizer=optimizer)
+    cfg = TrainConfig(optimizer=optimizer)
     torch.manual_seed(7)
     before = torch.get_rng_state()
     made: list[torch.optim.Optimizer] = []
@@ -43,7 +43,7 @@ def test_the_miniature_step_draws_no_random_numbers(optimizer: str) -> None:
 
 
 def test_no_warmup_for_a_cpu_process() -> None:
-    env = detect_env({})  # no launcher, no GPU named: a CPU rank's view here
+    env = dataclasses.replace(detect_env({}), gpus=())  # a CPU rank, on any machine
     assert KernelWarmup.start(TrainConfig(), env) is None
 
 
