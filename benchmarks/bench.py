@@ -267,10 +267,30 @@ class Bench:
         self.reference(f"plain_ref_ddp_{top}gpu", "ddp", top, 64)
         base = self.args.plain_base
         for i in range(1, self.args.repeats + 1):
+            self.floor(f"floor_{top}gpu_r{i}", top)
             runs = [("", None)] + ([("_base", base)] if base is not None else [])
             for suffix, where in runs[:: 1 if i % 2 else -1]:
                 flags = self.lenet_flags(f"plain{top}{suffix}r{i}", None, plain=True)
                 self.plain(f"plain_lenet_{top}gpu{suffix}_r{i}", top, flags, base=where)
+        self.floor(f"floor_{top}gpu_r{self.args.repeats + 1}", top)
+
+    def floor(self, name: str, n: int) -> None:
+        """``--floor SCRIPT``: the start-up floor (a measuring stick kept outside the project:
+        interpreter, import torch, n forked ranks joining NCCL, one all-reduce) timed from the
+        shell between the plain repeats, so that each run's exit target takes the floors beside
+        it: ``import torch`` alone moves 3.0-4.4 s from run to run on one machine."""
+        if self.args.floor is None:
+            return
+        res = self.run(name, [PY, str(self.args.floor), str(n), str(self.next_port())], 60)
+        line = ""
+        if res.get("rc") == 0:
+            line = next(
+                (x for x in Path(res["log"]).read_text().splitlines() if x.startswith("FLOOR")), ""
+            )
+        # FLOOR n=4 import_torch=3.03s first_allreduce_all_ranks=5.83s exit=6.30s ...
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        figures = {k: float(v.rstrip("s")) for k, v in fields.items() if v.endswith("s")}
+        self.record(name, {"kind": "floor", "gpus": n, **res, "floor": figures})
 
     def lenet_flags(self, name: str, graphs: bool | None, *, plain: bool = False) -> list[str]:
         """The reference workload's flags; ``graphs`` True: ``--cuda-graphs`` with synchronous
@@ -554,6 +574,12 @@ def main() -> None:
         type=lambda text: Path(text).resolve(),
         help="plain: also run the revision whose hpc_ddp/ is in this directory, alternating "
         "(e.g. git archive REV hpc_ddp | tar -x -C DIR)",
+    )
+    parser.add_argument(
+        "--floor",
+        type=lambda text: Path(text).resolve(),
+        help="plain: the start-up floor script (startup_floor.py NPROC PORT, kept outside the "
+        "project), run before each repeat and after the last",
     )
     parser.add_argument(
         "--repeats",

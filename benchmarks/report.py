@@ -274,6 +274,40 @@ def table_plain(runs: dict) -> list[str]:
     return [*out, ""]
 
 
+def table_exit_target(runs: dict) -> list[str]:
+    """Each plain run's command-to-exit against floor + training + 1 s, the floor being the mean
+    of the two measured beside it (``bench.py --floor``): import torch alone moves seconds."""
+    floors = {k.rsplit("_r", 1)[-1]: r for k, r in runs.items() if r.get("kind") == "floor"}
+    if not floors:
+        return []
+    out = ["", "### a1. Command to exit against the floors beside each run", ""]
+    out += [
+        "Floors: startup_floor.py timed from the shell (interpreter, import torch, forked ranks "
+        "joining NCCL, one all-reduce, their exit), the one before the run and the one after it. "
+        "Target: their mean + training s + 1 s.",
+        "",
+        "| run | floors s (import torch s) | training s | target s | command-to-exit s | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, r in runs.items():
+        if r.get("kind") != "plain" or not _ok(r) or not r.get("result"):
+            continue
+        i = int(key.rsplit("_r", 1)[-1])
+        beside = [floors.get(str(j)) for j in (i, i + 1)]
+        walls = [f["wall_s"] for f in beside if f and f.get("rc") == 0]
+        if not walls:
+            continue
+        imports = ", ".join(_f((f.get("floor") or {}).get("import_torch")) for f in beside if f)
+        train = r["result"].get("train_wall_seconds") or 0.0
+        target = sum(walls) / len(walls) + train + 1
+        which = ("base " if r.get("base") else "") + f"r{i}"
+        out.append(
+            f"| {which} | {', '.join(_f(w) for w in walls)} ({imports}) | {_f(train)} | "
+            f"{_f(target)} | {_f(r.get('wall_s'))} | {'yes' if r['wall_s'] <= target else 'no'} |"
+        )
+    return [*out, ""]
+
+
 def _outside_split(outside: dict | None) -> str:
     """The exit's time outside train(): before it (start-up) and after its result.json."""
     if not outside:
@@ -432,6 +466,7 @@ def tables(results: dict) -> str:
     ]
     body = (
         table_plain(runs)
+        + table_exit_target(runs)
         + table_ref(runs, gpus)
         + table_scaling(runs, gpus)
         + table_weak(runs)

@@ -82,7 +82,14 @@ def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
 
 
 def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
-    """Loss and accuracy per epoch as a PNG (matplotlib's Agg backend: no display needed)."""
+    """Loss and accuracy per epoch as RunPaths.plot."""
+    out = RunPaths(run_dir).plot
+    replace_file(out, render_plot(history))
+    return out
+
+
+def render_plot(history: list[dict[str, Any]]) -> bytes:
+    """Loss and accuracy per epoch as PNG bytes (matplotlib's Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +112,4 @@ def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     png = io.BytesIO()  # matplotlib would open a path through a link: hand it bytes instead
     fig.savefig(png, format="png", dpi=80)
     plt.close(fig)
-    out = RunPaths(run_dir).plot
-    replace_file(out, png.getvalue())
-    return out
+    return png.getvalue()
