@@ -104,3 +104,18 @@ def test_a_helper_that_stops_reading_does_not_hold_rank0(
     assert plot.proc is None  # given up on and ended (SIGKILL ends a stopped process too)
     plot.finish()  # rank 0 draws instead
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
+
+
+def test_a_helper_that_never_finishes_drawing_is_ended_and_rank0_draws(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """finish() waits for the helper's exit with a deadline (DRAW_TIMEOUT_S), not forever."""
+    monkeypatch.setattr(plotter, "DRAW_TIMEOUT_S", 1.0)
+    plot = Plotter(tmp_path)
+    assert plot.proc is not None
+    plot.draw(HISTORY)  # a short history: all of it sits in the pipe
+    os.kill(plot.proc.pid, signal.SIGSTOP)  # alive, never drawing
+    helper = plot.proc
+    plot.finish()
+    assert plot.proc is None and helper.returncode == -signal.SIGKILL
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG

@@ -1,11 +1,10 @@
 """plot.png, drawn by a helper process that loads matplotlib while the run trains.
 
-matplotlib takes 0.5-1 s to import and draw its first figure. Drawn at the end of the run,
-rank 0 spent that time after the work was done, on every command's way to its exit. The
-helper starts once an epoch has ended (or with the last one), imports matplotlib on another
-core at the lowest CPU priority (a core it shares with training stays training's), draws a
-practice figure (fonts and caches load at the first drawing), then waits for the history on
-its stdin: at the end only the drawing is left, and it overlaps the teardown.
+matplotlib takes 0.5-1 s to import and draw. Drawn at the end of the run, rank 0 spent that time
+after the work was done, on every command's way to its exit. The helper starts once an epoch
+has ended (or with the last one), imports matplotlib on another core at the lowest CPU
+priority (a core it shares with training stays training's), then waits for the history on its
+stdin: at the end only the drawing is left, and it overlaps the teardown.
 
 The helper is disposable. If it cannot start, dies (a signal meant for the job reaches it too),
 or fails, rank 0 draws in its own process as before. It draws nothing when its stdin closes
@@ -89,10 +88,10 @@ class Plotter:
             self.cancel()
             return
         if self.proc is not None:
-            try:
-                self.proc.wait(timeout=DRAW_TIMEOUT_S)  # its stderr is a few lines at most
+            if _exited_within(self.proc, DRAW_TIMEOUT_S):  # its stderr is a few lines at most
+                self.proc.wait()
                 err = self.proc.stderr.read() if self.proc.stderr else b""
-            except subprocess.TimeoutExpired:
+            else:
                 self.cancel()
                 err = b"timed out"
             if self.proc is not None and self.proc.returncode == 0:
@@ -123,10 +122,22 @@ class Plotter:
                     pipe.close()
 
 
-_PRACTICE_HISTORY = [
-    {"epoch": e, "train_loss": 2.0 / e, "test_loss": 2.5 / e, "test_accuracy": 0.1 * e}
-    for e in (1, 2)
-]
+def _exited_within(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether ``proc`` ended within ``timeout`` s, told the moment it does: Popen.wait's
+    timeout polls, its sleeps doubling up to 50 ms, on the command's way to its exit."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:  # no pidfd (Linux before 5.3, or the pid is gone): let Popen poll
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(ready)
 
 
 def main(argv: list[str]) -> int:
@@ -138,9 +149,6 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot  # the slow import, done before the history comes
 
-    # One throw-away drawing while the run trains: the first one loads the fonts and builds
-    # matplotlib's caches, which would otherwise happen at the end, on the command's way out.
-    results.render_plot(_PRACTICE_HISTORY)
     data = sys.stdin.buffer.read()
     if not data:
         return 0
@@ -149,4 +157,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    # The plot is written: skip the interpreter's teardown of matplotlib (~0.1 s rank 0 waits
+    # for). An exception above still exits through Python, its traceback printed.
+    os._exit(code)

@@ -82,14 +82,7 @@ def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:
 
 
 def plot(run_dir: Path, history: list[dict[str, Any]]) -> Path:
-    """Loss and accuracy per epoch as RunPaths.plot."""
-    out = RunPaths(run_dir).plot
-    replace_file(out, render_plot(history))
-    return out
-
-
-def render_plot(history: list[dict[str, Any]]) -> bytes:
-    """Loss and accuracy per epoch as PNG bytes (matplotlib's Agg backend: no display needed)."""
+    """Loss and accuracy per epoch as a PNG (matplotlib's Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,4 +105,6 @@ def render_plot(history: list[dict[str, Any]]) -> bytes:
     png = io.BytesIO()  # matplotlib would open a path through a link: hand it bytes instead
     fig.savefig(png, format="png", dpi=80)
     plt.close(fig)
-    return png.getvalue()
+    out = RunPaths(run_dir).plot
+    replace_file(out, png.getvalue())
+    return out
