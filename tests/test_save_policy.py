@@ -68,7 +68,7 @@ def test_two_ranks_skip_short_epochs_alike_and_save_the_last(
     ranks alike (the run ends instead of hanging in a save one rank skipped), said once; with
     0, every epoch end is."""
     thinned = run(
-        torchrun_cmd(2, train_args(tmp_path / "a", data_dir, epochs=3, checkpoint_interval_s=1000))
+        forked_cmd(2, train_args(tmp_path / "a", data_dir, epochs=3, checkpoint_interval_s=1000))
     )
     assert thinned.returncode == 0, thinned.stderr
     out = thinned.stdout + thinned.stderr
@@ -77,7 +77,7 @@ def test_two_ranks_skip_short_epochs_alike_and_save_the_last(
                       r"newest \(step 0\), under checkpoint_interval_s=1000;", out)  # fmt: skip
     assert said == ["1"], out  # once, though epoch 2 skipped too
     every = run(
-        torchrun_cmd(2, train_args(tmp_path / "b", data_dir, epochs=3, checkpoint_interval_s=0))
+        forked_cmd(2, train_args(tmp_path / "b", data_dir, epochs=3, checkpoint_interval_s=0))
     )
     assert every.returncode == 0, every.stderr
     assert _saved_steps(every.stdout + every.stderr) == [8, 16, 24]

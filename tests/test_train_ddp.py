@@ -230,7 +230,7 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     # statistics (before step 1 both ranks hold the initial ones).
     ours, theirs = tmp_path / "ours", tmp_path / "defaults"
     resnet = {"model": "resnet18", "epochs": 1, "synthetic_train_size": 64}  # 2 ranks x 16 x 2
-    done = run(torchrun_cmd(2, train_args(ours, data_dir, **resnet)), 300)
+    done = run(forked_cmd(2, train_args(ours, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     assert "FutureWarning" not in done.stderr, done.stderr
     worker = str(Path(__file__).parent / "workers" / "ddp_defaults_train.py")
