@@ -6,6 +6,7 @@ the whole import. That depends on the installed torch, so it is checked against 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -54,15 +55,18 @@ def test_stage_one_leaves_torch_dynamo_to_stage_two() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
 def test_runs_that_will_import_torch_dynamo_are_the_ones_prefetched() -> None:
-    """On a machine without CUDA: eager DDP, so yes; a run the trainer will refuse (bf16 on a
-    CPU, --cuda-graphs on a CPU) imports nothing, so no."""
+    """On a machine without CUDA, ranks of a job of two: eager DDP, so yes; a run the trainer
+    will refuse (bf16 on a CPU, --cuda-graphs on a CPU) imports nothing, so no; nor does a job
+    of one process, which has no DDP wrapper (checked in a real run below)."""
     from hpc_ddp.cluster import detect_env
     from hpc_ddp.train.prefetch import needs_dynamo
 
-    env = detect_env({})
+    alone = detect_env({})
+    env = dataclasses.replace(alone, world_size=2, local_world_size=2)
     assert needs_dynamo(TrainConfig(), env)
     assert not needs_dynamo(TrainConfig(amp="bf16"), env)
     assert not needs_dynamo(TrainConfig(cuda_graphs="on"), env)  # refused: needs a GPU
+    assert not needs_dynamo(TrainConfig(), alone)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side (CI has no GPU)")
@@ -114,3 +118,51 @@ def test_forked_cpu_workers_inherit_torch_dynamo_instead_of_importing_it(
     # torch._dynamo's heaviest module, once per process that imports it (2 with each worker's).
     imports = re.findall(r"^import time:.*\| +torch\._dynamo\.convert_frame$", done.stderr, re.M)
     assert len(imports) == 1, imports
+
+
+def test_a_job_of_one_process_never_imports_torch_dynamo(tmp_path: Path, data_dir: Path) -> None:
+    """One process has no peer to average with: no DDP wrapper, so neither its torch._dynamo
+    import nor the prefetch of it (state.build_state, needs_dynamo)."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "hpc_ddp.cli", "train"]
+    cmd += train_args(tmp_path / "run", data_dir, epochs=1)
+    done = subprocess.run(
+        cmd, env=job_env(), capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 process(es)" in done.stdout, done.stdout
+    # torch._dynamo's heaviest module (the line the inherited-import test above counts)
+    assert not re.findall(r"^import time:.*\| +torch\._dynamo\.convert_frame$", done.stderr, re.M)
+
+
+DDP_OF_ONE = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from hpc_ddp.cifar import models
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+grads = []
+for wrap in (False, True):
+    torch.manual_seed(0)
+    net = models.build_model("lenet", 10)
+    model = DDP(net) if wrap else net
+    x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(16) % 10
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads.append([p.grad.clone() for p in net.parameters()])
+assert len(grads[0]) == len(grads[1]) > 0
+assert all(torch.equal(a, b) for a, b in zip(*grads)), "DDP of one process changed a gradient"
+print("SAME")
+"""
+
+
+def test_ddp_of_one_process_changes_no_gradient() -> None:
+    """Why a job of one process may skip DDP: its all-reduce over one rank and division by a
+    world size of 1 leave every gradient as it was, bit for bit."""
+    done = subprocess.run(
+        [sys.executable, "-c", DDP_OF_ONE],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0 and "SAME" in done.stdout, done.stderr[-3000:]

@@ -18,6 +18,7 @@ most of the time, so the overlap is with waits and C++ work, not with the main t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -35,12 +36,16 @@ TARGET = "torch._dynamo"
 
 
 def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
-    """Whether this run will import torch._dynamo: eager DDP or torchvision's reader. A captured
-    step has no DDP wrapper and its optimizer skips the import (optim.py), so on the
-    GPU-resident data path it never pays for it. Settings the trainer will refuse count as not
+    """Whether this run will import torch._dynamo: eager DDP (jobs of several processes) or
+    torchvision's reader. A captured step has no DDP wrapper and its optimizer skips the import
+    (optim.py), so on the GPU-resident data path it never pays for it; nor does a job of one
+    process (state.build_state wraps no DDP). Settings the trainer will refuse count as not
     needing it: the refusal comes before any import."""
     choice = cuda_graphs.choose_before_start(config, env)
-    return choice is not None and (not choice.captured or config.data_path == "torchvision")
+    if choice is None:
+        return False
+    ddp = env.world_size > 1 and not choice.captured
+    return ddp or config.data_path == "torchvision"
 
 
 def import_before_fork(
@@ -67,7 +72,8 @@ def import_before_fork(
     if cores is None:  # the cores this process may run on (taskset, a Slurm allocation)
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only: else all of them
         cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-    return cores < 2 * nproc and needs_dynamo(config, detect_env({}))  # a CPU rank's view
+    worker = dataclasses.replace(detect_env({}), world_size=nproc, local_world_size=nproc)
+    return cores < 2 * nproc and needs_dynamo(config, worker)  # a CPU worker's view
 
 
 class DynamoPrefetch:

@@ -97,7 +97,10 @@ def build_state(
     choice = cuda_graphs.choose(cfg, ctx.device, amp, len(devices))
     log.info(choice.line)
     model = net
-    if comm.active and not choice.captured:  # the graphed step all-reduces itself
+    # The graphed step all-reduces itself. A job of one process has nothing to average: DDP
+    # would all-reduce each gradient with itself (an identity, bit for bit) and cost its
+    # wrapper's host time per step and its torch._dynamo import (prefetch.needs_dynamo).
+    if comm.world_size > 1 and not choice.captured:
         ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
         model = DDP(net, device_ids=ids, **ddp_options(net, one_device=len(devices) == 1))
     opt = build_optimizer(cfg, net.parameters())
