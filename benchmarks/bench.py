@@ -426,15 +426,17 @@ class Bench:
             self.ours(f"stall_lenet_{top}gpu_r{r}", top, flags, probe=every)
 
     def suite_ddpcost(self) -> None:
-        """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it, DDP
-        with torch's defaults; ``--ddpcost-extras``: with the all-reduce timing hook, with
-        torch.optim's own classes."""
+        """The DDP wrapper's cost at 1 GPU alone: bare model, DDP as the trainer builds it for
+        jobs of several processes, DDP with torch's defaults (a job of one process wraps none:
+        the probe's --probe-ddp-of-one puts it back); ``--ddpcost-extras``: with the all-reduce
+        timing hook, with torch.optim's own classes."""
+        one = ["--probe-ddp-of-one"]
         self.resnet("resnet_1gpu_noddp", 1, probe=["--probe-no-ddp"])
-        self.resnet("resnet_1gpu", 1)
-        self.resnet("resnet_1gpu_ddpdefaults", 1, probe=["--probe-ddp-defaults"])
+        self.resnet("resnet_1gpu", 1, probe=one)
+        self.resnet("resnet_1gpu_ddpdefaults", 1, probe=[*one, "--probe-ddp-defaults"])
         if self.args.ddpcost_extras:
-            self.resnet("resnet_1gpu_timed", 1, "--time-allreduce")
-            self.resnet("resnet_1gpu_stockopt", 1, probe=["--probe-stock-optimizer"])
+            self.resnet("resnet_1gpu_timed", 1, "--time-allreduce", probe=one)
+            self.resnet("resnet_1gpu_stockopt", 1, probe=[*one, "--probe-stock-optimizer"])
 
     def suite_eager(self) -> None:
         """Eager DDP alone on every GPU count above 1 (scaling's eager rows, without the rest)."""

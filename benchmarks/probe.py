@@ -17,7 +17,9 @@ first optimizer step) and writes, on rank 0, one JSON object with:
 - ``train_s``: training time, from the first step's start to the end of the last epoch's
   evaluation and checkpoint (what a user waits for), plus the trainer's result.json.
 ``--probe-no-ddp`` replaces DDP by the bare model (for the cost of the DDP wrapper on 1 GPU);
-``--probe-ddp-defaults`` builds DDP with torch's defaults (not trainer.ddp_options);
+``--probe-ddp-of-one`` wraps DDP in a job of one process too (the trainer does not: for DDP's
+cost at 1 GPU); ``--probe-ddp-defaults`` builds DDP with torch's defaults (not
+trainer.ddp_options);
 ``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
 ``--probe-store-backoff`` lets ranks > 0 meet a refusal and TCPStore's backoff (no listener wait);
 ``--probe-one-stage-prefetch`` imports torch._dynamo whole from the start, as the trainer did
@@ -296,6 +298,11 @@ def main() -> None:
     ours.add_argument("--probe-nproc", type=int, default=1, help="fork N workers (spawn)")
     ours.add_argument("--probe-no-ddp", action="store_true")
     ours.add_argument(
+        "--probe-ddp-of-one",
+        action="store_true",
+        help="DDP in a job of one process too (state.wraps_ddp says no there)",
+    )
+    ours.add_argument(
         "--probe-ddp-defaults",
         action="store_true",
         help="DDP with torch's defaults instead of trainer.ddp_options",
@@ -339,6 +346,8 @@ def main() -> None:
     cfg = config.from_args(parser.parse_args(argv[split + 1 :]))
     instrument(pargs.probe_no_ddp)
     save_every_epochs(pargs.probe_save_every_epochs)
+    if pargs.probe_ddp_of_one:
+        train_state.wraps_ddp = lambda world_size, captured: not captured  # type: ignore[assignment]
     if pargs.probe_ddp_defaults:
         train_state.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:

@@ -29,6 +29,7 @@ from hpc_ddp.cluster import DistEnv, detect_env
 from hpc_ddp.cluster.devices import count_visible_gpus, has_nvidia_driver
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.state import wraps_ddp
 
 # About half of torch._dynamo's import time (604 of its ~890 modules on torch 2.14).
 STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
@@ -44,8 +45,7 @@ def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
     choice = cuda_graphs.choose_before_start(config, env)
     if choice is None:
         return False
-    ddp = env.world_size > 1 and not choice.captured
-    return ddp or config.data_path == "torchvision"
+    return wraps_ddp(env.world_size, choice.captured) or config.data_path == "torchvision"
 
 
 def import_before_fork(

@@ -97,10 +97,7 @@ def build_state(
     choice = cuda_graphs.choose(cfg, ctx.device, amp, len(devices))
     log.info(choice.line)
     model = net
-    # The graphed step all-reduces itself. A job of one process has nothing to average: DDP
-    # would all-reduce each gradient with itself (an identity, bit for bit) and cost its
-    # wrapper's host time per step and its torch._dynamo import (prefetch.needs_dynamo).
-    if comm.world_size > 1 and not choice.captured:
+    if wraps_ddp(comm.world_size, choice.captured):
         ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
         model = DDP(net, device_ids=ids, **ddp_options(net, one_device=len(devices) == 1))
     opt = build_optimizer(cfg, net.parameters())
@@ -131,6 +128,14 @@ def build_state(
         stepper.graphed.before_capture = ckpt.wait  # no background save overlaps the capture
         stepper.evaluation.may_record = lambda: not ckpt.in_flight  # nor evaluation's recording
     return TrainState(amp, plan, net, model, choice.captured, stepper, train_data, eval_data, ckpt)
+
+
+def wraps_ddp(world_size: int, captured: bool) -> bool:
+    """Whether the model goes into DDP. Not for the captured step, which all-reduces itself, nor
+    in a job of one process: nothing to average, DDP would all-reduce each gradient with itself
+    (an identity, bit for bit) and cost its wrapper's host time per step and its torch._dynamo
+    import (prefetch.needs_dynamo)."""
+    return world_size > 1 and not captured
 
 
 def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, bool]:
