@@ -93,29 +93,35 @@ def test_a_long_history_outgrows_the_pipe_and_still_arrives(tmp_path: Path) -> N
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
 
 
-def test_a_helper_that_stops_reading_does_not_hold_rank0(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("timeout", "history", "stop_first"),
+    [
+        ("SEND_TIMEOUT_S", [{**HISTORY[0], "note": "x" * 300} for _ in range(400)], True),
+        ("DRAW_TIMEOUT_S", HISTORY, False),  # a short history: all of it sits in the pipe
+    ],
+    ids=["stops-reading", "never-finishes-drawing"],
+)
+def test_a_stuck_helper_does_not_hold_rank0(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    timeout: str,
+    history: list[dict[str, float]],
+    stop_first: bool,
 ) -> None:
-    monkeypatch.setattr(plotter, "SEND_TIMEOUT_S", 1.0)
+    """A helper alive but doing nothing (stopped) is given up on after SEND_TIMEOUT_S while a
+    history longer than the pipe is handed over, or after DRAW_TIMEOUT_S while rank 0 waits
+    for the drawing; it is ended, and rank 0 draws instead."""
+    monkeypatch.setattr(plotter, timeout, 1.0)
     plot = Plotter(tmp_path)
-    assert plot.proc is not None
-    os.kill(plot.proc.pid, signal.SIGSTOP)  # alive, reading nothing
-    plot.draw([{**HISTORY[0], "note": "x" * 300} for _ in range(400)])
-    assert plot.proc is None  # given up on and ended (SIGKILL ends a stopped process too)
-    plot.finish()  # rank 0 draws instead
-    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
-
-
-def test_a_helper_that_never_finishes_drawing_is_ended_and_rank0_draws(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """finish() waits for the helper's exit with a deadline (DRAW_TIMEOUT_S), not forever."""
-    monkeypatch.setattr(plotter, "DRAW_TIMEOUT_S", 1.0)
-    plot = Plotter(tmp_path)
-    assert plot.proc is not None
-    plot.draw(HISTORY)  # a short history: all of it sits in the pipe
-    os.kill(plot.proc.pid, signal.SIGSTOP)  # alive, never drawing
     helper = plot.proc
+    assert helper is not None
+    if stop_first:
+        os.kill(helper.pid, signal.SIGSTOP)
+    plot.draw(history)
+    if stop_first:
+        assert plot.proc is None  # given up on at once (SIGKILL ends a stopped process too)
+    else:
+        os.kill(helper.pid, signal.SIGSTOP)
     plot.finish()
     assert plot.proc is None and helper.returncode == -signal.SIGKILL
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
