@@ -300,7 +300,7 @@ def main() -> None:
     ours.add_argument(
         "--probe-ddp-of-one",
         action="store_true",
-        help="DDP in a job of one process too (state.wraps_ddp says no there)",
+        help="DDP in a job of one process too (state.gradient_sync says none there)",
     )
     ours.add_argument(
         "--probe-ddp-defaults",
@@ -347,7 +347,9 @@ def main() -> None:
     instrument(pargs.probe_no_ddp)
     save_every_epochs(pargs.probe_save_every_epochs)
     if pargs.probe_ddp_of_one:
-        train_state.wraps_ddp = lambda world_size, captured: not captured  # type: ignore[assignment]
+        train_state.gradient_sync = (  # type: ignore[assignment]
+            lambda backend, world_size, captured: "none" if captured else "ddp"
+        )
     if pargs.probe_ddp_defaults:
         train_state.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:

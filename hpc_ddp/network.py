@@ -160,7 +160,8 @@ def route_to(master_addr: str) -> tuple[str, str]:
     return local, iface
 
 
-def _pick_backend(cuda_available: bool, requested: str | None, mpi_available: bool) -> str:
+def pick_backend(cuda_available: bool, requested: str | None, mpi_available: bool = False) -> str:
+    """The process group's backend: ``requested`` checked, or NCCL with CUDA and Gloo without."""
     wanted = (requested or "auto").strip().lower()
     if wanted == "auto":
         return "nccl" if cuda_available else "gloo"
@@ -213,7 +214,7 @@ def choose_backend(
         num_nodes = env.num_nodes
         if master_addr is None and env.world_size > 1:
             master_addr = env.master_addr
-    backend = _pick_backend(cuda_available, requested, mpi_available)
+    backend = pick_backend(cuda_available, requested, mpi_available)
     interconnect, ports = detect_interconnect(sys_root)
     why = (
         "requested"

@@ -14,7 +14,6 @@ once its workers have ended.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import NoReturn
 
@@ -58,10 +57,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     if args.nproc_per_node == 1:
         worker()
     from hpc_ddp.spawn import launch
-    from hpc_ddp.train.prefetch import TARGET, import_before_fork
 
-    if import_before_fork(cfg, args.nproc_per_node):
-        importlib.import_module(TARGET)  # inherited by every worker (see import_before_fork)
     code = launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
     # Like the workers, flush and leave without the interpreter's teardown: with torch and the
     # trainer imported it took 0.4-0.6 s after the job had ended (benchmarks/NOTES.md).

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +91,17 @@ def grouped(batches: Iterable[Any], size: int, times: Times) -> Iterator[list[An
         yield group
 
 
+class GradAverager(Protocol):
+    """Averages gradients over ranks outside DDP (tensor_average.PerTensorAverage)."""
+
+    def before_forward(self) -> None: ...
+    def average(self, timer: CommTimer) -> None: ...
+
+
 @dataclass
 class Stepper:
-    """Runs optimizer steps on a (possibly DDP-wrapped) model."""
+    """Runs optimizer steps on a model that is DDP-wrapped, averaged by ``averager`` after
+    backward, or alone (one process)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -102,6 +110,7 @@ class Stepper:
     amp_dtype: torch.dtype | None
     out_device: torch.device
     comm_timer: CommTimer = field(default_factory=CommTimer)
+    averager: GradAverager | None = None
 
     def close(self) -> None:
         """Nothing to release before ``destroy_process_group`` (the graphed stepper has)."""
@@ -130,6 +139,8 @@ class Stepper:
         total = sum(len(y) for _, y in micro)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.out_device)
+        if self.averager is not None:
+            self.averager.before_forward()
         for i, (x, y) in enumerate(micro):
             sync = i == len(micro) - 1 or not isinstance(self.model, DDP)
             ctx = contextlib.nullcontext() if sync else self.model.no_sync()
@@ -143,6 +154,8 @@ class Stepper:
                 loss = F.cross_entropy(out.float(), y.to(out.device), reduction="sum")
                 self.scaler.scale(loss / total).backward()
             loss_sum += loss.detach().double()
+        if self.averager is not None:  # after the last micro-batch: no_sync's equivalent
+            self.averager.average(self.comm_timer)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()

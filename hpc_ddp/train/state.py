@@ -1,7 +1,7 @@
 """Everything a run trains with, built in one place: ``build_state(...) -> TrainState``.
 
-The model (from the registry, placed on this process's devices, wrapped in DDP unless the step
-is captured as a CUDA graph), its optimizer, schedule and scaler, the step runner, this rank's
+The model (from the registry, placed on this process's devices, wrapped in DDP or averaged per
+tensor as ``gradient_sync`` says), its optimizer, schedule and scaler, the step runner, this rank's
 data and the checkpointer: all made here, in this order, on every rank.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,6 +27,7 @@ from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
 from hpc_ddp.train.loop import Stepper, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
+from hpc_ddp.train.tensor_average import PerTensorAverage
 
 if TYPE_CHECKING:
     from hpc_ddp.dist import DistContext
@@ -39,7 +40,7 @@ class TrainState:
     amp: torch.dtype | None
     plan: ShardPlan
     net: torch.nn.Module  # the bare module: checkpoints, evaluation, the weights' fingerprint
-    model: torch.nn.Module  # what the step runs: DDP(net), or net (captured step, one process)
+    model: torch.nn.Module  # what the step runs: DDP(net), or net (Gloo, captured, one process)
     captured: bool  # the step is a CUDA graph (cuda_graphs.py)
     stepper: Stepper
     train_data: TrainData
@@ -97,7 +98,8 @@ def build_state(
     choice = cuda_graphs.choose(cfg, ctx.device, amp, len(devices))
     log.info(choice.line)
     model = net
-    if wraps_ddp(comm.world_size, choice.captured):
+    sync = gradient_sync(ctx.backend, comm.world_size, choice.captured)
+    if sync == "ddp":
         ids = [ctx.device] if ctx.device.type == "cuda" and len(devices) == 1 else None
         model = DDP(net, device_ids=ids, **ddp_options(net, one_device=len(devices) == 1))
     opt = build_optimizer(cfg, net.parameters())
@@ -108,6 +110,8 @@ def build_state(
         stepper: Stepper = cuda_graphs.GraphedStepper(net, opt, sched, scaler, amp, out_device)
     else:
         stepper = Stepper(model, opt, sched, scaler, amp, out_device)
+    if sync == "per_tensor":
+        stepper.averager = PerTensorAverage(net, sync_buffers=training_reads_buffers(net))
     if isinstance(model, DDP):
         # Gloo (CPU) promises bit-exact resume at any world size, so it reduces per tensor
         # in a hook; NCCL keeps DDP's flat buckets and its C++ all-reduce unless timed (a
@@ -130,12 +134,23 @@ def build_state(
     return TrainState(amp, plan, net, model, choice.captured, stepper, train_data, eval_data, ckpt)
 
 
-def wraps_ddp(world_size: int, captured: bool) -> bool:
-    """Whether the model goes into DDP. Not for the captured step, which all-reduces itself, nor
-    in a job of one process: nothing to average, DDP would all-reduce each gradient with itself
-    (an identity, bit for bit) and cost its wrapper's host time per step and its torch._dynamo
-    import (prefetch.needs_dynamo)."""
-    return world_size > 1 and not captured
+GradientSync = Literal["ddp", "per_tensor", "none"]
+
+
+def gradient_sync(backend: str, world_size: int, captured: bool) -> GradientSync:
+    """How the eager step averages gradients over the ranks.
+
+    - "none": the captured step all-reduces itself; a job of one process has nothing to
+      average (DDP would all-reduce each gradient with itself, an identity bit for bit, and cost
+      its wrapper's host time per step and its torch._dynamo import: prefetch.needs_dynamo).
+    - "per_tensor" over Gloo: each gradient by its own all-reduce after backward, DDP's
+      per-tensor comm hook's arithmetic without DDP and its torch._dynamo import
+      (tensor_average.py).
+    - "ddp" otherwise (NCCL, MPI): DDP's buckets, overlapped with backward.
+    """
+    if world_size == 1 or captured:
+        return "none"
+    return "per_tensor" if backend == "gloo" else "ddp"
 
 
 def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, bool]:
@@ -160,12 +175,15 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
     """
     if not one_device:
         return {}
+    return {"gradient_as_bucket_view": True, _SYNC_BUFFERS: training_reads_buffers(net)}
+
+
+def training_reads_buffers(net: torch.nn.Module) -> bool:
+    """Whether ``net`` has a buffer other than a normalization layer's running statistics (which
+    training does not read): then rank 0's buffers are broadcast before each step's forward."""
     norm = torch.nn.modules.batchnorm._NormBase
     owners = [m for m in net.modules() if next(m.buffers(recurse=False), None) is not None]
-    return {
-        "gradient_as_bucket_view": True,
-        _SYNC_BUFFERS: not all(isinstance(m, norm) for m in owners),
-    }
+    return not all(isinstance(m, norm) for m in owners)
 
 
 # DDP's keyword for the broadcast of buffers before each forward, by torch release.

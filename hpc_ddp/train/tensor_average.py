@@ -1,0 +1,67 @@
+"""Eager gradient averaging over Gloo without DDP: each gradient all-reduced on its own.
+
+Why: over Gloo the trainer already averaged each gradient with its own all-reduce, in a DDP
+comm hook (runtime/exact_allreduce.py: bit-exact resume at any world size). DDP added nothing
+else a CPU job needs, and cost its torch._dynamo import (its constructor reads torch._dynamo's
+settings, its forward enters a ``torch._disable_dynamo`` wrapper): 1.2-2.2 s of CPU time per
+process on a small machine. This does the hook's arithmetic itself, after backward: each
+gradient divided by the world size, then summed over the ranks by its own all-reduce. The
+result equals DDP with that hook bit for bit (tests/test_train_ddp.py compares them); each
+all-reduce's summation order depends on its tensor alone, as before.
+
+What DDP also did, done here too: rank 0's parameters and buffers broadcast at the start, and
+rank 0's buffers broadcast before each step's forward when the model has buffers other than
+normalization statistics (``state.ddp_options`` says when). A parameter that got no gradient
+fails the step, as under DDP without ``find_unused_parameters``: averaging it on some ranks and
+not others would pair different tensors in the collectives.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc_ddp.train.loop import CommTimer
+
+
+class PerTensorAverage:
+    """``average`` after backward: every trainable gradient of ``net`` averaged over ranks."""
+
+    def __init__(self, net: nn.Module, *, sync_buffers: bool) -> None:
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.buffers = list(net.buffers())
+        self.sync_buffers = sync_buffers
+        with torch.no_grad():  # every rank starts from rank 0's weights and statistics
+            for tensor in [*net.parameters(), *self.buffers]:
+                dist.broadcast(tensor.detach(), src=0)
+
+    def before_forward(self) -> None:
+        """Before a step's first forward: rank 0's buffers, where training may read them."""
+        if self.sync_buffers:
+            for buf in self.buffers:
+                dist.broadcast(buf, src=0)
+
+    def average(self, timer: CommTimer) -> None:
+        """Average each gradient over the ranks, timed into ``timer`` as the hook was."""
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"parameters {missing[:8]} (in model.parameters() order) got no gradient in "
+                "this step: every rank must average the same gradients. Leave parameters that "
+                "take no part in the loss out of the model, or set requires_grad=False on them"
+            )
+        world = dist.get_world_size()
+        timer.bucket_calls += 1
+        if timer.first_launch is None:
+            timer.first_launch = time.perf_counter()
+        works = []
+        for p in self.params:
+            assert p.grad is not None
+            p.grad.div_(world)
+            works.append(dist.all_reduce(p.grad, async_op=True))
+        for work in works:
+            work.wait()
+        timer.last_done = time.perf_counter()
