@@ -1,8 +1,8 @@
 """plot.png, drawn by a helper process that loads matplotlib while the run trains.
 
-matplotlib takes 0.5-1 s to import and draw. Drawn at the end of the run, rank 0 spent that time
-after the work was done, on every command's way to its exit. The helper starts once an epoch
-has ended (or with the last one), imports matplotlib on another core at the lowest CPU
+matplotlib takes 0.5-1 s to import and draw (more on the GPU machines' CPUs). Drawn at the end
+of the run, rank 0 spent that time after the work was done, on every command's way to its exit.
+The helper starts when training does, imports matplotlib on another core at the lowest CPU
 priority (a core it shares with training stays training's), then waits for the history on its
 stdin: at the end only the drawing is left, and it overlaps the teardown.
 

@@ -66,7 +66,7 @@ class Trainer:
         self.rank, self.world_size = ctx.env.rank, ctx.env.world_size
         self.paths = RunPaths(cfg.run_dir)
         self.progress_file = ProgressFile(self.paths, self.rank, self.world_size)
-        self.plotter: Plotter | None = None  # rank 0's plot.png helper, from the second epoch
+        self.plotter: Plotter | None = None  # rank 0's plot.png helper, once training starts
         self.progress: Progress | None = None  # once training starts: what a stop records
         self.bar: LiveBar | None = None  # rank 0 on a terminal, while training
         self._unhook_bar: Callable[[], None] = lambda: None  # the bar's hook into the log
@@ -131,12 +131,17 @@ class Trainer:
             time.sleep(0.01)  # polling our own flag, set by the signal handler; deadline above
 
     def run(self, flag: PreemptionFlag) -> results.Result:
+        if self.rank == 0:
+            # The plot's helper imports matplotlib from now on, beside the training: started
+            # after an epoch, it was still importing when a one-second run ended (0.5 s of
+            # waiting at the end on the 4 x H200 machines). On a core of its own at the lowest
+            # priority; ended at once if the run stops without finishing.
+            self.plotter = Plotter(self.paths.root)
         self.progress_file.pids = self.comm.gather_objects(os.getpid())
         self.progress = progress = restore(self.state, self.world_size, self.clock)
         saves = self.epoch_end_saves
         saves.saved(progress.global_step)  # the checkpoint resumed from, or the start
         self.metrics = self.open_metrics(progress)
-        first_epoch = progress.epoch
         cfg, state = self.cfg, self.state
         plan = state.plan
         steps_per_epoch = plan.steps_per_epoch()
@@ -155,11 +160,6 @@ class Trainer:
         pending = PendingSteps()
         self.clock.start_loop()
         while progress.epoch < cfg.epochs:
-            # The plot's helper starts once an epoch has ended here, or with the last one: not
-            # beside the first steps' CUDA start-up, nor for an attempt that stops within them.
-            plot_soon = progress.epoch > first_epoch or progress.epoch + 1 == cfg.epochs
-            if self.rank == 0 and self.plotter is None and plot_soon:
-                self.plotter = Plotter(self.paths.root)
             times = Times.from_dict(progress.epoch_times)
             done = plan.steps_done(progress.start)
             agree.start_epoch(progress.global_step)
