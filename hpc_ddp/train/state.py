@@ -113,8 +113,9 @@ def build_state(
     if sync == "per_tensor":
         stepper.averager = PerTensorAverage(net, sync_buffers=training_reads_buffers(net))
     if isinstance(model, DDP):
-        # Gloo (CPU) promises bit-exact resume at any world size, so it reduces per tensor
-        # in a hook; NCCL keeps DDP's flat buckets and its C++ all-reduce unless timed (a
+        # DDP over Gloo (only where gradient_sync is overridden, as tests comparing with DDP
+        # do) reduces per tensor in a hook, as PerTensorAverage does: bit-exact resume at any
+        # world size. NCCL keeps DDP's flat buckets and its C++ all-reduce unless timed (a
         # Python hook per bucket costs host time on every step: benchmarks/README.md).
         gloo = ctx.backend == "gloo"
         stepper.comm_timer.per_tensor = gloo
