@@ -98,6 +98,22 @@ def list_inputs(split):
 
 def not_a_dataset(split):
     return 42
+
+
+class WithSpare(nn.Module):
+    """A parameter the forward never uses: no rank has a gradient for it."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, num_classes))
+        self.spare = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def with_spare(num_classes):
+    return WithSpare(num_classes)
 '''
 
 
@@ -185,6 +201,18 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
     assert "plug-in is" in done.stderr or "MODULE:FUNCTION" in done.stderr  # the contract
     assert not (run_dir / "result.json").exists()
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_parameter_without_gradient_fails_the_job_naming_it(tmp_path: Path, plugin: Path) -> None:
+    """Two Gloo ranks average every trainable gradient (tensor_average.py); one that backward
+    never produced fails the step at once, saying which and what to do, and nobody hangs."""
+    run_dir = tmp_path / "run"
+    args = plugin_args(run_dir, plugin, model=f"{plugin}:with_spare", epochs=1)
+    done = run(forked_cmd(2, args), timeout=120)
+    assert done.returncode == 2, done.stderr  # bad input, not a crash
+    assert "parameters spare.weight, spare.bias got no gradient" in done.stderr, done.stderr
+    assert "requires_grad=False" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (run_dir / "result.json").exists()
 
 
 def test_a_dotted_module_imports_from_the_working_directory(tmp_path: Path, plugin: Path) -> None:

@@ -11,9 +11,9 @@ all-reduce's summation order depends on its tensor alone, as before.
 
 What DDP also did, done here too: rank 0's parameters and buffers broadcast at the start, and
 rank 0's buffers broadcast before each step's forward when the model has buffers other than
-normalization statistics (``state.ddp_options`` says when). A parameter that got no gradient
-fails the step, as under DDP without ``find_unused_parameters``: averaging it on some ranks and
-not others would pair different tensors in the collectives.
+normalization statistics (``state.training_reads_buffers``). A parameter that got no gradient
+fails the step (exit 2, naming it), as under DDP without ``find_unused_parameters``:
+averaging it on some ranks and not others would pair different tensors in the collectives.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.loop import CommTimer
 
 
@@ -31,7 +32,9 @@ class PerTensorAverage:
     """``average`` after backward: every trainable gradient of ``net`` averaged over ranks."""
 
     def __init__(self, net: nn.Module, *, sync_buffers: bool) -> None:
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         self.buffers = list(net.buffers())
         self.sync_buffers = sync_buffers
         with torch.no_grad():  # every rank starts from rank 0's weights and statistics
@@ -46,12 +49,16 @@ class PerTensorAverage:
 
     def average(self, timer: CommTimer) -> None:
         """Average each gradient over the ranks, timed into ``timer`` as the hook was."""
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        missing = [name for name, p in zip(self.names, self.params, strict=True) if p.grad is None]
         if missing:
-            raise RuntimeError(
-                f"parameters {missing[:8]} (in model.parameters() order) got no gradient in "
-                "this step: every rank must average the same gradients. Leave parameters that "
-                "take no part in the loss out of the model, or set requires_grad=False on them"
+            shown = ", ".join(missing[:8]) + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            )
+            raise ConfigError(
+                f"the model's parameters {shown} got no gradient in this step: every rank must "
+                "average the same gradients",
+                hint="leave parameters that take no part in the loss out of the model, or set "
+                "requires_grad=False on them",
             )
         world = dist.get_world_size()
         timer.bucket_calls += 1
