@@ -16,11 +16,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
+def average_each(tensors: list[torch.Tensor]) -> list[dist.Work]:
+    """Start averaging each tensor in place over the ranks: divided by the world size, then
+    summed by an all-reduce of its own. Returns the works to wait for."""
+    world = dist.get_world_size()
+    works = []
+    for t in tensors:
+        t.div_(world)
+        works.append(dist.all_reduce(t, async_op=True))
+    return works
+
+
 def allreduce_per_tensor(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average each gradient of ``bucket`` with its own all-reduce, then refill DDP's buffer."""
-    world = dist.get_world_size()
-    grads = [g.div(world) for g in bucket.gradients()]
-    works = [dist.all_reduce(g, async_op=True).get_future() for g in grads]
+    grads = [g.clone() for g in bucket.gradients()]
+    works = [work.get_future() for work in average_each(grads)]
     buffer = bucket.buffer()
 
     def refill(_: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]]) -> torch.Tensor:

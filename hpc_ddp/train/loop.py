@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.runtime.evaluation import Batches, EvalSums, accumulate
 from hpc_ddp.runtime.exact_allreduce import allreduce_per_tensor
+
+if TYPE_CHECKING:
+    from hpc_ddp.train.tensor_average import PerTensorAverage
 
 
 @dataclass
@@ -46,6 +49,16 @@ class CommTimer:
     # Reduce each gradient on its own, not DDP's flat bucket (runtime/exact_allreduce.py: why).
     per_tensor: bool = False
 
+    def launched(self) -> None:
+        """An all-reduce (a bucket's, or a step's gradients) starts now."""
+        self.bucket_calls += 1
+        if self.first_launch is None:
+            self.first_launch = time.perf_counter()
+
+    def done(self) -> None:
+        """The latest all-reduce ended now."""
+        self.last_done = time.perf_counter()
+
     def take(self) -> float:
         """All-reduce seconds since the last call (overlaps backward on purpose: that is DDP)."""
         spent = 0.0 if self.first_launch is None else max(self.last_done - self.first_launch, 0.0)
@@ -55,17 +68,14 @@ class CommTimer:
 
 def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its own types
     """DDP comm hook: DDP's default all-reduce (same numerics), timed into ``timer``."""
-    now = time.perf_counter()
-    timer.bucket_calls += 1
-    if timer.first_launch is None:
-        timer.first_launch = now
+    timer.launched()
     if timer.per_tensor:
         fut = allreduce_per_tensor(bucket)
     else:
         fut = default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 
     def done(f):
-        timer.last_done = time.perf_counter()
+        timer.done()
         return f.value()
 
     return fut.then(done)
@@ -91,13 +101,6 @@ def grouped(batches: Iterable[Any], size: int, times: Times) -> Iterator[list[An
         yield group
 
 
-class GradAverager(Protocol):
-    """Averages gradients over ranks outside DDP (tensor_average.PerTensorAverage)."""
-
-    def before_forward(self) -> None: ...
-    def average(self, timer: CommTimer) -> None: ...
-
-
 @dataclass
 class Stepper:
     """Runs optimizer steps on a model that is DDP-wrapped, averaged by ``averager`` after
@@ -110,7 +113,7 @@ class Stepper:
     amp_dtype: torch.dtype | None
     out_device: torch.device
     comm_timer: CommTimer = field(default_factory=CommTimer)
-    averager: GradAverager | None = None
+    averager: PerTensorAverage | None = None  # Gloo: gradients averaged after backward
 
     def close(self) -> None:
         """Nothing to release before ``destroy_process_group`` (the graphed stepper has)."""

@@ -18,13 +18,12 @@ averaging it on some ranks and not others would pair different tensors in the co
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.exact_allreduce import average_each
 from hpc_ddp.train.loop import CommTimer
 
 
@@ -32,9 +31,7 @@ class PerTensorAverage:
     """``average`` after backward: every trainable gradient of ``net`` averaged over ranks."""
 
     def __init__(self, net: nn.Module, *, sync_buffers: bool) -> None:
-        named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
+        self.params = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
         self.buffers = list(net.buffers())
         self.sync_buffers = sync_buffers
         with torch.no_grad():  # every rank starts from rank 0's weights and statistics
@@ -49,7 +46,7 @@ class PerTensorAverage:
 
     def average(self, timer: CommTimer) -> None:
         """Average each gradient over the ranks, timed into ``timer`` as the hook was."""
-        missing = [name for name, p in zip(self.names, self.params, strict=True) if p.grad is None]
+        missing = [name for name, p in self.params if p.grad is None]
         if missing:
             shown = ", ".join(missing[:8]) + (
                 f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -60,15 +57,7 @@ class PerTensorAverage:
                 hint="leave parameters that take no part in the loss out of the model, or set "
                 "requires_grad=False on them",
             )
-        world = dist.get_world_size()
-        timer.bucket_calls += 1
-        if timer.first_launch is None:
-            timer.first_launch = time.perf_counter()
-        works = []
-        for p in self.params:
-            assert p.grad is not None
-            p.grad.div_(world)
-            works.append(dist.all_reduce(p.grad, async_op=True))
-        for work in works:
+        timer.launched()
+        for work in average_each([p.grad for _, p in self.params if p.grad is not None]):
             work.wait()
-        timer.last_done = time.perf_counter()
+        timer.done()

@@ -323,10 +323,9 @@ class Trainer:
         result = self.result(progress, "finished", 0)
         if self.rank == 0:
             results.write_json(self.paths.result, result.to_dict())
-            if progress.history:
+            if progress.history and self.plotter is not None:  # started with training
                 # Drawn by the helper while the graphs and the process group are torn down;
                 # train() waits for it before returning.
-                self.plotter = self.plotter or Plotter(self.paths.root)
                 self.plotter.draw(progress.history)
             self.progress_file.write(progress, "finished")
             log.info(f"finished: {self.paths.result}")
