@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -231,46 +230,38 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     assert_resumed_like(run_dir, tmp_path / "ref", interruptions=1, steps=256)
 
 
-DDP_WITH_OUR_OPTIONS = """
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from hpc_ddp.cifar import models
-from hpc_ddp.train.state import ddp_options
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-net = models.build_model("resnet18", 10, sync_bn=False)
-DDP(net, **ddp_options(net))
-print("BUILT")
-"""
-
-
 @pytest.mark.slow
 def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     """Over Gloo the trainer averages each gradient without DDP (state.gradient_sync,
     tensor_average.py); elsewhere it builds DDP with its own settings (gradient buckets as the
     gradients, no buffer broadcast before each forward: state.ddp_options), under torch's
-    current argument names (no FutureWarning of the deprecated ``broadcast_buffers``). Either
-    way a BatchNorm model ends with the weights, statistics and test metrics of DDP built with
-    torch's defaults, bit for bit."""
+    current argument names (no FutureWarning of the deprecated ``broadcast_buffers``). Both
+    give a BatchNorm model the weights, statistics and test metrics of DDP built with torch's
+    defaults, bit for bit: the DDP runs force DDP over Gloo (tests/workers/ddp_train.py)."""
     model = models.build_model("resnet18", 10, sync_bn=False)
     assert ddp_options(model) == {"gradient_as_bucket_view": True, "forward_sync_buffers": False}
     model.register_buffer("mask", torch.ones(3))  # read in training, for all DDP knows
     assert ddp_options(model)["forward_sync_buffers"] is True
     assert ddp_options(model, one_device=False) == {}  # split across GPUs: DDP's defaults
-    built = run([sys.executable, "-W", "error::FutureWarning", "-c", DDP_WITH_OUR_OPTIONS])
-    assert built.returncode == 0 and "BUILT" in built.stdout, built.stderr[-3000:]
 
     # One epoch of 2 steps, then an evaluation that reads rank 1's BatchNorm statistics: where
     # the settings changed a result, the weights or that evaluation would already differ. Two
     # steps, not one: DDP's default broadcast before step 2 is the first to send rank 0's
     # statistics (before step 1 both ranks hold the initial ones).
-    ours, theirs = tmp_path / "ours", tmp_path / "defaults"
+    ours, ours_ddp, theirs = tmp_path / "ours", tmp_path / "ours_ddp", tmp_path / "defaults"
     resnet = {"model": "resnet18", "epochs": 1, "synthetic_train_size": 64}  # 2 ranks x 16 x 2
     done = run(forked_cmd(2, train_args(ours, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
-    worker = str(Path(__file__).parent / "workers" / "ddp_defaults_train.py")
-    done = run(torchrun_cmd(2, train_args(theirs, data_dir, **resnet), worker), 300)
+    worker = str(Path(__file__).parent / "workers" / "ddp_train.py")
+    done = run(torchrun_cmd(2, train_args(ours_ddp, data_dir, **resnet), worker), 300)
+    assert done.returncode == 0, done.stderr
+    assert "FutureWarning" not in done.stderr, done.stderr
+    assert done.stdout.count("DDP built with the trainer's options") == 2, done.stdout
+    defaults = ["--torch-ddp-defaults", *train_args(theirs, data_dir, **resnet)]
+    done = run(torchrun_cmd(2, defaults, worker), 300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("DDP built with torch's defaults") == 2, done.stdout  # both ranks
-    assert read_result(ours)["params_sha256"] == read_result(theirs)["params_sha256"]
-    for a, b in zip(read_metrics(ours), read_metrics(theirs), strict=True):
-        assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])
+    for mine in (ours, ours_ddp):
+        assert read_result(mine)["params_sha256"] == read_result(theirs)["params_sha256"]
+        for a, b in zip(read_metrics(mine), read_metrics(theirs), strict=True):
+            assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])

@@ -1,0 +1,39 @@
+"""``python -m hpc_ddp.train`` with DDP wherever gradients are averaged eagerly, Gloo included,
+built with the trainer's ``ddp_options``, or with torch's defaults when the first argument is
+``--torch-ddp-defaults``.
+
+For tests/test_train_ddp.py: the trainer averages per tensor without DDP over Gloo, so this is
+how a CPU test still builds DDP to compare with; neither the trainer's DDP settings nor its
+averaging without DDP may change any result.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hpc_ddp.commands import train as command
+from hpc_ddp.train import state
+
+TORCH_DEFAULTS = "--torch-ddp-defaults"
+trainer_options = state.ddp_options
+
+
+def always_ddp(backend: str, world_size: int, captured: bool) -> str:
+    return "ddp" if world_size > 1 and not captured else "none"
+
+
+def announced_options(net: object, **kwargs: object) -> dict[str, bool]:
+    """The options DDP is built with, said on each rank, so the test knows DDP was built."""
+    if torch_defaults:  # {}: forward_sync_buffers=True, gradient_as_bucket_view=False
+        print("DDP built with torch's defaults", flush=True)
+        return {}
+    print("DDP built with the trainer's options", flush=True)
+    return trainer_options(net, **kwargs)  # type: ignore[arg-type]
+
+
+torch_defaults = sys.argv[1:2] == [TORCH_DEFAULTS]
+state.gradient_sync = always_ddp
+state.ddp_options = announced_options
+
+if __name__ == "__main__":
+    command.main(sys.argv[2:] if torch_defaults else sys.argv[1:])
