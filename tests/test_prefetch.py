@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from trainer_helpers import job_env, train_args
 
 from hpc_ddp.train.config import TrainConfig
@@ -69,32 +70,20 @@ def test_only_eager_ddp_runs_are_prefetched() -> None:
     assert not needs_dynamo(TrainConfig(backend="nccl"), cpu)  # refused: no GPU
 
 
-def test_forked_cpu_workers_never_import_torch_dynamo(tmp_path: Path, data_dir: Path) -> None:
-    """``hpc-ddp train --nproc-per-node 2`` on the CPU: Gloo averages without DDP, so no
-    process imports torch._dynamo (``-X importtime`` prints every import of every process,
-    forked ones included)."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_cpu_job_never_imports_torch_dynamo(tmp_path: Path, data_dir: Path, nproc: int) -> None:
+    """``hpc-ddp train --nproc-per-node N`` on the CPU: one process has no peer to average
+    with (no DDP wrapper, nor the prefetch of its import), two average over Gloo without DDP,
+    so no process imports torch._dynamo (``-X importtime`` prints every import of every
+    process, forked ones included)."""
     cmd = [sys.executable, "-X", "importtime", "-m", "hpc_ddp.cli", "train", "--nproc-per-node"]
-    cmd += ["2", *train_args(tmp_path / "run", data_dir, epochs=1)]
+    cmd += [str(nproc), *train_args(tmp_path / "run", data_dir, epochs=1)]
     done = subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=180, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 process(es)" in done.stdout and "backend gloo" in done.stdout, done.stdout
+    assert f"{nproc} process(es)" in done.stdout and "backend gloo" in done.stdout, done.stdout
     # torch._dynamo's heaviest module, once per process that imports it.
-    assert not re.findall(r"^import time:.*\| +torch\._dynamo\.convert_frame$", done.stderr, re.M)
-
-
-def test_a_job_of_one_process_never_imports_torch_dynamo(tmp_path: Path, data_dir: Path) -> None:
-    """One process has no peer to average with: no DDP wrapper, so neither its torch._dynamo
-    import nor the prefetch of it (state.build_state, needs_dynamo)."""
-    cmd = [sys.executable, "-X", "importtime", "-m", "hpc_ddp.cli", "train"]
-    cmd += train_args(tmp_path / "run", data_dir, epochs=1)
-    done = subprocess.run(
-        cmd, env=job_env(), capture_output=True, text=True, timeout=180, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "1 process(es)" in done.stdout, done.stdout
-    # torch._dynamo's heaviest module (as above)
     assert not re.findall(r"^import time:.*\| +torch\._dynamo\.convert_frame$", done.stderr, re.M)
 
 
