@@ -254,11 +254,13 @@ class Checkpointer:
     def close(self, *, timeout: float | None = None) -> None:
         """Wait for the background save (at most ``timeout`` s) without raising its error: for
         a run that is already failing. The error is logged instead."""
-        job, self._inflight = self._inflight, None
+        job = self._inflight
         if job is None:
             return
         t0 = time.monotonic()
-        if not job.join(timeout):
+        joined = job.join(timeout)
+        self._inflight = None  # after the wait: a second call waits again if this one was cut
+        if not joined:
             self.warn(
                 f"checkpoint: background save of step {job.step} still running after "
                 f"{time.monotonic() - t0:.0f} s; abandoning it (the previous checkpoint is intact)"

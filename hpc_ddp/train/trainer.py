@@ -401,20 +401,27 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     ctrl_c = CtrlC.install(flag)
     state: TrainState | None = None
     trainer: Trainer | None = None
+    stopped = False  # _stop below ran to its end
     try:
-        amp = preflight(config, ctx)  # before the run dir is touched
-        if _open_run_dir(config, ctx, comm, lock):
-            result = _finished_result(config)
-            log.info("\n".join(finished_answer(config.run_dir, result.to_dict())))
-            return result
-        state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
-        trainer = Trainer(config, ctx, comm, state, clock)
-        result = trainer.run(flag)
-    except BaseException as err:
-        if trainer is not None:
-            trainer.record_stop(err, ctrl_c=ctrl_c.received)
-        if state is not None:  # failing: an async save in flight ends (bounded), its error logged
-            state.ckpt.close(timeout=HOLD_TIMEOUT_S)
+        try:
+            amp = preflight(config, ctx)  # before the run dir is touched
+            if _open_run_dir(config, ctx, comm, lock):
+                result = _finished_result(config)
+                log.info("\n".join(finished_answer(config.run_dir, result.to_dict())))
+                return result
+            state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
+            trainer = Trainer(config, ctx, comm, state, clock)
+            result = trainer.run(flag)
+        except BaseException as err:
+            _stop(trainer, state, err, ctrl_c=ctrl_c.received)
+            stopped = True
+            raise
+    except KeyboardInterrupt as late:
+        # Ctrl-C reaches every rank at once. Where a peer left first, this rank's collective
+        # failed before its own handler ran, and the handler's KeyboardInterrupt then lands
+        # inside _stop, cutting it short. The handler raises once, so this pass runs whole.
+        if not stopped:
+            _stop(trainer, state, late, ctrl_c=True)
         raise
     finally:
         if trainer is not None:
@@ -428,6 +435,17 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     if trainer.plotter is not None:
         trainer.plotter.finish()
     return result
+
+
+def _stop(
+    trainer: Trainer | None, state: TrainState | None, err: BaseException, *, ctrl_c: bool
+) -> None:
+    """Training stops with ``err``: progress.json says how, and an async save in flight ends
+    (bounded; its error logged)."""
+    if trainer is not None:
+        trainer.record_stop(err, ctrl_c=ctrl_c)
+    if state is not None:
+        state.ckpt.close(timeout=HOLD_TIMEOUT_S)
 
 
 def run_process(config: TrainConfig) -> int:
