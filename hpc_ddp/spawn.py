@@ -8,6 +8,7 @@ CUDA, hands every worker those modules for free. The parent then only supervises
 * it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker;
 * when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
   rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
+  after a forwarded signal the others got it too, and only the grace period runs;
 * workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
 
 Workers see the launch contract of the "spawn" launcher (hpc_ddp.env_vars, read back by
@@ -100,17 +101,26 @@ class _Supervisor:
     codes: dict[int, int] = field(default_factory=dict)  # rank -> exit code
     failed: int | None = None  # the first rank that failed
     kill_at: float = float("inf")
+    forwarded: signal.Signals | None = None  # the last signal every worker got from us
 
     def forward(self, signum: int, _frame: object) -> None:
+        self.forwarded = signal.Signals(signum)
         for pid, rank in self.pids.items():
             if rank not in self.codes:
                 _signal(pid, signum)
 
-    def stop_others(self) -> None:
+    def stop_others(self) -> str:
+        """Make the workers still running leave (SIGKILL after the grace period); says how."""
+        self.kill_at = time.monotonic() + GRACE_S
+        others = len(self.pids) - len(self.codes)
+        if self.forwarded is not None:
+            # They got the same signal and are leaving on their own; a SIGTERM now could end
+            # one before it recorded why it stopped (when TERM is not a requeue signal).
+            return f"the other {others} worker(s) got {self.forwarded.name} too"
         for pid, rank in self.pids.items():
             if rank not in self.codes:
                 _signal(pid, signal.SIGTERM)
-        self.kill_at = time.monotonic() + GRACE_S
+        return f"stopping the other {others} worker(s)"
 
     def reap(self, pid: int) -> None:
         _, status = os.waitpid(pid, 0)
@@ -119,14 +129,12 @@ class _Supervisor:
         self.codes[rank] = code
         if code not in (0, EXIT_REQUEUE) and self.failed is None:
             self.failed = rank
-            others = len(self.pids) - len(self.codes)
+            stopping = self.stop_others()
             print(
-                f"hpc-ddp spawn: rank {rank} (pid {pid}) {_describe(code)}; "
-                f"stopping the other {others} worker(s)",
+                f"hpc-ddp spawn: rank {rank} (pid {pid}) {_describe(code)}; {stopping}",
                 file=sys.stderr,
                 flush=True,
             )
-            self.stop_others()
 
     def exit_code(self) -> int:
         if self.failed is not None:

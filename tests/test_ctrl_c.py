@@ -1,6 +1,7 @@
 """Ctrl-C on a real run: a real SIGINT to the process group (what a terminal sends) of a real
-``hpc-ddp train``, alone and with ``--nproc-per-node 2`` (2 Gloo ranks); progress.json then says
-``interrupted`` and when, not ``training`` with dead pids."""
+``hpc-ddp train``, alone and with ``--nproc-per-node 2`` (2 Gloo ranks; also with SIGTERM not a
+requeue signal); progress.json then says ``interrupted`` and when, not ``training`` with dead
+pids."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ import pytest
 from trainer_helpers import finish, job_env, read_json, single_cmd, train_args, wait_for_progress
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize(
+    ("nproc", "requeue_signals"),
+    [(1, None), (2, None), (2, "USR1")],  # the last: SIGTERM would end a rank at once
+)
 def test_ctrl_c_leaves_progress_saying_interrupted(
-    tmp_path: Path, data_dir: Path, nproc: int
+    tmp_path: Path, data_dir: Path, nproc: int, requeue_signals: str | None
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "log"
     args = [*train_args(run_dir, data_dir, epochs=100), "--nproc-per-node", str(nproc)]
+    if requeue_signals:
+        args += ["--requeue-signal", requeue_signals]
     with log.open("w") as out:
         proc = subprocess.Popen(
             single_cmd(args), env=job_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -40,6 +46,8 @@ def test_ctrl_c_leaves_progress_saying_interrupted(
     interrupted = progress["status"] == "interrupted" and progress["reason"] == "SIGINT (Ctrl-C)"
     assert interrupted, (progress, text)
     assert progress["step"] > 3 and len(progress["pids"]) == nproc, progress
+    if nproc > 1:  # the launcher let the others leave by themselves: no SIGTERM cut them short
+        assert "got SIGINT too" in text and "stopping the other" not in text, text
     stopped = datetime.fromisoformat(progress["stopped_at"])
     assert before <= stopped <= datetime.now(timezone.utc), progress
 
