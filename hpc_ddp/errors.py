@@ -23,3 +23,9 @@ class ConfigError(HpcDdpError):
 
 class LaunchEnvError(HpcDdpError):
     """The launcher's variables are missing, contradictory or impossible."""
+
+
+def first_few(names: list[str], limit: int) -> str:
+    """``names`` for a message: the first ``limit`` joined, then how many more there are."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")

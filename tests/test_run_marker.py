@@ -57,6 +57,7 @@ def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_di
     assert done.returncode == 2, done.stderr
     assert f"run dir {run_dir} is not empty and is not an hpc-ddp run dir" in done.stderr
     assert "notes.txt" in done.stderr
+    assert "notes.txt, plot.png and 1 more" in done.stderr  # 6 entries, the first 5 named
     assert "HINT: choose an empty or new --run-dir" in done.stderr
     assert snapshot(run_dir) == before
 

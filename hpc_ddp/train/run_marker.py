@@ -30,7 +30,7 @@ from typing import Any
 
 import hpc_ddp
 from hpc_ddp.checkpoint.lock import unwritable
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
 from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, MARKER, RunPaths
 from hpc_ddp.train.config import TrainConfig
@@ -66,10 +66,9 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
     ignored = _LOCK_LEFTOVERS
     others = sorted(e for e in entries if e not in ignored and not _job_log(run_dir, e, env))
     if others and not is_older_run_dir(run_dir):
-        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise ConfigError(
             f"run dir {run_dir} is not empty and is not an hpc-ddp run dir (it has no {MARKER}): "
-            f"it holds {shown}",
+            f"it holds {first_few(others, 5)}",
             hint=f"{_HINT}; the trainer never writes into a directory of other files",
         )
     marker = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.runtime.exact_allreduce import average_each
 from hpc_ddp.train.loop import CommTimer
 
@@ -48,12 +48,9 @@ class PerTensorAverage:
         """Average each gradient over the ranks, timed into ``timer`` as the hook was."""
         missing = [name for name, p in self.params if p.grad is None]
         if missing:
-            shown = ", ".join(missing[:8]) + (
-                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            )
             raise ConfigError(
-                f"the model's parameters {shown} got no gradient in this step: every rank must "
-                "average the same gradients",
+                f"the model's parameters {first_few(missing, 8)} got no gradient in this step: "
+                "every rank must average the same gradients",
                 hint="leave parameters that take no part in the loss out of the model, or set "
                 "requires_grad=False on them",
             )
