@@ -8,7 +8,7 @@ CUDA, hands every worker those modules for free. The parent then only supervises
 * it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker;
 * when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
   rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
-  after a forwarded signal the others got it too, and only the grace period runs;
+  when the worker left on a signal forwarded to all, only the grace period runs;
 * workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
 
 Workers see the launch contract of the "spawn" launcher (hpc_ddp.env_vars, read back by
@@ -109,14 +109,17 @@ class _Supervisor:
             if rank not in self.codes:
                 _signal(pid, signum)
 
-    def stop_others(self) -> str:
-        """Make the workers still running leave (SIGKILL after the grace period); says how."""
+    def stop_others(self, code: int) -> str:
+        """Make the workers still running leave (SIGKILL after the grace period) after one
+        exited with ``code``; says how."""
         self.kill_at = time.monotonic() + GRACE_S
         others = len(self.pids) - len(self.codes)
-        if self.forwarded is not None:
-            # They got the same signal and are leaving on their own; a SIGTERM now could end
-            # one before it recorded why it stopped (when TERM is not a requeue signal).
-            return f"the other {others} worker(s) got {self.forwarded.name} too"
+        sig = self.forwarded
+        if sig is not None and code in (-sig, 128 + sig):  # killed by it, or left as Ctrl-C's 130
+            # It left on the signal we forwarded, which the others got too: they are leaving on
+            # their own, and a SIGTERM could end one before it recorded why it stopped (when
+            # TERM is not a requeue signal).
+            return f"the other {others} worker(s) got {sig.name} too"
         for pid, rank in self.pids.items():
             if rank not in self.codes:
                 _signal(pid, signal.SIGTERM)
@@ -129,7 +132,7 @@ class _Supervisor:
         self.codes[rank] = code
         if code not in (0, EXIT_REQUEUE) and self.failed is None:
             self.failed = rank
-            stopping = self.stop_others()
+            stopping = self.stop_others(code)
             print(
                 f"hpc-ddp spawn: rank {rank} (pid {pid}) {_describe(code)}; {stopping}",
                 file=sys.stderr,

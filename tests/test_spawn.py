@@ -97,6 +97,22 @@ def test_a_failed_worker_stops_the_others(tmp_path: Path) -> None:
         assert gone(json.loads((tmp_path / f"rank{rank}.json").read_text())["pid"])
 
 
+def test_a_worker_failing_after_a_forwarded_signal_still_stops_the_others(tmp_path: Path) -> None:
+    """The others are left to leave by themselves only when the worker left on the signal the
+    parent forwarded to all (tests/test_ctrl_c.py): here all got SIGUSR1 and went on, then
+    rank 1 failed on its own (exit 3), so the others still get their SIGTERM at once."""
+    started = time.monotonic()
+    proc = run_worker("usr1-then-hang-unless-term", 3, tmp_path)
+    wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in range(3)), 60, "workers up")
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "rank 1 (pid" in err and "stopping the other 2 worker(s)" in err, err
+    assert time.monotonic() - started < 30  # SIGTERM at once, not the workers' 60 s wait
+    for rank in (0, 2):
+        assert gone(json.loads((tmp_path / f"rank{rank}.json").read_text())["pid"])
+
+
 def test_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="already rank 1 of 2 started by torchrun"):
         env = {

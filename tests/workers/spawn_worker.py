@@ -7,6 +7,8 @@ Each worker writes OUT_DIR/rank<R>.json (its pid and the launcher variables it s
   signal               waits (bounded) for SIGUSR1, records it, exits 75
   hang-unless-term     rank 1 exits 3 once the others wrote their files; the others wait
                        (bounded) to be stopped by the supervisor's SIGTERM
+  usr1-then-hang-unless-term
+                       each waits (bounded) for SIGUSR1 and goes on: then hang-unless-term
 The script exits with launch()'s return value.
 """
 
@@ -42,7 +44,12 @@ def main() -> None:
         if mode == "signal":
             (out / f"ready{rank}").touch()
             os._exit(75 if got.wait(WAIT_S) else 1)
-        if mode == "hang-unless-term":
+        if mode == "usr1-then-hang-unless-term":
+            (out / f"ready{rank}").touch()
+            if not got.wait(WAIT_S):
+                os._exit(1)
+            got.clear()  # SIGTERM, not the USR1 already seen, must end the wait below
+        if mode in ("hang-unless-term", "usr1-then-hang-unless-term"):
             if rank == 1:  # once the others are up and recorded: their pids are what is checked
                 others = [out / f"rank{r}.json" for r in range(nproc) if r != 1]
                 deadline = time.monotonic() + WAIT_S
