@@ -15,11 +15,13 @@ from hpc_ddp.commands import train as command
 from hpc_ddp.train import state
 
 TORCH_DEFAULTS = "--torch-ddp-defaults"
-trainer_options = state.ddp_options
+trainer_options, trainer_sync = state.ddp_options, state.gradient_sync
 
 
 def always_ddp(backend: str, world_size: int, captured: bool) -> str:
-    return "ddp" if world_size > 1 and not captured else "none"
+    """The trainer's choice, with DDP where it would average per tensor (Gloo)."""
+    sync = trainer_sync(backend, world_size, captured)
+    return "ddp" if sync == "per_tensor" else sync
 
 
 def announced_options(net: object, **kwargs: object) -> dict[str, bool]:
