@@ -86,25 +86,18 @@ def test_signals_to_the_parent_reach_every_worker(tmp_path: Path) -> None:
     assert proc.returncode == 75, err  # both workers got it (one missing would exit 1)
 
 
-def test_a_failed_worker_stops_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("after_usr1", [False, True], ids=["alone", "after-a-forwarded-usr1"])
+def test_a_failed_worker_stops_the_others(tmp_path: Path, after_usr1: bool) -> None:
+    """Rank 1 exits 3; the others get SIGTERM at once. Also when every worker had got a SIGUSR1
+    from the parent and gone on: the others are left to leave by themselves only when the worker
+    left on the signal forwarded to all (tests/test_ctrl_c.py), and exit 3 is its own failure."""
     started = time.monotonic()
-    proc = run_worker("hang-unless-term", 3, tmp_path)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 3, err
-    assert "rank 1 (pid" in err and "stopping the other 2 worker(s)" in err, err
-    assert time.monotonic() - started < 30  # SIGTERM at once, not the workers' 60 s wait
-    for rank in (0, 2):
-        assert gone(json.loads((tmp_path / f"rank{rank}.json").read_text())["pid"])
-
-
-def test_a_worker_failing_after_a_forwarded_signal_still_stops_the_others(tmp_path: Path) -> None:
-    """The others are left to leave by themselves only when the worker left on the signal the
-    parent forwarded to all (tests/test_ctrl_c.py): here all got SIGUSR1 and went on, then
-    rank 1 failed on its own (exit 3), so the others still get their SIGTERM at once."""
-    started = time.monotonic()
-    proc = run_worker("usr1-then-hang-unless-term", 3, tmp_path)
-    wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in range(3)), 60, "workers up")
-    proc.send_signal(signal.SIGUSR1)
+    proc = run_worker(
+        "usr1-then-hang-unless-term" if after_usr1 else "hang-unless-term", 3, tmp_path
+    )
+    if after_usr1:
+        wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in range(3)), 60, "workers up")
+        proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
     assert "rank 1 (pid" in err and "stopping the other 2 worker(s)" in err, err
