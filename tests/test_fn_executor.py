@@ -11,6 +11,8 @@ cluster (gres over character devices).
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 from pathlib import Path
 
 import fn_support
@@ -168,19 +170,40 @@ def test_map_array_on_slurm_is_one_slurm_array(slurm_cluster, tmp_path: Path) ->
     assert (info["ArrayJobId"], info["ArrayTaskId"], info["NumTasks"]) == (array_id, "1", "2")
 
 
+# The real scontrol, then, for a requeue, 3 s before it exits: a reply that comes after the
+# requeue's SIGTERM to every process of the job, as it can from a busy slurmctld.
+LATE_REPLY_SCONTROL = """#!/bin/bash
+{real} "$@"
+rc=$?
+if [ "$1" = requeue ]; then sleep 3; fi
+exit $rc
+"""
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_preempted_function_is_requeued_and_called_again(slurm_cluster, tmp_path: Path) -> None:
     """USR2 -> submitit's handler on rank 0 -> FunctionTask.checkpoint() (Checkpointable: the
-    same call) -> scontrol requeue -> the function runs again and returns."""
-    env = {**slurm_cluster.env, "PYTHONPATH": _pythonpath()}
+    same call) -> scontrol requeue -> the function runs again and returns. The job's scontrol
+    answers late (LATE_REPLY_SCONTROL, first on its PATH): the requeue's own SIGTERM reaches it
+    first, and must not make it fail (submitit would record the first attempt as failed)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    real = shutil.which("scontrol", path=slurm_cluster.env["PATH"])
+    assert real, slurm_cluster.env["PATH"]
+    (tools / "scontrol").write_text(LATE_REPLY_SCONTROL.format(real=shlex.quote(real)))
+    (tools / "scontrol").chmod(0o755)
+    path = f"{tools}{os.pathsep}{slurm_cluster.env['PATH']}"
+    env = {**slurm_cluster.env, "PYTHONPATH": _pythonpath(), "PATH": path}
     ex = hpc_ddp.Executor(tmp_path / "f", "slurm", cluster_env=env, time="10")
     job = ex.submit(fn_support.hold_once, str(tmp_path))
     wait_for(lambda: (tmp_path / "holding").exists(), 120, "the first run holding")
     slurm_cluster.run(["scancel", "--signal=USR2", job.job_id])
     assert job.result() == 2  # the second call's return value
     assert _show(slurm_cluster, job.job_id)["Restarts"] == "1"
-    assert "Calling checkpoint method" in Path(job.paths.stdout).read_text()
+    said = Path(job.paths.stdout).read_text()
+    assert "Calling checkpoint method" in said
+    assert f"Requeued job {job.job_id}" in said, said  # scontrol exited 0, 3 s after its SIGTERM
 
 
 @pytest.mark.slurm

@@ -21,6 +21,7 @@ from typing import Any
 import submitit
 
 from hpc_ddp.deploy.submitit.environment import export_task_env
+from hpc_ddp.deploy.submitit.requeue import ignore_sigterm_before_requeue
 
 
 class FunctionTask(submitit.helpers.Checkpointable):
@@ -45,6 +46,11 @@ class FunctionTask(submitit.helpers.Checkpointable):
         # work is done. Leave through os._exit instead, with the status the result pickle tells.
         atexit.register(_exit_by_outcome, submitit.JobEnvironment().paths.result_pickle)
         return self.fn(*args, **kwargs)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit on rank 0 when preempted: the same call again, requeued."""
+        ignore_sigterm_before_requeue()
+        return super().checkpoint(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"FunctionTask({getattr(self.fn, '__qualname__', self.fn)!r})"

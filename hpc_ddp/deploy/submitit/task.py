@@ -42,6 +42,7 @@ import submitit
 from hpc_ddp.deploy.backend import read_result
 from hpc_ddp.deploy.core import TRAIN_MODULE
 from hpc_ddp.deploy.submitit.environment import export_task_env
+from hpc_ddp.deploy.submitit.requeue import ignore_sigterm_before_requeue
 from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -136,6 +137,7 @@ class ProgramTask(submitit.helpers.Checkpointable):
         child = self._child
         if child is not None and not _exited(child.pid, CHILD_CHECKPOINT_TIMEOUT_S):
             child.kill()
+        ignore_sigterm_before_requeue()  # the program has left: nothing to forward it to
         # The program resumes from its newest checkpoint: same task, same arguments.
         return submitit.helpers.DelayedSubmission(dataclasses.replace(self))
 
