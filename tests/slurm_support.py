@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -122,3 +123,24 @@ def listening(pids: set[int]) -> list[tuple[str, int]]:
         for pid in holders & pids:
             found.append((fields[3].rsplit(":", 1)[0], pid))
     return found
+
+
+# The real scontrol, then, for a requeue, 3 s before it exits: a reply that comes after the
+# requeue's SIGTERM to every process of the job, as it can from a busy slurmctld.
+_LATE_REPLY_SCONTROL = """#!/bin/bash
+{real} "$@"
+rc=$?
+if [ "$1" = requeue ]; then sleep 3; fi
+exit $rc
+"""
+
+
+def late_reply_scontrol_path(tools: Path, env: dict[str, str]) -> str:
+    """A PATH for jobs whose ``scontrol requeue`` answers 3 s late (written into ``tools``), so
+    that the SIGTERM Slurm sends every process of a requeued job reaches scontrol first."""
+    real = shutil.which("scontrol", path=env["PATH"])
+    assert real, env["PATH"]
+    tools.mkdir(exist_ok=True)
+    (tools / "scontrol").write_text(_LATE_REPLY_SCONTROL.format(real=shlex.quote(real)))
+    (tools / "scontrol").chmod(0o755)
+    return f"{tools}{os.pathsep}{env['PATH']}"

@@ -11,12 +11,11 @@ cluster (gres over character devices).
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
 from pathlib import Path
 
 import fn_support
 import pytest
+from slurm_support import late_reply_scontrol_path
 
 import hpc_ddp
 from hpc_ddp.deploy.submitit.parameters import executor_parameters, extra_sbatch_parameters
@@ -170,30 +169,14 @@ def test_map_array_on_slurm_is_one_slurm_array(slurm_cluster, tmp_path: Path) ->
     assert (info["ArrayJobId"], info["ArrayTaskId"], info["NumTasks"]) == (array_id, "1", "2")
 
 
-# The real scontrol, then, for a requeue, 3 s before it exits: a reply that comes after the
-# requeue's SIGTERM to every process of the job, as it can from a busy slurmctld.
-LATE_REPLY_SCONTROL = """#!/bin/bash
-{real} "$@"
-rc=$?
-if [ "$1" = requeue ]; then sleep 3; fi
-exit $rc
-"""
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_a_preempted_function_is_requeued_and_called_again(slurm_cluster, tmp_path: Path) -> None:
     """USR2 -> submitit's handler on rank 0 -> FunctionTask.checkpoint() (Checkpointable: the
     same call) -> scontrol requeue -> the function runs again and returns. The job's scontrol
-    answers late (LATE_REPLY_SCONTROL, first on its PATH): the requeue's own SIGTERM reaches it
-    first, and must not make it fail (submitit would record the first attempt as failed)."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    real = shutil.which("scontrol", path=slurm_cluster.env["PATH"])
-    assert real, slurm_cluster.env["PATH"]
-    (tools / "scontrol").write_text(LATE_REPLY_SCONTROL.format(real=shlex.quote(real)))
-    (tools / "scontrol").chmod(0o755)
-    path = f"{tools}{os.pathsep}{slurm_cluster.env['PATH']}"
+    answers late (late_reply_scontrol_path): the requeue's own SIGTERM reaches it first, and
+    must not make it fail (submitit would record the first attempt as failed)."""
+    path = late_reply_scontrol_path(tmp_path / "bin", slurm_cluster.env)
     env = {**slurm_cluster.env, "PYTHONPATH": _pythonpath(), "PATH": path}
     ex = hpc_ddp.Executor(tmp_path / "f", "slurm", cluster_env=env, time="10")
     job = ex.submit(fn_support.hold_once, str(tmp_path))

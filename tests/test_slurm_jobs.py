@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from deploy_support import (
     train_args,
     train_spec,
 )
+from slurm_support import late_reply_scontrol_path
 
 from hpc_ddp.deploy import JobSpec
 from hpc_ddp.deploy.sbatch.render import render
@@ -124,6 +126,40 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
             assert not list((cwd / "run").glob(".requeue-job-*"))  # the shell removed it
         else:
             assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
+
+
+# A job program that asks for its own requeue as the trainer does under --requeue scontrol
+# (a hand-written batch script), handling SIGTERM as the trainer's default stop signals do.
+_REQUEUE_ITSELF = """
+import os, signal
+from hpc_ddp.runtime.preemption import requeue
+signal.signal(signal.SIGTERM, lambda *_: print("got SIGTERM", flush=True))
+restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+print(f"run {restart}:", requeue("scontrol") if restart == "0" else "done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_trainers_own_requeue_reports_success_when_scontrol_answers_late(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """``requeue("scontrol")`` inside a real job, its scontrol answering 3 s late
+    (late_reply_scontrol_path): Slurm SIGTERMs every process of the requeued job before the
+    reply, and the requeue, which succeeded, must not be reported as failed."""
+    path = late_reply_scontrol_path(tmp_path / "bin", slurm_cluster.env)
+    script = tmp_path / "requeue_itself.sh"
+    script.write_text(
+        f"#!/bin/bash\nexport PATH={shlex.quote(path)}\n"
+        f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_REQUEUE_ITSELF)}\n"
+    )
+    done = slurm_cluster.sbatch_wait(
+        script, "--requeue", "--open-mode=append", timeout_s=90, output=tmp_path / "out"
+    )
+    said = done.output
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), said
+    assert f"run 0: requeued Slurm job {done.job_id} (scontrol requeue)" in said, said
+    assert "got SIGTERM" in said, said  # the requeue's SIGTERM did come, before the reply
+    assert "run 1: done" in said, said
 
 
 def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path) -> None:

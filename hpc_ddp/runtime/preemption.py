@@ -12,7 +12,8 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -127,14 +128,29 @@ def requeue(
     if scontrol is None:
         return f"scontrol not found on PATH: cannot requeue job {job}; exiting 75"
     try:
-        done = subprocess.run(
-            [scontrol, "requeue", job], capture_output=True, text=True, timeout=60, check=False
-        )
+        with _children_keep_sigterm_blocked():
+            done = subprocess.run(
+                [scontrol, "requeue", job], capture_output=True, text=True, timeout=60, check=False
+            )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"scontrol requeue {job} failed ({err}); exiting 75"
     if done.returncode != 0:
         return f"scontrol requeue {job} failed (rc {done.returncode}): {done.stderr.strip()}"
     return f"requeued Slurm job {job} (scontrol requeue)"
+
+
+@contextmanager
+def _children_keep_sigterm_blocked() -> Iterator[None]:
+    """Processes started inside inherit SIGTERM blocked (a thread's signal mask survives fork and
+    exec). slurmctld answers ``scontrol requeue`` while it has every process of the job
+    SIGTERMed, scontrol included: blocked, that signal cannot end scontrol before its reply, so
+    a requeue that succeeded is not reported as failed (rc -15). A SIGTERM meant for this
+    process is not lost: another thread takes it, or this one when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def leave_requeue_marker(run_paths: RunPaths | None, environ: Mapping[str, str]) -> str:
