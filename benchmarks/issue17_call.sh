@@ -11,6 +11,9 @@
 #                                         trainer's CUDA warm-up
 #   benchmarks/issue17_call.sh accuracy   both scripts' accuracy over 12 seeds, 3 runs a GPU
 #
+# WANT=H100 (or any text of the card's name): stop at once, exit 3, on other cards; a kind asked
+# for can come as another card, and a whole call measured on the wrong one costs minutes.
+#
 # BASE=DIR (a directory holding another revision's hpc_ddp/, carried in an ignored folder, e.g.
 # git archive REV hpc_ddp | tar -x -C .gpu/base): the plain runs alternate with that revision's.
 #
@@ -19,6 +22,9 @@
 # and carry .gpu/i17. Output under $OUT: cards.txt (GPUs, cores, CPU, seconds per part),
 # floor.txt, tables.md (each suite's rows), json.tgz (bench.json files and logs).
 set -u
+if [ -n "${WANT:-}" ] && ! nvidia-smi -L | grep -q -- "$WANT"; then
+  nvidia-smi -L | head -1; echo "not $WANT: stopping"; exit 3
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 T=$SECONDS
