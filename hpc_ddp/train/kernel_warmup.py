@@ -61,9 +61,11 @@ def warm_kernels(
     from hpc_ddp.cifar.gpu_data import normalize  # GPU runs only: CPU ones never import it here
 
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        raw = torch.zeros(8, 3, 8, 8, dtype=torch.uint8, device=device)
-        labels = torch.zeros(8, dtype=torch.int64, device=device)
-        pick = torch.arange(4, device=device)
+        raw = torch.zeros(32, 3, 8, 8, dtype=torch.uint8, device=device)
+        labels = torch.zeros(32, dtype=torch.int64, device=device)
+        # More than 16 indices: CUDA's index_select takes another kernel for 16 or fewer, and
+        # the data path gathers whole batches.
+        pick = torch.arange(32, device=device)
         x, y = normalize(raw).index_select(0, pick), labels.index_select(0, pick)
         conv_w = nn.Parameter(torch.zeros(4, 3, 3, 3, device=device))
         bn_w, bn_b = (
