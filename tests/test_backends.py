@@ -173,6 +173,26 @@ def test_submitit_describe_shows_the_task_and_creates_nothing(tmp_path: Path) ->
     assert f"\n{sys.executable} -u -m pkg.train -v\n" in module.text and module.run_paths is None
 
 
+def test_a_submitit_folder_with_a_line_break_is_refused_before_anything(tmp_path: Path) -> None:
+    """submitit writes its folder into #SBATCH lines: a line break there would start a line of
+    the batch shell. The CLI, describe/submit and Executor all refuse it, creating nothing."""
+    folder = str(tmp_path / "logs\ntouch PWNED #")
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text('name = "j"\nnodes = 1\nprocs_per_node = 1\ntime = "5"\n')
+    cli = hpc_ddp(
+        ["submit", str(spec_file), "--executor", "submitit", "--dry-run", "--folder", folder]
+    )
+    assert cli.returncode == 2, cli
+    assert "submitit folder" in cli.stderr and "U+000A LINE FEED" in cli.stderr, cli.stderr
+    spec = api.JobSpec(nodes=1, procs_per_node=1, time="5")
+    for executor in ("submitit", "local"):
+        with pytest.raises(ConfigError, match="U\\+000A LINE FEED"):
+            api.describe(spec, executor, folder=folder, cwd=tmp_path)
+    with pytest.raises(ConfigError, match="submitit folder"):
+        api.Executor(folder, "local")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
 def test_a_launch_describes_its_script_and_the_dry_run_command(tmp_path: Path) -> None:
     spec = api.make_launch_spec(
         tool="clush", hosts="n[1-2]", command=["--run-dir", "r"], launch_id="L7", rcmd="exec",

@@ -27,7 +27,12 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
 from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
-from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters, not_used
+from hpc_ddp.deploy.submitit.parameters import (
+    Kind,
+    checked_folder,
+    executor_parameters,
+    not_used,
+)
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
@@ -57,7 +62,8 @@ class SubmititBackend(Backend):
         if kind not in ("submitit", "local"):
             raise ConfigError(f"submitit executor {kind!r} is not one of submitit, local")
         self.kind: Kind = kind
-        self.folder = Path(folder) if folder is not None else None  # default: runs/submitit/NAME
+        # None: runs/submitit/NAME, from the spec's validated name
+        self.folder = checked_folder(folder) if folder is not None else None
         # The local executor talks to no Slurm; on Slurm, jobs run this interpreter's python.
         self.cluster_env = None if kind == "local" else with_this_python(cluster_env or {})
         self.cwd = Path(cwd) if cwd is not None else None

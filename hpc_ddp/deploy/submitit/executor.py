@@ -22,7 +22,7 @@ from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, with_this_python
 from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
-from hpc_ddp.deploy.submitit.parameters import Kind, executor_parameters
+from hpc_ddp.deploy.submitit.parameters import Kind, checked_folder, executor_parameters
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.extras import require
 
@@ -61,7 +61,7 @@ class Executor:
                 f"Executor cluster {cluster!r} is not one of slurm, local",
                 hint='cluster="slurm" submits to Slurm; cluster="local" runs on this machine',
             )
-        self.folder = Path(folder)
+        self.folder = checked_folder(folder)
         self.cluster: Cluster = cluster
         self.spec = spec if spec is not None else JobSpec(name="hpc-ddp-fn")
         self.distributed = distributed

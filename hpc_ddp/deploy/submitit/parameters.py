@@ -10,9 +10,11 @@ Pure Python; never imports submitit.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from hpc_ddp.deploy.core import problem_list
+from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
 from hpc_ddp.errors import ConfigError
 
@@ -35,6 +37,14 @@ SLURM_ONLY = (
 SUBMITIT_OWNED = ("output", "error", "open-mode", "signal", "array", "wckey")
 # submitit's minimum: one minute.
 _NO_LIMIT_MINUTES = 60 * 24 * 365
+
+
+def checked_folder(folder: str | Path) -> Path:
+    """submitit's folder, refused if it holds a control character: submitit writes it into the
+    #SBATCH lines of its script, where a line break would start a line of shell."""
+    if problem := control_problem("submitit folder", str(folder)):
+        raise ConfigError(problem, hint="give the folder (--folder, folder=) a name of one line")
+    return Path(folder)
 
 
 def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
