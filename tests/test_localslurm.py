@@ -191,14 +191,55 @@ def test_failed_start_undoes_itself_and_shows_the_log(root: Path) -> None:
     _assert_nothing_left(cluster, set())
 
 
+def _project_dir(root: Path) -> dict[str, str]:
+    """A user's project in ``root``, with entries named like a cluster's own (jobs/, log/,
+    slurm.conf): its files and their contents."""
+    files = {
+        "thesis.tex": "precious",
+        "jobs/train.sbatch": "#!/bin/bash\n",
+        "log/run1.out": "results",
+        "slurm.conf": "ClusterName=theirs\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_text(text)
+    return files
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file()}
+
+
 def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
+    """Entries named like the cluster's (jobs/, log/, slurm.conf) are the cluster's only in a
+    dir that holds its marker: start refuses this one, stop and `cluster down` leave it whole."""
     require_local_slurm()
-    (root / "thesis.tex").write_text("precious")
-    with pytest.raises(ConfigError, match=r"thesis\.tex") as info:
+    files = _project_dir(root)
+    with pytest.raises(ConfigError, match=r"jobs, log, slurm\.conf, thesis\.tex") as info:
         LocalCluster(root, ephemeral=True).start()
+    assert ".hpc-ddp-local-cluster" in str(info.value)
     assert "empty or new dir" in (info.value.hint or "")
-    LocalCluster(root).stop()  # `hpc-ddp cluster down --dir` on the wrong dir: harmless too
-    assert [p.name for p in root.iterdir()] == ["thesis.tex"]
+    with pytest.raises(ConfigError, match="nothing stopped, nothing removed"):
+        LocalCluster(root).stop()
+    down = subprocess.run(
+        [str(HPC_DDP), "cluster", "down", "--dir", str(root)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert down.returncode == 2 and "is not a local cluster's dir" in down.stderr, down
+    assert _files(root) == files
+
+
+def test_a_cluster_dir_of_an_older_version_is_still_cleaned(root: Path) -> None:
+    """A dir whose slurm.conf an older hpc-ddp wrote (before the marker) is still the cluster's:
+    stop removes what the cluster wrote, and only that."""
+    cfg = ClusterConfig(root=root)
+    (root / "slurm.conf").write_text(render_slurm_conf(cfg))
+    for name in ("log", "state", "jobs"):
+        (root / name).mkdir()
+        (root / name / "x").write_text("cluster's")
+    (root / "notes.txt").write_text("mine")
+    LocalCluster(root).stop()
+    assert _files(root) == {"notes.txt": "mine"}
 
 
 def test_bad_shapes_fail_before_anything_starts() -> None:

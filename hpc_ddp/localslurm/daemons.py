@@ -13,18 +13,17 @@ import contextlib
 import glob
 import os
 import random
-import shutil
 import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.localslurm import cgroupfs, gpus, loopback, munge, private_dir, procs
+from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
+from hpc_ddp.errors import ConfigError, HpcDdpError, first_few
+from hpc_ddp.localslurm import cgroupfs, cluster_dir, gpus, loopback, munge, private_dir, procs
 from hpc_ddp.localslurm import etc_hosts as hosts
 from hpc_ddp.localslurm.config import (
     NODE_ADDR,
-    OWNED_NAMES,
     ClusterConfig,
     render_cgroup_conf,
     render_gres_conf,
@@ -245,8 +244,9 @@ class LocalCluster:
         """``prefix``: what each Slurm daemon runs under (loopback.daemon_prefix)."""
         cfg = self.config
         deadline = time.monotonic() + timeout_s
-        self._remove_files()  # old state would resurrect old jobs
+        cluster_dir.remove_owned(self.root)  # old state would resurrect old jobs
         private_dir.prepare(self.root)
+        cluster_dir.mark(self.root)
         for d in cfg.dirs():
             d.mkdir(parents=True, exist_ok=True)
         plugins = self.install.plugin_dir()
@@ -353,8 +353,16 @@ class LocalCluster:
         """Cancel jobs, shut the daemons down, kill stragglers by pid, clean up. Idempotent.
 
         ``graceful=False`` skips the cancel and `scontrol shutdown` round trips (a half-started
-        cluster has no jobs, and slurmctld would wait on nodes that never registered).
+        cluster has no jobs, and slurmctld would wait on nodes that never registered). A dir
+        that holds files but no cluster (cluster_dir) is refused, untouched.
         """
+        if not cluster_dir.holds_cluster(self.root) and (found := cluster_dir.entries(self.root)):
+            raise ConfigError(
+                f"{self.root} is not a local cluster's dir (no {cluster_dir.MARKER}; it holds "
+                f"{first_few(found, 5)}): nothing stopped, nothing removed",
+                hint=f"name the dir the cluster was started in (--dir, {LOCAL_SLURM_DIR_VAR}); "
+                "`hpc-ddp cluster status --dir DIR` says whether one runs there",
+            )
         # Recorded pids, plus any daemon of this dir that died before writing its pid file.
         # munged goes last: the shutdown requests below need it.
         recorded = {role: p for role, p in self._pids().items() if self._daemon_alive(p)}
@@ -374,28 +382,17 @@ class LocalCluster:
             for name in ("pids", "cluster.json"):
                 (self.root / "run" / name).unlink(missing_ok=True)
         else:
-            self._remove_files()
+            cluster_dir.remove_owned(self.root)
         if left:
             raise HpcDdpError(f"processes {sorted(left)} of {self.root} survived SIGKILL")
 
-    def _remove_files(self) -> None:
-        """Remove what the cluster wrote, then the dir itself if that left it empty."""
-        for name in OWNED_NAMES:
-            path = self.root / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.root.rmdir()
-
     def _check_dir_is_ours(self) -> None:
-        foreign = sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
-        foreign = [name for name in foreign if name not in OWNED_NAMES]
-        if foreign:
+        """Refuse a dir holding anything that is not this cluster's (cluster_dir)."""
+        if foreign := cluster_dir.foreign_entries(self.root):
+            unmarked = "" if cluster_dir.holds_cluster(self.root) else f" (no {cluster_dir.MARKER})"
             raise ConfigError(
-                f"{self.root} holds files that are not a local cluster's: "
-                + ", ".join(foreign[:5]),
+                f"{self.root} holds files that are not a local cluster's{unmarked}: "
+                + first_few(foreign, 5),
                 hint="give the cluster an empty or new dir of its own (--dir)",
             )
 
