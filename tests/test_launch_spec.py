@@ -135,6 +135,27 @@ def test_forwarded_env_picks_what_a_remote_shell_lacks() -> None:
     assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/x"}
 
 
+def test_the_api_forwards_what_the_cli_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_spec (hpc_ddp.make_launch_spec) forwards this process's NCCL_*, PYTHONPATH... as
+    `hpc-ddp launch` does; --env (env=) wins, --no-forward-env (forward_env=False) drops them.
+    The CLI's script exports exactly the API spec's variables."""
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("PYTHONPATH", "/site")
+    common = {"tool": "pdsh", "hosts": "n[1-2]", "command": ["true"], "launch_id": "a-1"}
+    assert make_spec(**common).env == {
+        "NCCL_DEBUG": "INFO",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "/site",
+    }
+    assert make_spec(**common, env={"NCCL_DEBUG": "WARN"}).env["NCCL_DEBUG"] == "WARN"
+    assert make_spec(**common, forward_env=False).env == {"OMP_NUM_THREADS": "1"}
+    cli = hpc_ddp(
+        ["launch", "pdsh", "--hosts", "n[1-2]", "--launch-id", "a-1", "--dry-run", "--", "true"]
+    )
+    assert cli.returncode == 0, cli
+    assert "NCCL_DEBUG=INFO" in cli.stdout and "PYTHONPATH=/site" in cli.stdout, cli.stdout
+
+
 @pytest.mark.parametrize(
     ("line", "hosts", "code"),
     [

@@ -325,3 +325,22 @@ def test_the_torchrun_batch_shell_requeues_on_this_runs_marker_only(
         assert not log.exists(), log.read_text()
         # nothing else removed (a finished run's own marker is consumed all the same)
         assert sorted(p.name for p in paths.root.iterdir()) == before
+
+
+def test_a_container_table_from_python_is_a_spec_files_table(tmp_path: Path) -> None:
+    """``container={...}`` in JobSpec and make_launch_spec is read as a spec file's
+    ``[container]`` table: the same ContainerSpec, the same script, the same key checks."""
+    table = {"image": "/images/train.sif", "mounts": ["/data:/data:ro"]}
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text(
+        'nodes = 1\ntime = "5"\n[container]\nimage = "/images/train.sif"\n'
+        'mounts = ["/data:/data:ro"]\n'
+    )
+    from_file = build_spec(spec_file)
+    from_python = JobSpec(nodes=1, time="5", container=table)
+    assert from_python.container == from_file.container
+    assert render(from_python) == render(from_file.replace(name=from_python.name))
+    launch = make_spec(tool="pdsh", hosts="n1", command=["true"], rcmd="exec", container=table)
+    assert launch.container == from_file.container
+    with pytest.raises(ConfigError, match="did you mean 'image'"):
+        JobSpec(container={"imag": "/images/train.sif"})

@@ -11,7 +11,6 @@ After '--': a command, or arguments for the trainer if the first one is an optio
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import signal
 import sys
@@ -23,7 +22,7 @@ from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.shell.backend import ShellBackend
 from hpc_ddp.deploy.shell.runner import TAG
-from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, LaunchSpec, forwarded_env, make_spec
+from hpc_ddp.deploy.shell.spec import MODES, RCMDS, TOOLS, LaunchSpec, make_spec
 from hpc_ddp.deploy.shell.tool_argv import stop_command
 from hpc_ddp.errors import ConfigError
 
@@ -167,8 +166,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.launch_id:
             raise ConfigError("stop needs --launch-id", hint="the launch printed it when it began")
         command = ["true"]  # the spec wants a command; stop never runs it
-    env = {} if args.no_forward_env else forwarded_env(os.environ)
-    env.update(_parse_env(args.env))
     spec = make_spec(
         tool=args.via if stopping else args.action,
         hosts=args.hosts,
@@ -177,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         launch_id=args.launch_id,
-        env=env,
+        env=_parse_env(args.env),
+        forward_env=not args.no_forward_env,
         python=args.python,
         workdir=args.workdir,
         state_dir=args.state_dir,

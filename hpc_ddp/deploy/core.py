@@ -11,9 +11,11 @@ Pure Python, never imports torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
@@ -96,6 +98,14 @@ class ProcessSpec:
         return self.module == TRAIN_MODULE and not self.script
 
     # --- rules -----------------------------------------------------------------------------
+    def _adopt_container_table(self) -> None:
+        """A ``container`` given as a table (a dict from Python, as a spec file's ``[container]``)
+        becomes its ContainerSpec, keys checked as the file's are. Called first in
+        ``__post_init__`` (object.__setattr__: the launch spec is frozen)."""
+        if isinstance(self.container, Mapping):
+            table = schema.from_mapping(ContainerSpec, self.container, source="container")
+            object.__setattr__(self, "container", ContainerSpec(**table))
+
     def container_label(self, name: str) -> str:
         """How a problem names a field of the container table (the spec file's spelling)."""
         return f"container.{name}"

@@ -121,6 +121,7 @@ class JobSpec(ProcessSpec):
     )
 
     def __post_init__(self) -> None:
+        self._adopt_container_table()
         problems = self.core_problems() + _check(self)
         if problems:
             raise ConfigError(

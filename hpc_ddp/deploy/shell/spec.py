@@ -99,6 +99,7 @@ class LaunchSpec(ProcessSpec):
     ssh_options: tuple[str, ...] = SSH_OPTIONS
 
     def __post_init__(self) -> None:
+        self._adopt_container_table()
         if not self.nodes:
             object.__setattr__(self, "nodes", len(self.hosts))  # frozen: set once, here
         problems = self.core_problems() + self._launch_problems()
@@ -210,6 +211,7 @@ def make_spec(
     master_port: int | None = None,
     launch_id: str | None = None,
     env: Mapping[str, str] | None = None,
+    forward_env: bool = True,
     setup: list[str] | tuple[str, ...] = (),
     python: str | None = None,
     workdir: str | None = None,
@@ -225,6 +227,8 @@ def make_spec(
       a host pick different ports without talking to each other.
     - command: one that starts with an option is trainer arguments: ``python -m hpc_ddp.train``.
     - python: this interpreter, or with a container the image's ``python``.
+    - env: ``forward_env`` puts this process's NCCL_*, GLOO_*, PYTHONPATH... (forwarded_env)
+      under ``env``, as ``hpc-ddp launch`` does unless ``--no-forward-env``.
     """
     host_list = canonical_hosts(hosts)
     launch_id = launch_id or new_launch_id()
@@ -234,7 +238,7 @@ def make_spec(
         master_addr = "127.0.0.1" if rcmd == "exec" else host_list[0]
     port = master_port if master_port is not None else derive_port(launch_id)
     trainer = bool(command) and command[0].startswith("-")
-    env = dict(env or {})
+    env = {**(forwarded_env(os.environ) if forward_env else {}), **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun does; N processes share the cores
     return LaunchSpec(
         tool=tool,  # type: ignore[arg-type]  # checked by LaunchSpec, with every other value
