@@ -54,6 +54,11 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "log_paths": ("hpc_ddp.deploy.control", "log_paths"),
     "follow_logs": ("hpc_ddp.deploy.control", "follow_logs"),
     "cancel_job": ("hpc_ddp.deploy.control", "cancel_job"),
+    "run_dir_report": ("hpc_ddp.deploy.control", "run_dir_report"),
+    # checks of a node or allocation, and of a hang after the fact (torch-free)
+    "doctor": ("hpc_ddp.node_checks", "doctor"),
+    "Check": ("hpc_ddp.node_checks", "Check"),
+    "nccl_dump_report": ("hpc_ddp.deploy.flight_recorder", "report"),
     "ensure_local_cluster": ("hpc_ddp.localslurm.embedded", "ensure_local_cluster"),
     # errors and exit codes (torch-free)
     "HpcDdpError": ("hpc_ddp.errors", "HpcDdpError"),
@@ -64,6 +69,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
 __all__ = [
     "EXIT_REQUEUE",
     "Backend",
+    "Check",
     "Checkpointer",
     "ConfigError",
     "DistContext",
@@ -86,6 +92,7 @@ __all__ = [
     "capture_rng_state",
     "describe",
     "detect_env",
+    "doctor",
     "ensure_local_cluster",
     "eval_indices",
     "evaluate",
@@ -96,10 +103,12 @@ __all__ = [
     "load_job_spec",
     "log_paths",
     "make_launch_spec",
+    "nccl_dump_report",
     "params_sha256",
     "per_tensor_allreduce",
     "render",
     "restore_rng_state",
+    "run_dir_report",
     "run_main",
     "shutdown",
     "submit",
@@ -117,7 +126,9 @@ if TYPE_CHECKING:
         follow_logs,
         job_report,
         log_paths,
+        run_dir_report,
     )
+    from hpc_ddp.deploy.flight_recorder import report as nccl_dump_report
     from hpc_ddp.deploy.sbatch.render import render
     from hpc_ddp.deploy.shell.spec import LaunchSpec
     from hpc_ddp.deploy.shell.spec import make_spec as make_launch_spec
@@ -129,6 +140,7 @@ if TYPE_CHECKING:
     from hpc_ddp.errors import ConfigError, HpcDdpError
     from hpc_ddp.exit_codes import EXIT_REQUEUE
     from hpc_ddp.localslurm.embedded import ensure_local_cluster
+    from hpc_ddp.node_checks import Check, doctor
     from hpc_ddp.runtime.evaluation import evaluate
     from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
     from hpc_ddp.runtime.preemption import Preemption

@@ -48,6 +48,21 @@ def test_login_node_without_torch_is_fast_and_passes(tmp_path: Path) -> None:
     assert _line(proc.stdout, "slurm tools").startswith("OK")
 
 
+def test_the_api_checks_what_the_cli_checks(tmp_path: Path) -> None:
+    """hpc_ddp.doctor() gives the CLI's checks, line for line, without importing torch."""
+    runs = str(tmp_path / "runs")
+    code = (
+        "import sys, hpc_ddp; "
+        f"checks = hpc_ddp.doctor({runs!r}, torch=False); "
+        "print('\\n'.join(c.line() for c in checks)); print('TORCH', 'torch' in sys.modules)"
+    )
+    api = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    cli = _doctor("--no-torch", "--run-dir", runs)
+    assert api.returncode == 0, api.stderr
+    assert api.stdout.splitlines()[-1] == "TORCH False"
+    assert api.stdout.splitlines()[:-1] == cli.stdout.splitlines()[:-1], (api.stdout, cli.stdout)
+
+
 def test_unwritable_checkpoint_dir_fails_with_a_hint(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")

@@ -10,7 +10,10 @@ import sys
 
 import hpc_ddp
 
-TORCH_FREE = ("DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError")
+TORCH_FREE = (
+    "DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError",
+    "doctor", "Check", "run_dir_report", "nccl_dump_report",
+)  # fmt: skip
 
 
 def _python(code: str) -> str:

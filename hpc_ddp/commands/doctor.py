@@ -7,13 +7,10 @@ Run it on the login node before submitting, or as `srun hpc-ddp doctor` inside t
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_ddp.deploy.doctor import FAIL, WARN, EmbeddedCluster, Options, run_checks
-from hpc_ddp.deploy.job_assumptions import JobAssumptions, job_checks, of_script, of_spec
-from hpc_ddp.deploy.spec import build_spec
-from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.deploy.doctor import FAIL, WARN
+from hpc_ddp.node_checks import doctor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,51 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n".join(report(args.nccl_dump)))
         return 0
-    job = _job_assumptions(args.job) if args.job else None
-    run_dir = args.run_dir
-    if job is not None and job.trainer is not None:
-        run_dir = Path(job.workdir or ".") / job.trainer.run_dir
-    checks = run_checks(
-        Options(
-            run_dir=run_dir,
-            gpus=args.gpus,
-            port=args.port,
-            torch=not args.no_torch,
-            embedded_cluster=embedded_cluster,
-        )
+    checks = doctor(
+        args.run_dir, gpus=args.gpus, port=args.port, torch=not args.no_torch, job=args.job
     )
-    if job is not None:
-        checks += job_checks(job, Path(job.workdir or "."), torch=not args.no_torch)
     for check in checks:
         print(check.line())
     fails = sum(c.status == FAIL for c in checks)
     warns = sum(c.status == WARN for c in checks)
     print(f"{len(checks)} checks: {fails} failed, {warns} warnings")
     return 1 if fails else 0
-
-
-def _job_assumptions(path: Path) -> JobAssumptions:
-    """What the job in ``path`` (a spec or a rendered script) assumes of the node."""
-    if path.suffix in (".toml", ".json"):
-        return of_spec(build_spec(path))
-    try:
-        found = of_script(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read {path}: {err.strerror}", hint="check the path") from None
-    if found is None:
-        raise ConfigError(
-            f"{path} does not run the hpc_ddp trainer: nothing to check for --job",
-            hint="give a script rendered by hpc-ddp render, or its spec file",
-        )
-    return found
-
-
-def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:
-    """The embedded local cluster `hpc-ddp submit` would use here, if it is running."""
-    from hpc_ddp.localslurm import LocalCluster, default_state_dir
-
-    try:
-        cluster = LocalCluster(default_state_dir(environ))
-    except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
-        return None
-    return EmbeddedCluster(cluster.root, cluster.config.nodes) if cluster.is_running() else None
