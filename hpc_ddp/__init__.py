@@ -38,6 +38,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "render": ("hpc_ddp.deploy.sbatch.render", "render"),
     "LaunchSpec": ("hpc_ddp.deploy.shell.spec", "LaunchSpec"),
     "make_launch_spec": ("hpc_ddp.deploy.shell.spec", "make_spec"),
+    "stop_launch": ("hpc_ddp.deploy.shell.runner", "stop_all"),
     "describe": ("hpc_ddp.deploy.api", "describe"),
     "submit": ("hpc_ddp.deploy.api", "submit"),
     "get_backend": ("hpc_ddp.deploy.api", "get_backend"),
@@ -111,6 +112,7 @@ __all__ = [
     "run_dir_report",
     "run_main",
     "shutdown",
+    "stop_launch",
     "submit",
 ]  # the keys of _PUBLIC (tests/test_public_api.py checks)
 
@@ -130,6 +132,7 @@ if TYPE_CHECKING:
     )
     from hpc_ddp.deploy.flight_recorder import report as nccl_dump_report
     from hpc_ddp.deploy.sbatch.render import render
+    from hpc_ddp.deploy.shell.runner import stop_all as stop_launch
     from hpc_ddp.deploy.shell.spec import LaunchSpec
     from hpc_ddp.deploy.shell.spec import make_spec as make_launch_spec
     from hpc_ddp.deploy.spec import JobSpec

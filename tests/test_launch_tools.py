@@ -8,6 +8,7 @@ local shell as sshd would, or plays an unreachable host (see launch_support).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from launch_support import (
     processes_of,
 )
 
+import hpc_ddp as api
 from hpc_ddp.localslurm import procs, wait_for
 
 TOOLS = ("pdsh", "clush")
@@ -219,10 +221,19 @@ def test_stop_command_ends_a_running_launch(
     proc = popen_hpc_ddp([*launch.base, "--", "sleep", "600"])
     wait_for(lambda: _sleepers(launch.launch_id) == 2, 60, "both hosts' workers to start")
     other = "clush" if tool == "pdsh" else "pdsh"
-    stop = hpc_ddp(launch.stop_args(via=other), timeout=BOUND_S)
-    assert stop.returncode == 0, stop.stderr + stop.stdout
+    if tool == "pdsh":  # the CLI's `launch stop`
+        stop = hpc_ddp(launch.stop_args(via=other), timeout=BOUND_S)
+        code, said = stop.returncode, stop.stdout + stop.stderr
+    else:  # the same from Python
+        out = io.StringIO()
+        spec = api.make_launch_spec(
+            tool=other, hosts="node[0-1]", command=["true"], rcmd="exec",
+            launch_id=launch.launch_id, state_dir=str(launch.state_dir), stop_grace_s=3,
+        )  # fmt: skip
+        code, said = api.stop_launch(spec, out=out), out.getvalue()
+    assert code == 0, said
     for host in ("node0", "node1"):
-        assert f"{host}: hpc-ddp-launch-stop: {host}: stopped" in stop.stdout, stop.stdout
+        assert f"{host}: hpc-ddp-launch-stop: {host}: stopped" in said, said
     _, stderr = proc.communicate(timeout=BOUND_S)
     assert proc.returncode != 0, stderr
     assert_no_processes_left(launch.launch_id)

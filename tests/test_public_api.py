@@ -12,7 +12,7 @@ import hpc_ddp
 
 TORCH_FREE = (
     "DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError",
-    "doctor", "Check", "run_dir_report", "nccl_dump_report",
+    "doctor", "Check", "run_dir_report", "nccl_dump_report", "stop_launch",
 )  # fmt: skip
 
 
