@@ -21,6 +21,8 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "init_distributed": ("hpc_ddp.dist", "init_distributed"),
     "shutdown": ("hpc_ddp.dist", "shutdown_and_exit"),
     "run_main": ("hpc_ddp.dist", "run_main"),
+    # the trainer (torch once it trains; a finished run is answered without it)
+    "run_training": ("hpc_ddp.commands.train", "run_training"),
     # training runtime (torch)
     "Checkpointer": ("hpc_ddp.checkpoint", "Checkpointer"),
     "Preemption": ("hpc_ddp.runtime.preemption", "Preemption"),
@@ -111,6 +113,7 @@ __all__ = [
     "restore_rng_state",
     "run_dir_report",
     "run_main",
+    "run_training",
     "shutdown",
     "stop_launch",
     "submit",
@@ -119,6 +122,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hpc_ddp.checkpoint import Checkpointer
     from hpc_ddp.cluster import DistEnv, detect_env
+    from hpc_ddp.commands.train import run_training
     from hpc_ddp.deploy.api import describe, get_backend, submit
     from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
     from hpc_ddp.deploy.control import (

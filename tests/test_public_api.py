@@ -7,12 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+from trainer_helpers import forked_cmd, read_result, run, train_args
 
 import hpc_ddp
 
 TORCH_FREE = (
     "DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError",
-    "doctor", "Check", "run_dir_report", "nccl_dump_report", "stop_launch",
+    "doctor", "Check", "run_dir_report", "nccl_dump_report", "stop_launch", "run_training",
 )  # fmt: skip
 
 
@@ -100,3 +103,20 @@ def test_preemption_listens_for_submitits_signal_only_under_submitit(monkeypatch
             assert pre.requested and "submitit" in pre.requeue()  # submitit requeues itself
         finally:
             pre.close()
+
+
+def test_run_training_is_the_train_command(tmp_path: Path) -> None:
+    """hpc_ddp.run_training(args, nproc_per_node=2) ends where `hpc-ddp train args
+    --nproc-per-node 2` does, bit for bit, with the command's exit code."""
+    data = tmp_path / "data"
+    cli = run(forked_cmd(2, train_args(tmp_path / "cli", data)))
+    assert cli.returncode == 0, cli.stderr
+    args = train_args(tmp_path / "api", data)
+    code = f"import hpc_ddp; hpc_ddp.run_training({args!r}, nproc_per_node=2)"
+    api = run([sys.executable, "-c", code])
+    assert api.returncode == 0, api.stderr
+    assert (
+        read_result(tmp_path / "api")["params_sha256"]
+        == read_result(tmp_path / "cli")["params_sha256"]
+    )
+    assert read_result(tmp_path / "api")["world_size"] == 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 from hpc_ddp.errors import HpcDdpError
@@ -72,3 +73,11 @@ def main(argv: list[str]) -> NoReturn:
     except HpcDdpError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+
+
+def run_training(args: Sequence[str] = (), *, nproc_per_node: int = 1) -> NoReturn:
+    """``hpc-ddp train ARGS --nproc-per-node N`` from Python (public as
+    ``hpc_ddp.run_training``): in this process, or N forked from it. Never returns: like the
+    command, it leaves with the run's exit code (0, 1, 2, 75) through ``os._exit``, because
+    Gloo can abort at interpreter teardown after the work is done."""
+    main([*args, "--nproc-per-node", str(nproc_per_node)])
