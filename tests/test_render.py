@@ -210,6 +210,11 @@ def test_cli_writes_atomically_and_refuses_to_overwrite(tmp_path: Path) -> None:
     assert main(["render", "--nodes", "3", "--script-out", str(out), "--force"]) == 0
     assert "--nodes=3" in out.read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]  # no temporary files left
+    # A link, even one pointing nowhere yet, is someone's: refused the same way.
+    link = tmp_path / "link.sbatch"
+    link.symlink_to(tmp_path / "not-yet.sbatch")
+    assert main(["render", "--nodes", "2", "--script-out", str(link)]) == 2
+    assert link.is_symlink() and not (tmp_path / "not-yet.sbatch").exists()
 
 
 def test_cli_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:

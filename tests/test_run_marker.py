@@ -127,6 +127,28 @@ def test_the_slurm_jobs_own_log_does_not_make_a_dir_foreign(tmp_path: Path) -> N
             assert sorted(p.name for p in run_dir.iterdir()) == [log]
 
 
+def test_only_the_locks_own_leftovers_pass_for_the_toolkits(tmp_path: Path) -> None:
+    """A lock file and owner file as RunDirLock leaves them do not make a dir foreign; files of
+    someone else's by those names do, and are left as they were."""
+    owner = {"pid": 1, "host": "n1", "since": "2026-11-27T00:00:00Z", "argv": [], "job_id": None}
+    for name, text, accepted in (
+        (".run.lock", "", True),
+        (".run.lock.owner", json.dumps(owner), True),
+        (".run.lock", "mine", False),
+        (".run.lock.owner", '{"mine": 1}', False),
+    ):
+        run_dir = tmp_path / f"{name}-{accepted}-{len(text)}"
+        run_dir.mkdir()
+        (run_dir / name).write_text(text)
+        if accepted:
+            claim_run_dir(run_dir, {})
+            assert read_json(run_dir / MARKER)["format"] == FORMAT
+        else:
+            with pytest.raises(ConfigError, match=f"it holds {name}"):
+                claim_run_dir(run_dir, {})
+            assert [(p.name, p.read_text()) for p in run_dir.iterdir()] == [(name, text)]
+
+
 def test_a_marker_that_is_not_ours_is_refused(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps({"format": FORMAT}))

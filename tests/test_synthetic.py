@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hpc_ddp.cifar import synthetic
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.train import config
 from hpc_ddp.train.config import TrainConfig
 
@@ -200,3 +200,32 @@ def test_bench_reference_and_trainer_read_the_same_files(tmp_path: Path, variant
         tmp_path / "work" / "data", "cifar100", TRAIN, TEST, variant
     )
     assert synthetic.is_current(b.root, "cifar100", TRAIN, TEST, 1234, variant=variant)
+
+
+def test_a_folder_of_the_users_is_never_replaced(tmp_path: Path) -> None:
+    """Where the synthetic set goes, a folder without its marker (or a link) is the user's:
+    staging refuses it, naming it, and leaves it and the data dir as they were."""
+    from hpc_ddp.cifar import data
+
+    cfg = TrainConfig(
+        data_dir=str(tmp_path), dataset="cifar100", synthetic=True,
+        synthetic_train_size=TRAIN, synthetic_test_size=TEST,
+    )  # fmt: skip
+    folder = data.data_root(cfg) / synthetic.FOLDERS["cifar100"]
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(HpcDdpError, match="not a synthetic dataset hpc-ddp wrote") as info:
+        data.stage(cfg)
+    assert "--data-dir" in (info.value.hint or "")
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temp dir left
+    (folder / "notes.txt").unlink()
+    folder.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    folder.symlink_to(elsewhere)
+    with pytest.raises(HpcDdpError, match="refusing to replace it"):
+        data.stage(cfg)
+    assert folder.is_symlink() and elsewhere.is_dir()
+    folder.unlink()
+    assert synthetic.is_current(data.stage(cfg), "cifar100", TRAIN, TEST, 1234)  # then it writes

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from types import TracebackType
 import filelock
 
 from hpc_ddp.regular_file import read_small
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.runtime.run_paths import LOCK, RunPaths
 
 from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
 from .fsutil import raising_io, write_bytes_durably
@@ -42,6 +43,24 @@ def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
         "run another run directory (--run-dir): a run writes its lock, checkpoints and results "
         "there",
     )
+
+
+def is_lock_leftover(path: Path) -> bool:
+    """Whether ``path`` is what a ``RunDirLock`` leaves behind: its lock file (regular, empty)
+    or its owner file (the JSON it writes). Anything else by those names is someone's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if path.name == LOCK:
+        return st.st_size == 0
+    try:
+        owner = json.loads(read_small(path, OWNER_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(owner, dict) and {"pid", "host", "since"} <= owner.keys()
 
 
 class RunDirLock:

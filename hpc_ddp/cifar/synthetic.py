@@ -34,6 +34,7 @@ import numpy as np
 
 from hpc_ddp.cifar import array_cache
 from hpc_ddp.cifar import safe_pickle as cifar_pickle
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.regular_file import read_small
 
 FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
@@ -240,6 +241,7 @@ def write_synthetic(
     _check_variant(variant)
     root = Path(root)
     final = root / FOLDERS[dataset]
+    _check_replaceable(final)
     tmp = root / f".{FOLDERS[dataset]}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -284,6 +286,23 @@ def write_synthetic(
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+def _check_replaceable(final: Path) -> None:
+    """Refuse to replace ``final`` unless it is a synthetic set this generator wrote (its
+    MARKER names a dataset): a folder of the user's by that name is theirs, never removed."""
+    if not final.exists() and not final.is_symlink():
+        return
+    try:
+        ours = not final.is_symlink() and "dataset" in json.loads(read_small(final / MARKER, 4096))
+    except (OSError, ValueError, RecursionError, TypeError):
+        ours = False
+    if not ours:
+        raise HpcDdpError(
+            f"{final} exists and is not a synthetic dataset hpc-ddp wrote (no {MARKER} in a "
+            "real dir): refusing to replace it",
+            hint="point --data-dir at another dir for the synthetic data, or move that one away",
+        )
 
 
 def _batch(label: str, x: np.ndarray, y: list[int], idx: Iterable[int]) -> dict:

@@ -11,8 +11,9 @@ from hpc_ddp.errors import ConfigError
 
 def write_atomic(path: Path, text: str, *, force: bool = False, mode: int = 0o644) -> None:
     """Write via a temporary file in the same directory and rename: never a half-written job."""
-    if path.exists() and not force:
-        raise ConfigError(f"{path} exists", hint="pass --force to overwrite it")
+    if os.path.lexists(path) and not force:  # a dangling link too: someone's, pointing ahead
+        what = "is a symbolic link" if path.is_symlink() else "exists"
+        raise ConfigError(f"{path} {what}", hint="pass --force to overwrite it")
     if not path.parent.is_dir():
         raise ConfigError(
             f"directory {path.parent} does not exist", hint="create it or choose another -o path"

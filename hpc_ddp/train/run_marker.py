@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import hpc_ddp
-from hpc_ddp.checkpoint.lock import unwritable
+from hpc_ddp.checkpoint.lock import is_lock_leftover, unwritable
 from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
 from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, MARKER, RunPaths
@@ -63,8 +63,12 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
         _check_marker(run_dir / MARKER)
         return
     env = os.environ if environ is None else environ
-    ignored = _LOCK_LEFTOVERS
-    others = sorted(e for e in entries if e not in ignored and not _job_log(run_dir, e, env))
+    others = sorted(
+        e
+        for e in entries
+        if not (e in _LOCK_LEFTOVERS and is_lock_leftover(run_dir / e))
+        and not _job_log(run_dir, e, env)
+    )
     if others and not is_older_run_dir(run_dir):
         raise ConfigError(
             f"run dir {run_dir} is not empty and is not an hpc-ddp run dir (it has no {MARKER}): "
