@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -242,17 +243,24 @@ import json, sys
 from hpc_ddp.cifar import data
 from hpc_ddp.train.config import TrainConfig
 cap_memory()
+from hpc_ddp.errors import HpcDdpError
 cfg = TrainConfig(**json.loads(sys.argv[1]))
-print(json.dumps({"root": str(data.stage(cfg))}))
+try:
+    print(json.dumps({"root": str(data.stage(cfg))}))
+except HpcDdpError as err:
+    print(json.dumps({"refused": err.message}))
 """
 
 
 def test_a_fifo_as_the_synthetic_marker_does_not_hang_staging(tmp_path: Path) -> None:
+    """Neither reading the marker nor deciding whether the folder may be replaced opens the
+    FIFO: staging ends at once, refusing a folder whose marker is not the generator's file (it
+    is no longer known to be the toolkit's alone), and leaves it as it was."""
     cfg = cfg_for("cifar10", tmp_path)
     root = staged(tmp_path, "cifar10")
-    make_fifo(root / synthetic.FOLDERS["cifar10"] / synthetic.MARKER)
+    fifo = make_fifo(root / synthetic.FOLDERS["cifar10"] / synthetic.MARKER)
     settings = {k: getattr(cfg, k) for k in ("dataset", "data_dir", "synthetic")}
     settings |= {"synthetic_train_size": TRAIN, "synthetic_test_size": TEST}
     out = run_child(STAGE, json.dumps(settings), timeout=60)
-    assert out["root"] == str(root)
-    assert synthetic.is_current(root, "cifar10", TRAIN, TEST, seed=1234)  # rewritten
+    assert "is not a synthetic dataset hpc-ddp wrote" in out["refused"], out
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
