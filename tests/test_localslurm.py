@@ -229,6 +229,19 @@ def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
     assert _files(root) == files
 
 
+def test_a_fifo_at_the_markers_names_does_not_hang_cluster_down(root: Path) -> None:
+    """Telling a cluster's dir from another never opens a FIFO planted at the marker's or
+    slurm.conf's name: `cluster down` refuses at once and leaves them."""
+    for name in (".hpc-ddp-local-cluster", "slurm.conf"):
+        os.mkfifo(root / name)
+    down = subprocess.run(
+        [str(HPC_DDP), "cluster", "down", "--dir", str(root)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert down.returncode == 2 and "is not a local cluster's dir" in down.stderr, down
+    assert sorted(p.name for p in root.iterdir()) == [".hpc-ddp-local-cluster", "slurm.conf"]
+
+
 def test_a_cluster_dir_of_an_older_version_is_still_cleaned(root: Path) -> None:
     """A dir whose slurm.conf an older hpc-ddp wrote (before the marker) is still the cluster's:
     stop removes what the cluster wrote, and only that."""

@@ -11,13 +11,12 @@ by the first line of the ``slurm.conf`` they wrote (``config.conf_header``).
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import stat
 from pathlib import Path
 
 from hpc_ddp.localslurm.config import conf_header
 from hpc_ddp.private_paths import create_file
+from hpc_ddp.regular_file import open_regular
 
 MARKER = ".hpc-ddp-local-cluster"
 _MARKER_TEXT = "a local Slurm cluster of hpc-ddp (hpc_ddp/localslurm) lives in this dir\n"
@@ -70,12 +69,9 @@ def remove_owned(root: Path) -> None:
 
 
 def _first_line(path: Path) -> str | None:
-    """The first line of a regular file (never through a link), or None."""
+    """The first line of a regular file (never through a link, never blocking on a FIFO)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open_regular(path) as fh:
+            return fh.read(4096).decode("utf-8", "replace").split("\n", 1)[0]
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return None
-        return fh.read(4096).decode("utf-8", "replace").split("\n", 1)[0]
