@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,13 @@ from types import TracebackType
 import filelock
 
 from hpc_ddp.regular_file import read_small
-from hpc_ddp.runtime.run_paths import LOCK, RunPaths
+from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, RunPaths
 
 from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
 from .fsutil import raising_io, write_bytes_durably
 
 OWNER_MAX_BYTES = 64 << 10  # pid, host, time, argv, job id
+_OWNER_KEYS = frozenset({"pid", "host", "since"})  # in every owner file acquire() wrote
 
 
 def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
@@ -47,20 +47,17 @@ def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
 
 def is_lock_leftover(path: Path) -> bool:
     """Whether ``path`` is what a ``RunDirLock`` leaves behind: its lock file (regular, empty)
-    or its owner file (the JSON it writes). Anything else by those names is someone's."""
-    try:
-        st = os.lstat(path)
-    except OSError:
+    or its owner file (the JSON it writes). Anything else, by those names or others, is not."""
+    if path.name not in (LOCK, LOCK_OWNER):
         return False
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    if path.name == LOCK:
-        return st.st_size == 0
     try:
-        owner = json.loads(read_small(path, OWNER_MAX_BYTES))
+        data = read_small(path, OWNER_MAX_BYTES)  # regular files only, never through a link
+        owner = json.loads(data) if path.name == LOCK_OWNER else None
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(owner, dict) and {"pid", "host", "since"} <= owner.keys()
+    if path.name == LOCK:
+        return data == b""
+    return isinstance(owner, dict) and owner.keys() >= _OWNER_KEYS
 
 
 class RunDirLock:

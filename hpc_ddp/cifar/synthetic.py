@@ -291,12 +291,13 @@ def write_synthetic(
 def _check_replaceable(final: Path) -> None:
     """Refuse to replace ``final`` unless it is a synthetic set this generator wrote (its
     MARKER names a dataset): a folder of the user's by that name is theirs, never removed."""
-    if not final.exists() and not final.is_symlink():
+    if not os.path.lexists(final):
         return
     try:
-        ours = not final.is_symlink() and "dataset" in json.loads(read_small(final / MARKER, 4096))
-    except (OSError, ValueError, RecursionError, TypeError):
-        ours = False
+        info = None if final.is_symlink() else json.loads(read_small(final / MARKER, 4096))
+    except (OSError, ValueError, RecursionError):
+        info = None
+    ours = isinstance(info, dict) and "dataset" in info
     if not ours:
         raise HpcDdpError(
             f"{final} exists and is not a synthetic dataset hpc-ddp wrote (no {MARKER} in a "

@@ -145,7 +145,8 @@ def _children_keep_sigterm_blocked() -> Iterator[None]:
     exec). slurmctld answers ``scontrol requeue`` while it has every process of the job
     SIGTERMed, scontrol included: blocked, that signal cannot end scontrol before its reply, so
     a requeue that succeeded is not reported as failed (rc -15). A SIGTERM meant for this
-    process is not lost: another thread takes it, or this one when the block ends."""
+    process is not lost: another thread takes it, or this one when the block ends. (Under
+    submitit, which runs its own scontrol: deploy/submitit/requeue.py.)"""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield

@@ -32,13 +32,12 @@ import hpc_ddp
 from hpc_ddp.checkpoint.lock import is_lock_leftover, unwritable
 from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, MARKER, RunPaths
+from hpc_ddp.runtime.run_paths import MARKER, RunPaths
 from hpc_ddp.train.config import TrainConfig
 
 FORMAT = "hpc-ddp-run/1"
 _FORMAT_PREFIX = "hpc-ddp-run/"
 _MAX_MARKER_BYTES = 4096
-_LOCK_LEFTOVERS = frozenset({LOCK, LOCK_OWNER})
 # Settings every config.json since the first version recorded (tests/test_run_marker.py checks
 # that they still exist); together with "no key the trainer does not know" they tell the
 # toolkit's own config.json from someone else's.
@@ -64,10 +63,7 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
         return
     env = os.environ if environ is None else environ
     others = sorted(
-        e
-        for e in entries
-        if not (e in _LOCK_LEFTOVERS and is_lock_leftover(run_dir / e))
-        and not _job_log(run_dir, e, env)
+        e for e in entries if not is_lock_leftover(run_dir / e) and not _job_log(run_dir, e, env)
     )
     if others and not is_older_run_dir(run_dir):
         raise ConfigError(

@@ -5,7 +5,10 @@ submitit's handler on rank 0 calls ``checkpoint()`` and then runs ``scontrol req
 task's own process. slurmctld accepts the request and has slurmd SIGTERM every process of the job
 while it answers, scontrol included. When the signal arrives first, scontrol dies before it
 exits 0, submitit records the preempted attempt as failed, and the submitter's ``result()``
-raises, though the job was requeued and its rerun succeeds.
+raises, though the job was requeued and its rerun succeeds. (The trainer's own requeue,
+``runtime.preemption.requeue``, starts scontrol itself and blocks SIGTERM for that child only;
+here submitit starts it after ``checkpoint()`` returns, so only the process-wide disposition can
+reach it.)
 """
 
 from __future__ import annotations
