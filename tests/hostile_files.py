@@ -105,3 +105,14 @@ def python2_pickle(obj: Any) -> bytes:
     buf = io.BytesIO()
     Python2Pickler(buf, protocol=2).dump(obj)
     return buf.getvalue()
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every entry under ``root``: its bytes (None for anything but a regular file, read through
+    no link) and mtime; equal before and after means left untouched."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        data = path.read_bytes() if stat.S_ISREG(st.st_mode) else None
+        out[str(path.relative_to(root))] = (data, st.st_mtime_ns)
+    return out

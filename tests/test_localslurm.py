@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hostile_files import snapshot
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
@@ -206,15 +207,13 @@ def _project_dir(root: Path) -> dict[str, str]:
     return files
 
 
-def _files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): p.read_text() for p in root.rglob("*") if p.is_file()}
-
-
 def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
     """Entries named like the cluster's (jobs/, log/, slurm.conf) are the cluster's only in a
     dir that holds its marker: start refuses this one, stop and `cluster down` leave it whole."""
     require_local_slurm()
     files = _project_dir(root)
+    before = snapshot(root)
+    assert {name: before[name][0] for name in files} == {n: t.encode() for n, t in files.items()}
     with pytest.raises(ConfigError, match=r"jobs, log, slurm\.conf, thesis\.tex") as info:
         LocalCluster(root, ephemeral=True).start()
     assert ".hpc-ddp-local-cluster" in str(info.value)
@@ -226,7 +225,7 @@ def test_a_dir_with_other_files_is_never_wiped(root: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert down.returncode == 2 and "is not a local cluster's dir" in down.stderr, down
-    assert _files(root) == files
+    assert snapshot(root) == before  # every entry, its bytes and mtime
 
 
 def test_a_fifo_at_the_markers_names_does_not_hang_cluster_down(root: Path) -> None:
@@ -252,7 +251,7 @@ def test_a_cluster_dir_of_an_older_version_is_still_cleaned(root: Path) -> None:
         (root / name / "x").write_text("cluster's")
     (root / "notes.txt").write_text("mine")
     LocalCluster(root).stop()
-    assert _files(root) == {"notes.txt": "mine"}
+    assert {name: data for name, (data, _) in snapshot(root).items()} == {"notes.txt": b"mine"}
 
 
 def test_bad_shapes_fail_before_anything_starts() -> None:

@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from hostile_files import snapshot
 from trainer_helpers import (
     finish,
     holding,
@@ -29,16 +30,6 @@ from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.run_marker import FORMAT, MARKER, OLDEST_KEYS, claim_run_dir, is_older_run_dir
 
 NOBODY = 65534
-
-
-def snapshot(root: Path) -> dict[str, tuple[bytes | None, int]]:
-    """Every entry under ``root``: its bytes (None for a directory) and mtime."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        st = path.lstat()
-        data = path.read_bytes() if path.is_file() else None
-        out[str(path.relative_to(root))] = (data, st.st_mtime_ns)
-    return out
 
 
 def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_dir: Path) -> None:
