@@ -26,10 +26,10 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     # training runtime (torch)
     "Checkpointer": ("hpc_ddp.checkpoint", "Checkpointer"),
     "Preemption": ("hpc_ddp.runtime.preemption", "Preemption"),
-    "ShardPlan": ("hpc_ddp.runtime.sampler", "ShardPlan"),
+    "ShardPlan": ("hpc_ddp.runtime.shard_plan", "ShardPlan"),
     "ResumableDistributedSampler": ("hpc_ddp.runtime.sampler", "ResumableDistributedSampler"),
     "evaluate": ("hpc_ddp.runtime.evaluation", "evaluate"),
-    "eval_indices": ("hpc_ddp.runtime.sampler", "eval_indices"),
+    "eval_indices": ("hpc_ddp.runtime.shard_plan", "eval_indices"),
     "per_tensor_allreduce": ("hpc_ddp.runtime.exact_allreduce", "per_tensor_allreduce"),
     "capture_rng_state": ("hpc_ddp.runtime.rng", "capture"),
     "restore_rng_state": ("hpc_ddp.runtime.rng", "restore"),
@@ -63,6 +63,13 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "Check": ("hpc_ddp.node_checks", "Check"),
     "nccl_dump_report": ("hpc_ddp.deploy.flight_recorder", "report"),
     "ensure_local_cluster": ("hpc_ddp.localslurm.embedded", "ensure_local_cluster"),
+    # the embedded local Slurm cluster: `hpc-ddp cluster up|down|status|env` (torch-free)
+    "cluster_up": ("hpc_ddp.localslurm.control", "cluster_up"),
+    "cluster_down": ("hpc_ddp.localslurm.control", "cluster_down"),
+    "running_cluster": ("hpc_ddp.localslurm.control", "running_cluster"),
+    "cluster_env": ("hpc_ddp.localslurm.control", "cluster_env"),
+    "ClusterUp": ("hpc_ddp.localslurm.control", "ClusterUp"),
+    "LocalCluster": ("hpc_ddp.localslurm.daemons", "LocalCluster"),
     # errors and exit codes (torch-free)
     "HpcDdpError": ("hpc_ddp.errors", "HpcDdpError"),
     "ConfigError": ("hpc_ddp.errors", "ConfigError"),
@@ -74,6 +81,7 @@ __all__ = [
     "Backend",
     "Check",
     "Checkpointer",
+    "ClusterUp",
     "ConfigError",
     "DistContext",
     "DistEnv",
@@ -85,6 +93,7 @@ __all__ = [
     "JobReport",
     "JobSpec",
     "LaunchSpec",
+    "LocalCluster",
     "Preemption",
     "ResumableDistributedSampler",
     "RunPaths",
@@ -93,6 +102,9 @@ __all__ = [
     "attach_job",
     "cancel_job",
     "capture_rng_state",
+    "cluster_down",
+    "cluster_env",
+    "cluster_up",
     "describe",
     "detect_env",
     "doctor",
@@ -114,6 +126,7 @@ __all__ = [
     "run_dir_report",
     "run_main",
     "run_training",
+    "running_cluster",
     "shutdown",
     "stop_launch",
     "submit",
@@ -146,6 +159,14 @@ if TYPE_CHECKING:
     from hpc_ddp.dist import shutdown_and_exit as shutdown
     from hpc_ddp.errors import ConfigError, HpcDdpError
     from hpc_ddp.exit_codes import EXIT_REQUEUE
+    from hpc_ddp.localslurm.control import (
+        ClusterUp,
+        cluster_down,
+        cluster_env,
+        cluster_up,
+        running_cluster,
+    )
+    from hpc_ddp.localslurm.daemons import LocalCluster
     from hpc_ddp.localslurm.embedded import ensure_local_cluster
     from hpc_ddp.node_checks import Check, doctor
     from hpc_ddp.runtime.evaluation import evaluate
@@ -154,7 +175,8 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.rng import capture as capture_rng_state
     from hpc_ddp.runtime.rng import restore as restore_rng_state
     from hpc_ddp.runtime.run_paths import RunPaths
-    from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
+    from hpc_ddp.runtime.sampler import ResumableDistributedSampler
+    from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
     from hpc_ddp.train.fingerprint import params_sha256
 
 

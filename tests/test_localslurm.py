@@ -20,6 +20,7 @@ import pytest
 from hostile_files import snapshot
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
 
+import hpc_ddp
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, orphans, procs
 from hpc_ddp.localslurm import etc_hosts as hosts
@@ -349,6 +350,47 @@ def test_cli_up_status_env_down(root: Path) -> None:
     assert down.returncode == 0 and not Path(d).exists()
     assert _cli("down", "--dir", d).returncode == 0  # nothing to stop is fine
     assert not hosts.has_lines(Path(d))
+
+
+def test_python_api_is_the_cli_up_status_env_down(root: Path) -> None:
+    """hpc_ddp.cluster_up / running_cluster / cluster_env / cluster_down are `hpc-ddp cluster
+    up|status|env|down`: a cluster started from Python is the one the CLI sees, and back."""
+    require_local_slurm()
+    d = root / "c"
+    assert hpc_ddp.running_cluster(d) is None
+    with pytest.raises(HpcDdpError, match="no local cluster running"):
+        hpc_ddp.cluster_env(d)
+    # Bad input fails before anything starts: one device cannot be shared by two nodes.
+    with pytest.raises(ConfigError, match="cannot be shared equally by 2 node"):
+        hpc_ddp.cluster_up(d, nodes=2, gpu_devices="/dev/null")
+    assert not d.exists()
+
+    up = hpc_ddp.cluster_up(d, nodes=3, gpus_per_node=1)
+    assert up.start_s is not None and up.start_s > 0
+    assert (up.cluster.config.nodes, up.cluster.config.gpus_per_node) == (3, 1)
+    again = hpc_ddp.cluster_up(d)
+    assert again.start_s is None and again.cluster.config.nodes == 3  # kept, not restarted
+    status = _cli("status", "--dir", str(d))
+    assert status.returncode == 0 and "node3" in status.stdout and "idle" in status.stdout
+    env = hpc_ddp.cluster_env(d)
+    assert env == {"SLURM_CONF": str(d / "slurm.conf")}
+    assert _cli("env", "--dir", str(d)).stdout == f"export SLURM_CONF={d}/slurm.conf\n"
+    hostnames = subprocess.run(
+        ["srun", "-N3", "hostname"], capture_output=True, text=True, timeout=30,
+        env=clean_job_env(**env),
+    )  # fmt: skip
+    assert hostnames.returncode == 0 and len(hostnames.stdout.split()) == 3, hostnames.stderr
+
+    assert hpc_ddp.cluster_down(d) is True
+    assert not d.exists() and hpc_ddp.running_cluster(d) is None
+    assert not hosts.has_lines(d)
+    assert hpc_ddp.cluster_down(d) is False  # nothing to stop is fine, as for the CLI
+    # Started by the CLI, seen and stopped from Python.
+    assert _cli("up", "--dir", str(d), "--nodes", "1").returncode == 0
+    cluster = hpc_ddp.running_cluster(d)
+    assert cluster is not None and cluster.config.nodes == 1
+    assert hpc_ddp.cluster_down(d) is True
+    assert _cli("status", "--dir", str(d)).returncode == 1
 
 
 def test_cli_without_root_says_so() -> None:

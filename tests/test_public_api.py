@@ -16,6 +16,8 @@ import hpc_ddp
 TORCH_FREE = (
     "DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError",
     "doctor", "Check", "run_dir_report", "nccl_dump_report", "stop_launch", "run_training",
+    "ShardPlan", "eval_indices", "cluster_up", "cluster_down", "running_cluster", "cluster_env",
+    "ClusterUp", "LocalCluster",
 )  # fmt: skip
 
 
@@ -45,6 +47,8 @@ def test_import_and_torch_free_names_do_not_import_torch() -> None:
         f"_ = ({names})\n"
         "spec = hpc_ddp.load_job_spec(None, {'nodes': 2, 'gpus_per_node': 8})\n"
         "assert '#SBATCH --nodes=2' in hpc_ddp.render(spec)\n"
+        "plan = hpc_ddp.ShardPlan(n=101, seed=0, world_size=2, micro_batch=16)\n"
+        "assert plan.steps_per_epoch() == 4 and list(hpc_ddp.eval_indices(5, 1, 2)) == [1, 3]\n"
         "print('torch' in sys.modules)\n"
     )
     assert _python(code) == "False"

@@ -42,7 +42,7 @@ from hpc_ddp.cifar.data import (
 )
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.sampler import ShardPlan, eval_indices
+from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 from hpc_ddp.train.data_source import TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData

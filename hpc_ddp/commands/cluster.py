@@ -1,18 +1,16 @@
-"""``hpc-ddp cluster up|down|status|env``: the embedded local Slurm cluster."""
+"""``hpc-ddp cluster up|down|status|env``: the embedded local Slurm cluster (the work is
+hpc_ddp.localslurm.control's, which the Python API shares; this prints it)."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import time
 from pathlib import Path
 
 from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
-from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.localslurm import LocalCluster
+from hpc_ddp.localslurm import LocalCluster, control
 from hpc_ddp.localslurm.config import NODE_ADDR
-from hpc_ddp.localslurm.embedded import default_state_dir, dir_lock
-from hpc_ddp.localslurm.gpus import AUTO, parse_devices, per_node
+from hpc_ddp.localslurm.gpus import AUTO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,60 +60,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = (args.dir or default_state_dir()).absolute()
-    return {"up": _up, "down": _down, "status": _status, "env": _env}[args.action](root, args)
+    return {"up": _up, "down": _down, "status": _status, "env": _env}[args.action](args)
 
 
-def _up(root: Path, args: argparse.Namespace) -> int:
-    with dir_lock(root, args.timeout + 30):
-        real_gpus, gpus_per_node = _gpus(args)
-        cluster = LocalCluster(
-            root,
-            args.nodes,
-            args.cpus_per_node,
-            gpus_per_node,
-            args.port,
-            slurm_root=args.slurm_root.absolute() if args.slurm_root else None,
-            real_gpus=real_gpus,
-            cgroups=args.cgroups,
-        )
-        if cluster.is_running():
-            print(f"already running in {root}: {_describe(cluster)}")
-            return 0
-        started = time.monotonic()
-        cluster.start(args.timeout)
-        took = time.monotonic() - started
-    print(f"local Slurm cluster up in {took:.2f} s: {_describe(cluster)}")
+def _up(args: argparse.Namespace) -> int:
+    up = control.cluster_up(
+        args.dir,
+        nodes=args.nodes,
+        cpus_per_node=args.cpus_per_node,
+        gpus_per_node=args.gpus_per_node,
+        gpu_devices=args.gpu_devices,
+        port=args.port,
+        slurm_root=args.slurm_root,
+        cgroups=args.cgroups,
+        timeout_s=args.timeout,
+    )
+    if up.start_s is None:
+        print(f"already running in {up.cluster.root}: {_describe(up.cluster)}")
+        return 0
+    print(f"local Slurm cluster up in {up.start_s:.2f} s: {_describe(up.cluster)}")
     print(f'use it with:  eval "$(hpc-ddp cluster env{_dir_flag(args)})"')
     return 0
 
 
-def _gpus(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
-    """(real GPU device files, GPUs per node) from --gpu-devices and --gpus-per-node."""
-    if args.gpu_devices is None:
-        return (), args.gpus_per_node or 0
-    devices = parse_devices(args.gpu_devices)
-    share = len(per_node(devices, args.nodes)[0])
-    if args.gpus_per_node not in (None, share):
-        raise ConfigError(
-            f"--gpus-per-node {args.gpus_per_node} but --gpu-devices gives each of the "
-            f"{args.nodes} node(s) {share}",
-            hint="leave --gpus-per-node out with --gpu-devices",
-        )
-    return devices, share
-
-
-def _down(root: Path, args: argparse.Namespace) -> int:
-    with dir_lock(root):
-        existed = root.exists()
-        LocalCluster(root).stop()  # also when root is gone: its daemons or hosts line may not be
+def _down(args: argparse.Namespace) -> int:
+    root = control.cluster_dir(args.dir)
+    existed = control.cluster_down(root)
     print(f"stopped the local cluster in {root}" if existed else f"no local cluster in {root}")
     return 0
 
 
-def _status(root: Path, args: argparse.Namespace) -> int:
-    cluster = LocalCluster(root)
-    if not cluster.is_running():
+def _status(args: argparse.Namespace) -> int:
+    root = control.cluster_dir(args.dir)
+    cluster = control.running_cluster(root)
+    if cluster is None:
         print(f"not running ({root})")
         return 1
     print(f"running in {root}: {_describe(cluster)}")
@@ -123,14 +101,8 @@ def _status(root: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def _env(root: Path, args: argparse.Namespace) -> int:
-    cluster = LocalCluster(root)
-    if not cluster.is_running():
-        raise HpcDdpError(f"no local cluster running in {root}", hint="hpc-ddp cluster up")
-    print(f"export SLURM_CONF={shlex.quote(str(cluster.conf_path))}")
-    # An unpacked Slurm's dirs go in front of what the shell that evals this already has.
-    for key, prefix in cluster.install.shell_exports():
-        print(f'export {key}={shlex.quote(prefix)}"${{{key}:+:${key}}}"')
+def _env(args: argparse.Namespace) -> int:
+    print(control.cluster_env_script(args.dir))
     return 0
 
 

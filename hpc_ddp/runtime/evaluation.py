@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.sampler import eval_indices
+from hpc_ddp.runtime.shard_plan import eval_indices
 
 __all__ = ["EvalSums", "accumulate", "batch_terms", "eval_indices", "evaluate", "totals"]
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.runtime.shard_plan import ShardPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from hpc_ddp.runtime.sampler import ResumableDistributedSampler, ShardPlan, eval_indices
+from hpc_ddp.runtime.sampler import ResumableDistributedSampler
+from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train.data_source import Batch
 
 

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData, LoaderTrainData
 from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec

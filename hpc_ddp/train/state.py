@@ -21,7 +21,7 @@ from hpc_ddp.log import get_logger
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train import cuda_graphs, metric_writers, registry
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
