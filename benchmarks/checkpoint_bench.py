@@ -1,4 +1,4 @@
-"""Checkpoint cost for a ResNet-18-sized state: ``python -m hpc_ddp.checkpoint.bench``.
+"""Checkpoint cost for a ResNet-18-sized state: ``python benchmarks/checkpoint_bench.py``.
 
 Compares the protocol's save (hash while writing, fsync, manifest, rename, pointer) with a bare
 ``torch.save`` to the same disk, so the price of safety is a number rather than a guess.

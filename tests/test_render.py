@@ -116,6 +116,14 @@ def test_per_node_layout_one_task_all_gpus() -> None:
     d = _directives(text)
     assert "--ntasks-per-node=1" in d and "--gpus-per-node=8" in d
     assert "export HPC_DDP_GPUS_PER_PROCESS=8" in text
+    assert "# Layout: one process per node driving 8 GPUs: 2 nodes = 2 processes\n" in text
+
+
+def test_several_processes_per_node_each_driving_gpus_are_described_as_such() -> None:
+    text = render(JobSpec(nodes=2, gpus_per_node=4, gpus_per_process=2))
+    assert "--ntasks-per-node=2" in _directives(text)
+    layout = "2 processes per node, each driving 2 GPUs: 2 nodes x 4 GPUs = 4 processes"
+    assert f"# Layout: {layout}\n" in text and f"on ${{SLURM_JOB_NODELIST}}: {layout}" in text
 
 
 def test_torchrun_layout_one_task_per_node_with_c10d_on_first_host() -> None:

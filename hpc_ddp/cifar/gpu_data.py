@@ -169,7 +169,7 @@ class GpuTrainData:
 
 @dataclass
 class GpuEvalData:
-    """This rank's exact share of a split on the device (``sampler.eval_indices``)."""
+    """This rank's exact share of a split on the device (``shard_plan.eval_indices``)."""
 
     images: torch.Tensor
     labels: torch.Tensor

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--folder",
         type=Path,
         default=None,
-        help="submitit: logs and pickles (default runs/submitit)",
+        help="submitit: logs and pickles (default runs/submitit/NAME, NAME the spec's name)",
     )
 
 

@@ -1,11 +1,7 @@
-"""Data order: one global permutation per epoch, sharded across ranks, resumable mid-epoch.
-
-The permutation is ``torch.randperm(n)`` with a generator seeded ``seed + epoch``, as
-DistributedSampler does, so every data path (torchvision loader, GPU-resident tensors) that calls
-these functions sees the identical order, sharded as DistributedSampler(drop_last=False) shards it
-(gpu_data.GpuTrainData cuts its batches from ShardPlan.indices too; tests/test_gpu_data.py checks).
-Positions are counted in GLOBAL samples: after k micro-batches of size b on each of W ranks,
-``k * b * W`` samples of the epoch are consumed (padding included).
+"""The torch ``Sampler`` over a ``ShardPlan``: a DataLoader's resumable, DistributedSampler-
+ordered shard. The order and the plan themselves are shard_plan.py's (torch-free to import);
+their names are re-exported here, where they used to live, so code written against this module
+keeps working.
 """
 
 from __future__ import annotations
@@ -14,9 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-# Re-exported: the plan's arithmetic lives in shard_plan.py (torch-free); code written against
-# this module's names keeps working.
-from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
+from hpc_ddp.runtime.shard_plan import ShardPlan, epoch_permutation, eval_indices, rank_indices
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -25,33 +19,6 @@ __all__ = [
     "eval_indices",
     "rank_indices",
 ]
-
-
-def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The epoch's global order of sample indices (int64 tensor of length n)."""
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)
-    return torch.randperm(n, generator=g)
-
-
-def rank_indices(
-    perm: torch.Tensor, rank: int, world_size: int, *, drop_last: bool = False
-) -> torch.Tensor:
-    """This rank's share of an epoch's permutation, exactly as DistributedSampler computes it.
-
-    drop_last=False (the default, used for training) pads by repeating the permutation's head
-    so every rank gets ``ceil(n / world_size)`` samples; drop_last=True drops the tail instead.
-    Exact evaluation uses ``eval_indices``: no padding, no dropping.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world of size {world_size}")
-    n = len(perm)
-    if drop_last:
-        perm = perm[: n - n % world_size]
-    elif n % world_size:
-        pad = world_size - n % world_size
-        perm = torch.cat([perm, perm.repeat(pad // n + 1)[:pad]])
-    return perm[rank::world_size]
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):

@@ -1,8 +1,15 @@
-"""How an epoch is cut across ranks, as arithmetic: torch-free, so that a login node can size
-and check a run's steps (and ``import hpc_ddp`` stays light) without loading torch.
+"""Data order: one global permutation per epoch, sharded across ranks, resumable mid-epoch.
 
-The order of the samples themselves (a torch permutation) lives in ``runtime/sampler.py``;
-``ShardPlan.indices`` loads it on first use.
+The permutation is ``torch.randperm(n)`` with a generator seeded ``seed + epoch``, as
+DistributedSampler does, so every data path (torchvision loader, GPU-resident tensors) that calls
+these functions sees the identical order, sharded as DistributedSampler(drop_last=False) shards it
+(gpu_data.GpuTrainData cuts its batches from ShardPlan.indices too; tests/test_gpu_data.py checks).
+Positions are counted in GLOBAL samples: after k micro-batches of size b on each of W ranks,
+``k * b * W`` samples of the epoch are consumed (padding included).
+
+Torch is imported only where an order is computed, so that the plan's arithmetic (steps per
+epoch, resumable positions, evaluation shards) serves a login node and ``import hpc_ddp`` without
+it. The torch ``Sampler`` over a plan is ``sampler.ResumableDistributedSampler``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,37 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's global order of sample indices (int64 tensor of length n)."""
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def rank_indices(
+    perm: torch.Tensor, rank: int, world_size: int, *, drop_last: bool = False
+) -> torch.Tensor:
+    """This rank's share of an epoch's permutation, exactly as DistributedSampler computes it.
+
+    drop_last=False (the default, used for training) pads by repeating the permutation's head
+    so every rank gets ``ceil(n / world_size)`` samples; drop_last=True drops the tail instead.
+    Exact evaluation uses ``eval_indices``: no padding, no dropping.
+    """
+    import torch
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of size {world_size}")
+    n = len(perm)
+    if drop_last:
+        perm = perm[: n - n % world_size]
+    elif n % world_size:
+        pad = world_size - n % world_size
+        perm = torch.cat([perm, perm.repeat(pad // n + 1)[:pad]])
+    return perm[rank::world_size]
 
 
 def eval_indices(n: int, rank: int, world_size: int) -> range:
@@ -60,9 +98,7 @@ class ShardPlan:
         return -(-pos // self.rank_step_samples)
 
     def indices(self, epoch: int, rank: int, start: int = 0) -> torch.Tensor:
-        """This rank's indices for the rest of the epoch after ``start`` global samples (torch)."""
-        from hpc_ddp.runtime.sampler import epoch_permutation, rank_indices
-
+        """This rank's indices for the rest of the epoch after ``start`` global samples."""
         self.steps_done(start)  # validates
         shard = rank_indices(epoch_permutation(self.n, self.seed, epoch), rank, self.world_size)
         return shard[start // self.world_size :]

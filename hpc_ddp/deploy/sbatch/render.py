@@ -71,7 +71,10 @@ def layout_text(spec: JobSpec) -> str:
         dev = f"{g} GPUs" if g else f"{ppn} CPU processes"
         return f"torchrun, one task per node: {n} nodes x {dev} = {total}"
     if spec.layout == "per-node":
-        return f"one process per node driving {g} GPUs: {n} nodes = {total}"
+        gpp = spec.gpus_per_process
+        if ppn == 1:
+            return f"one process per node driving {gpp} GPUs: {n} nodes = {total}"
+        return f"{ppn} processes per node, each driving {gpp} GPUs: {n} nodes x {g} GPUs = {total}"
     if spec.layout == "per-gpu":
         return f"one process per GPU (srun): {n} nodes x {g} GPUs = {total}"
     return f"CPU/Gloo (srun): {n} nodes x {ppn} processes = {total}"
