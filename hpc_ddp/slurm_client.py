@@ -142,6 +142,32 @@ def wait_for(
         time.sleep(interval_s)
 
 
+class LostJobWatch:
+    """Tells a controller that missed an answer from a job Slurm no longer knows, for the loops
+    that wait on a job: a busy slurmctld can miss one ``scontrol show job``, but a job unknown
+    for ``grace_s`` is gone (the controller died, or the job ended and aged out of its memory),
+    and a wait without a deadline must not poll it for ever."""
+
+    def __init__(self, job_id: str, grace_s: float = 15.0) -> None:
+        self.job_id = job_id
+        self.grace_s = grace_s
+        self._unknown_since: float | None = None
+
+    def answer(self, known: bool) -> None:
+        """Record one poll's answer; raise HpcDdpError once the job has been unknown too long."""
+        if known:
+            self._unknown_since = None
+        elif self._unknown_since is None:
+            self._unknown_since = time.monotonic()
+        elif time.monotonic() - self._unknown_since > self.grace_s:
+            raise HpcDdpError(
+                f"Slurm no longer knows job {self.job_id} (no answer about it for "
+                f"{self.grace_s:.0f} s)",
+                hint="scontrol ping says whether the controller runs; squeue/sacct -j "
+                f"{self.job_id} say how the job ended",
+            )
+
+
 @dataclass(frozen=True)
 class JobResult:
     job_id: str

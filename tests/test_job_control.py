@@ -9,6 +9,7 @@ and a checkpoint of step 3 exists only if the trainer was told to checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,38 @@ def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path)
     assert "SIGUSR2 to its tasks" in said and "requeued itself; cancelling it" in said, said
     assert slurm_cluster.job_state(job.job_id) == "CANCELLED"
     assert _latest(tmp_path / "run") == "step-00000003"
+
+
+@pytest.mark.slurm
+def test_a_submitit_job_killed_without_a_result_ends_the_waiting_submit(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """`cancel --now` SIGKILLs the task before submitit can pickle a result. The waiting
+    `hpc-ddp submit --executor submitit` must end, saying so; submitit's own `results()` waits
+    for that pickle until sacct (which the embedded cluster lacks) says the job ended."""
+    env = slurm_cluster.env
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(600)\n")
+    spec = tmp_path / "sleeper.toml"
+    spec.write_text(
+        f'name = "killed-sub"\nnodes = 1\nprocs_per_node = 1\ntime = "10"\nscript = "{sleeper}"\n'
+    )
+    folder = tmp_path / "submitit"
+    submit = _hpc_ddp(
+        ["submit", "--executor", "submitit", "--folder", str(folder), "--quiet",
+         "--wait-timeout", "300", str(spec)],
+        env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (tmp_path / "started").exists(), 120, "the task to start")
+        job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i", "-n", "killed-sub"]).stdout.strip()
+        _run(["cancel", "--now", "--folder", str(folder), job_id], env)
+        out, err = submit.communicate(timeout=60)  # the fault: this waited for ever
+    finally:
+        submit.kill()
+    assert submit.returncode != 0, (out, err)
+    said = out + err  # SIGKILLed steps end the job CANCELLED or FAILED, as the race goes
+    assert re.search(r"ended (CANCELLED|FAILED) without a result from its task 0", said), said
 
 
 @pytest.mark.slurm

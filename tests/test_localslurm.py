@@ -461,6 +461,34 @@ def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) ->
     _assert_nothing_left(cluster, job_pids)
 
 
+def test_following_a_job_ends_once_its_controller_is_gone(root: Path, tmp_path: Path) -> None:
+    """`hpc-ddp logs -f JOB` follows until the job ends. With slurmctld dead the job never
+    "ends": it ends with an error once Slurm has not known the job for LostJobWatch's grace."""
+    require_local_slurm()
+    cluster = LocalCluster(root, nodes=1, ephemeral=True)
+    cluster.start(timeout_s=30)
+    client = SlurmTestCluster(cluster)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\necho job started\nsrun sleep 300\n")
+    job_id, _ = client.sbatch(script, "-N1", output=tmp_path / "out")
+    client.wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
+    shown = tmp_path / "shown"
+    with shown.open("w") as sink:
+        follow = subprocess.Popen(
+            [str(HPC_DDP), "logs", "-f", job_id], stdout=sink, stderr=subprocess.PIPE,
+            text=True, env=client.env,
+        )  # fmt: skip
+    try:  # following: the log's line came through
+        client.wait_for(lambda: "job started" in shown.read_text(), 30, "logs -f to show the log")
+        os.kill(cluster._pids()["slurmctld"], 9)
+        _, err = follow.communicate(timeout=60)  # the fault: it polled for ever
+    finally:
+        follow.kill()
+        LocalCluster(root).stop()
+    assert follow.returncode == 2, err
+    assert f"Slurm no longer knows job {job_id}" in err and "scontrol ping" in err, err
+
+
 @pytest.mark.slow
 def test_requeued_job_restarts_within_seconds(
     slurm_cluster: SlurmTestCluster, tmp_path: Path

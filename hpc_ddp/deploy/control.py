@@ -29,7 +29,7 @@ from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
+from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts
 
 # A Slurm job id (an array task: 12_3) or a local submitit job's id (its controller's pid).
 _JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
@@ -260,12 +260,15 @@ def follow_logs(
 ) -> None:
     """Write the job's logs to ``sink``, each under a ``==> path <==`` header; with ``follow``,
     keep writing what is appended (new rank logs included) until the job has ended or
-    ``timeout_s`` has passed."""
+    ``timeout_s`` has passed. Raises HpcDdpError, after writing what the logs hold, once Slurm
+    has stopped knowing the job (``LostJobWatch``): following it would never end."""
     followers: dict[Path, LogFollower] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last: Path | None = None
+    lost = LostJobWatch(job.job_id)
     while True:
-        ended = not follow or job.status() in TERMINAL
+        state = job.status() if follow else ""
+        ended = not follow or state in TERMINAL
         for path in log_paths(job):
             follower = followers.setdefault(path, LogFollower(path, _Chunk()))
             follower.poll()
@@ -278,6 +281,7 @@ def follow_logs(
                 sink.flush()
         if ended or (deadline is not None and time.monotonic() > deadline):
             return
+        lost.answer(state != "UNKNOWN")
         time.sleep(interval_s)
 
 

@@ -19,7 +19,13 @@ from typing import TextIO
 from hpc_ddp.deploy.backend import Finished
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts, shell_exit_code
+from hpc_ddp.slurm_client import (
+    TERMINAL,
+    LostJobWatch,
+    SlurmClient,
+    restarts,
+    shell_exit_code,
+)
 
 _OUTPUT = re.compile(r"^#SBATCH\s+(?:--output|-o)[= ]\s*(\S+)", re.M)
 _JOBNAME = re.compile(r"^#SBATCH\s+(?:--job-name|-J)[= ]\s*(\S+)", re.M)
@@ -116,7 +122,7 @@ def wait_job(
     follower = LogFollower(output, follow)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     info: dict[str, str] = {}
-    unknown_since: float | None = None
+    lost = LostJobWatch(job_id)
     while True:
         info = client.job_info(job_id)
         follower.poll()
@@ -124,13 +130,7 @@ def wait_job(
             on_poll(info)
         if info.get("JobState") in TERMINAL:
             break
-        # A busy controller can miss one answer; a job gone for 15 s is really gone.
-        if info:
-            unknown_since = None
-        elif unknown_since is None:
-            unknown_since = time.monotonic()
-        elif time.monotonic() - unknown_since > 15:
-            raise HpcDdpError(f"Slurm no longer knows job {job_id}", hint="check squeue/sacct")
+        lost.answer(bool(info))
         if deadline is not None and time.monotonic() > deadline:
             client.cancel(job_id)
             raise HpcDdpError(

@@ -36,7 +36,11 @@ from hpc_ddp.deploy.submitit.parameters import (
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.slurm_client import TERMINAL, SlurmClient, restarts
+from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts, wait_for
+
+# How long a task's result pickle may lag behind the end Slurm reports (a shared file system's
+# attribute cache): a job that COMPLETED wrote one; after any other end there may be none.
+RESULT_LAG_S, RESULT_LAG_UNSURE_S = 15.0, 3.0
 
 
 @dataclass(frozen=True)
@@ -190,8 +194,10 @@ class SubmititJob(Job):
             return self._finished
         follower = LogFollower(self.output, self.follow)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        lost = LostJobWatch(self.job_id)
         while (state := self.status()) not in TERMINAL:
             follower.poll()
+            lost.answer(state != "UNKNOWN")
             if deadline is not None and time.monotonic() > deadline:
                 self.cancel()
                 raise HpcDdpError(
@@ -201,17 +207,34 @@ class SubmititJob(Job):
             time.sleep(0.2)
         follower.poll()
         count = restarts(self._info())
-        try:
-            result = self.job.results()[0]  # rank 0's: a trainer's carries its result.json
-        except Exception as err:  # submitit re-raises the task's error, with its traceback
-            done = Finished(self.job_id, state, 1, count, self.output, error=str(err))
+        outcome = self._rank0_outcome(RESULT_LAG_S if state == "COMPLETED" else RESULT_LAG_UNSURE_S)
+        if outcome is None:
+            error = (
+                f"the job ended {state} without a result from its task 0: killed before it "
+                "could write one (cancel --now, out of memory, a node failure)"
+            )
+            done = Finished(self.job_id, state, 1, count, self.output, error=error)
+        elif outcome[0] != "success":  # ("error", the task's traceback)
+            done = Finished(self.job_id, state, 1, count, self.output, error=str(outcome[1]))
         else:
-            summary = result if isinstance(result, dict) else {}
+            summary = outcome[1] if isinstance(outcome[1], dict) else {}
             code = int(summary.get("exit_code", 0))
             trained = summary if self.run_paths is not None else None  # a trainer's job
             done = Finished(self.job_id, state, code, count, self.output, trained or None)
         self._finished = done
         return done
+
+    def _rank0_outcome(self, grace_s: float) -> tuple[str, Any] | None:
+        """What submitit pickled for task 0 (a trainer's carries its result.json): ("success",
+        value) or ("error", traceback); None when the task never wrote it. Read here, not
+        through ``Job.results()``, which waits for a pickle that a killed task never writes
+        until sacct (absent on the embedded cluster) says the job ended: for ever."""
+        pickle = self.job.task(0).paths.result_pickle
+        try:  # a shared file system may show the file a moment after Slurm reports the end
+            wait_for(pickle.exists, grace_s, what=str(pickle), interval_s=0.2)
+        except TimeoutError:
+            return None
+        return submitit.core.utils.pickle_load(pickle)
 
     def cancel(self) -> None:
         if self._finished is not None:
