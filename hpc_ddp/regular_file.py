@@ -13,10 +13,15 @@ treat a hostile file as an unreadable one.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+# The run dir's JSON records (config, progress, result, the lock's owner) hold a few KiB; the
+# bound only stops a planted file from making a reader load without end.
+JSON_LIMIT = 16 << 20
 
 
 class NotRegularFileError(OSError):
@@ -87,3 +92,9 @@ def read_small(path: str | Path, limit: int, *, follow_symlinks: bool = False) -
                 str(path),
             )
         return read_capped(f, limit, path)
+
+
+def read_json(path: str | Path, limit: int = JSON_LIMIT) -> Any:
+    """``json.loads`` of a small regular file: ``OSError`` for a FIFO, a device, a link or an
+    oversized file (see ``read_small``), ``ValueError`` for what is not JSON."""
+    return json.loads(read_small(path, limit))

@@ -20,13 +20,13 @@ CANCELLED, TIMEOUT...). Never imports torch, Slurm or submitit itself.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
+from hpc_ddp import regular_file
 from hpc_ddp.runtime.run_paths import RunPaths
 
 Executor = Literal["sbatch", "submitit", "local", "pdsh", "clush"]
@@ -106,7 +106,7 @@ def read_result(run_paths: RunPaths | None) -> dict[str, Any] | None:
     if run_paths is None:
         return None
     try:
-        data = json.loads(run_paths.result.read_text())
+        data = regular_file.read_json(run_paths.result)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

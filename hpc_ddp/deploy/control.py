@@ -15,7 +15,6 @@ Torch-free; submitit is imported only for submitit jobs.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpc_ddp import regular_file
 from hpc_ddp.deploy.backend import Job, read_result
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
@@ -174,7 +174,7 @@ def read_progress(run_paths: RunPaths | None) -> dict[str, Any] | None:
     if run_paths is None:
         return None
     try:
-        data = json.loads(run_paths.progress.read_text())
+        data = regular_file.read_json(run_paths.progress)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -212,7 +212,7 @@ def run_dir_report(run_dir: Path) -> JobReport:
 def run_dir_job(run_dir: Path) -> str | None:
     """The Slurm job id of the run that holds (or last held) ``run_dir``'s lock, if known."""
     try:
-        owner = json.loads(RunPaths(run_dir).lock_owner.read_text())
+        owner = regular_file.read_json(RunPaths(run_dir).lock_owner)
     except (OSError, ValueError):
         return None
     job_id = owner.get("job_id") if isinstance(owner, dict) else None

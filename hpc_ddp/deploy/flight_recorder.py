@@ -33,7 +33,6 @@ are printed without control characters. Torch-free.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
 from collections.abc import Mapping, Sequence
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import regular_file
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import FR_DUMP_FILE_VAR, NCCL_TRACE, RunPaths
 
@@ -277,7 +277,7 @@ def run_step_line(dump_dir: Path) -> str | None:
     if progress is None or not progress.is_file():
         return None
     try:
-        info = json.loads(progress.read_text())
+        info = regular_file.read_json(progress)
         step, epoch = int(info["step"]), int(info["epoch"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

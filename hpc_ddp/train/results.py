@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hpc_ddp import regular_file
 from hpc_ddp.private_paths import replace_file
 from hpc_ddp.runtime.run_paths import RunPaths
 
@@ -72,7 +73,8 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+    """A run dir's JSON record, through ``regular_file`` (a FIFO planted there cannot block)."""
+    return regular_file.read_json(path)
 
 
 def write_metrics(run_dir: Path, history: list[dict[str, Any]]) -> None:

@@ -1,0 +1,73 @@
+"""The run dir's JSON records (config.json, progress.json, result.json, the lock's owner) under
+hostile files: a FIFO planted at one of those names blocks a plain ``open()`` until a writer
+comes, so every reader goes through ``regular_file`` and ends at once with a clear outcome.
+
+Real FIFOs (mkfifo), the real ``hpc-ddp`` command, a real finished CPU run; each command runs
+with a deadline, which a blocked read would overrun (``subprocess.TimeoutExpired`` fails the
+test instead of hanging it).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hostile_files import make_fifo
+from trainer_helpers import HPC_DDP, run, single_cmd, train_args
+
+from hpc_ddp import regular_file
+
+DEADLINE_S = 60  # a CPU run of SMALL takes seconds; a blocked read never ends
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(run dir, data dir) of one finished single-process run."""
+    root = tmp_path_factory.mktemp("records")
+    run_dir, data_dir = root / "run", root / "data"
+    done = run(single_cmd(train_args(run_dir, data_dir, epochs=1)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    return run_dir, data_dir
+
+
+def test_a_fifo_as_result_json_of_a_new_run_dir_is_refused_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    make_fifo(run_dir / "result.json")
+    done = run(single_cmd(train_args(run_dir, tmp_path / "data")), timeout=DEADLINE_S)
+    assert done.returncode == 2, done.stderr
+    assert "is not an hpc-ddp run dir" in done.stderr and "result.json" in done.stderr
+
+
+def test_a_fifo_as_config_json_of_a_finished_run_is_a_clear_error(
+    finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir, data_dir = finished
+    copy = shutil.copytree(run_dir, tmp_path / "run", symlinks=True)
+    (copy / "result.json").unlink()  # so that the trainer goes on to check config.json
+    make_fifo(copy / "config.json")
+    done = run(single_cmd(train_args(copy, data_dir, epochs=1)), timeout=DEADLINE_S)
+    assert done.returncode == 2, done.stderr
+    assert "config.json is unreadable" in done.stderr and "a FIFO" in done.stderr, done.stderr
+
+
+def test_status_of_a_run_dir_whose_records_are_fifos_answers_at_once(
+    finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    copy = shutil.copytree(finished[0], tmp_path / "run", symlinks=True)
+    for name in ("progress.json", "result.json", ".run.lock.owner"):
+        make_fifo(copy / name)
+    done = run([HPC_DDP, "status", str(copy)], timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stderr
+    assert "(run dir): UNKNOWN" in done.stdout, done.stdout  # no result read from a FIFO
+
+
+def test_read_json_refuses_what_is_not_a_small_regular_file(tmp_path: Path) -> None:
+    with pytest.raises(regular_file.NotRegularFileError, match="a FIFO"):
+        regular_file.read_json(make_fifo(tmp_path / "fifo.json"))
+    (tmp_path / "big.json").write_text("[" + "0," * 600 + "0]")
+    with pytest.raises(regular_file.FileTooLargeError):
+        regular_file.read_json(tmp_path / "big.json", limit=1000)
+    (tmp_path / "ok.json").write_text('{"step": 3}')
+    assert regular_file.read_json(tmp_path / "ok.json") == {"step": 3}
