@@ -11,6 +11,9 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -229,3 +232,38 @@ def test_a_folder_of_the_users_is_never_replaced(tmp_path: Path) -> None:
     assert folder.is_symlink() and elsewhere.is_dir()
     folder.unlink()
     assert synthetic.is_current(data.stage(cfg), "cifar100", TRAIN, TEST, 1234)  # then it writes
+
+
+def test_a_staging_lock_held_for_ever_ends_in_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Another process holds the data dir's staging lock and never lets go (stopped, hung):
+    staging says it waits, then fails naming the lock file, instead of waiting for ever. The
+    holder is a real process holding the real lock; only the waits are shortened."""
+    from hpc_ddp.cifar import data
+
+    monkeypatch.setattr(data, "STAGING_NOTICE_S", 0.5)
+    monkeypatch.setattr(data, "STAGING_WAIT_S", 2.0)
+    lock_file = tmp_path / data.STAGING_LOCK
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
+         f"lock = FileLock({str(lock_file)!r})\nlock.acquire()\nprint('held', flush=True)\n"
+         "time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    cfg = TrainConfig(
+        data_dir=str(tmp_path), dataset="cifar100", synthetic=True,
+        synthetic_train_size=TRAIN, synthetic_test_size=TEST,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        started = time.monotonic()
+        with pytest.raises(data.DataError, match="held by another process for 2 s") as info:
+            data.stage(cfg)
+        assert time.monotonic() - started < 30
+        assert f"fuser -v {lock_file}" in (info.value.hint or "")
+        assert f"waiting for {lock_file}" in capfd.readouterr().out  # the log says why it waits
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert synthetic.is_current(data.stage(cfg), "cifar100", TRAIN, TEST, 1234)  # released

@@ -18,13 +18,14 @@ import hashlib
 import pickle
 import socket
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from torch.utils.data import Dataset
 
 from hpc_ddp.cifar import array_cache, safe_pickle, synthetic
@@ -44,6 +45,11 @@ log = get_logger("data")
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 DOWNLOAD_TIMEOUT_S = 60.0
+# Staging is serialised by a file lock in the data dir. Another job's download of CIFAR-100
+# (161 MB) ends well inside STAGING_WAIT_S; a holder that was stopped (Ctrl-Z, `scontrol
+# suspend`) or hangs never lets go, and every later run would wait without a word.
+STAGING_LOCK = ".hpc-ddp-staging.lock"
+STAGING_NOTICE_S, STAGING_WAIT_S = 10.0, 600.0
 # The official files' MD5 sums, as torchvision's CIFAR10/CIFAR100 classes list them (a test checks
 # they still match), so a staged copy is verified without importing torchvision.
 OFFICIAL_MD5 = {
@@ -123,7 +129,7 @@ def stage(cfg: TrainConfig) -> Path:
             f"directory that contains {synthetic.FOLDERS[cfg.dataset]}/",
         )
     root = data_root(cfg)
-    with FileLock(str(data_dir / ".hpc-ddp-staging.lock")):
+    with _staging_lock(data_dir):
         if cfg.synthetic:
             size = {"train_size": cfg.synthetic_train_size, "test_size": cfg.synthetic_test_size}
             kind = {**size, "variant": cfg.synthetic_variant}
@@ -140,6 +146,29 @@ def stage(cfg: TrainConfig) -> Path:
                 )
             _download(cls, root)
     return root
+
+
+@contextmanager
+def _staging_lock(data_dir: Path) -> Iterator[None]:
+    """The data dir's staging lock, waited for at most STAGING_WAIT_S, saying so after
+    STAGING_NOTICE_S; DataError naming the lock file when it is not released in time."""
+    lock = FileLock(str(data_dir / STAGING_LOCK))
+    try:
+        lock.acquire(timeout=STAGING_NOTICE_S)
+    except Timeout:
+        log.info(f"waiting for {lock.lock_file}: another process is staging data in {data_dir}")
+        try:
+            lock.acquire(timeout=STAGING_WAIT_S - STAGING_NOTICE_S)
+        except Timeout:
+            raise DataError(
+                f"{lock.lock_file} has been held by another process for {STAGING_WAIT_S:.0f} s",
+                hint=f"a stopped or hung run holds it: `fuser -v {lock.lock_file}` names it; "
+                "end that process, or use another --data-dir",
+            ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _download(cls: type[CIFAR10], root: Path) -> None:
