@@ -312,6 +312,40 @@ def test_hosts_lines_are_per_cluster_and_refuse_foreign_names(tmp_path: Path) ->
     )
 
 
+def test_a_hosts_file_locked_for_ever_ends_in_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process keeps /etc/hosts flocked (stopped, hung): adding, removing and pruning
+    the cluster's names fail naming the file instead of waiting for ever. A real process holds
+    a real flock on a copy; only the wait is shortened."""
+    monkeypatch.setattr(hosts, "LOCK_WAIT_S", 1.0)
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         f"f = open({str(hosts_file)!r})\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        for edit in (
+            lambda: hosts.add_names(["node1"], Path("/a"), "127.0.0.1", hosts_file),
+            lambda: hosts.remove_names(Path("/a"), hosts_file),
+            lambda: hosts.prune(lambda root: True, hosts_file),
+        ):
+            started = time.monotonic()
+            with pytest.raises(HpcDdpError, match="locked by another process for 1 s") as info:
+                edit()
+            assert time.monotonic() - started < 10
+            assert f"fuser -v {hosts_file}" in (info.value.hint or "")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    hosts.add_names(["node1"], Path("/a"), "127.0.0.1", hosts_file)  # released: it works
+    assert hosts.has_lines(Path("/a"), hosts_file)
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(HPC_DDP), "cluster", *args],

@@ -13,12 +13,13 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 
 HOSTS = Path("/etc/hosts")
 TAG = "# hpc-ddp-localslurm"
@@ -28,10 +29,27 @@ def tag_for(root: Path) -> str:
     return f"{TAG} {root}"
 
 
+# An edit holds the lock for milliseconds; a holder that keeps it this long is stopped or hung,
+# and a cluster's start or stop must not wait on it without a word.
+LOCK_WAIT_S = 30.0
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[TextIO]:
     with open(path, "r+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HpcDdpError(
+                        f"{path} has been locked by another process for {LOCK_WAIT_S:.0f} s "
+                        "(flock), so the cluster's node names cannot be added or removed",
+                        hint=f"`fuser -v {path}` names the holder; end it and try again",
+                    ) from None
+                time.sleep(0.05)
         try:
             yield fh
         finally:
