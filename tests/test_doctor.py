@@ -168,3 +168,32 @@ def test_a_bad_number_in_the_environment_is_named_not_a_crash(tmp_path: Path) ->
     line = _line(proc.stdout, "gpus")
     assert line.startswith("FAIL") and "SLURM_GPUS_ON_NODE='\u00b2' is not an integer" in line
     assert "crashed" not in proc.stdout and "HINT: unset SLURM_GPUS_ON_NODE" in proc.stdout
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], check=False).returncode != 0,
+    reason="needs root and mount namespaces (unshare -m) to point /etc/resolv.conf elsewhere",
+)
+def test_a_resolver_that_never_answers_costs_one_deadline_not_one_per_node(
+    tmp_path: Path,
+) -> None:
+    """A real resolver that never answers: a UDP socket on 127.0.0.77:53 that reads nothing,
+    named in /etc/resolv.conf inside a private mount namespace (16 s per query, just above the
+    check's 15-s deadline). 64 nodes looked up one after another took 64 x 16 s; the check ends
+    after its one deadline (the network check's own single lookup of the master adds 16 s)."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.77", 53))
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.77\noptions timeout:16 attempts:1\n")
+    doctor = f"{PY} -m hpc_ddp.cli doctor --no-torch --run-dir {tmp_path / 'runs'}"
+    env = _env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST="gpu[001-064]", SLURM_CONF="/nonexistent")
+    try:
+        proc = subprocess.run(
+            ["unshare", "-m", "sh", "-c", f"mount --bind {resolv} /etc/resolv.conf && {doctor}"],
+            capture_output=True, text=True, env=env, timeout=90,
+        )  # fmt: skip
+    finally:
+        silent.close()
+    node_list = _line(proc.stdout, "node list")
+    assert node_list.startswith("FAIL"), proc.stdout + proc.stderr
+    assert "64 got no answer in 15 s: gpu001, gpu002" in node_list, node_list

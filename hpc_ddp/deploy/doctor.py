@@ -7,22 +7,28 @@ the torch check, lazily, so ``--no-torch`` answers in well under a second on a l
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.errors import HpcDdpError, first_few
 from hpc_ddp.slurm_client import reachable_slurm
 
 Status = Literal["OK", "WARN", "FAIL"]
 OK: Status = "OK"
 WARN: Status = "WARN"
 FAIL: Status = "FAIL"
+
+# The node list's names are looked up in parallel, within one deadline for them all: a doctor
+# that waits ~10 s per name on a resolver that does not answer never reports on 64 nodes.
+RESOLVE_THREADS, RESOLVE_DEADLINE_S = 32, 15.0
 
 
 @dataclass(frozen=True)
@@ -144,21 +150,54 @@ def check_nodelist(o: Options) -> Check:
     from hpc_ddp.cluster.hostlist import expand_hostlist
 
     hosts = expand_hostlist(nodelist)
-    bad = []
-    for host in hosts:
-        try:
-            socket.gethostbyname(host)
-        except OSError:
-            bad.append(host)
-    if bad:
+    bad, silent = _resolve_all(hosts, RESOLVE_DEADLINE_S)
+    if bad or silent:
+        said = [f"{len(bad)} do not resolve: {first_few(bad, 5)}"] if bad else []
+        said += [f"{len(silent)} got no answer in {RESOLVE_DEADLINE_S:.0f} s: "
+                 f"{first_few(silent, 5)}"] if silent else []  # fmt: skip
         return Check(
             FAIL,
             "node list",
-            f"{len(bad)} of {len(hosts)} hosts do not resolve: {', '.join(bad[:5])}",
+            f"of {len(hosts)} hosts, " + "; ".join(said),
             "MASTER_ADDR is the first of these names; every node must resolve it (DNS or "
             "/etc/hosts), or set MASTER_ADDR to an address",
         )
     return Check(OK, "node list", f"{nodelist}: {len(hosts)} host(s) resolve, first {hosts[0]}")
+
+
+def _resolve_all(hosts: list[str], deadline_s: float) -> tuple[list[str], list[str]]:
+    """(hosts that do not resolve, hosts without an answer by the deadline), looked up
+    RESOLVE_THREADS at a time in daemon threads: a resolver that does not answer costs ~10 s a
+    name, one after another, and a lookup cannot be interrupted, only left behind."""
+    pending: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for host in hosts:
+        pending.put(host)
+    failed: set[str] = set()
+    answered: set[str] = set()
+    lock, all_answered = threading.Lock(), threading.Event()
+
+    def look_up() -> None:
+        while True:
+            try:
+                host = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                socket.gethostbyname(host)
+            except OSError:
+                with lock:
+                    failed.add(host)
+            with lock:
+                answered.add(host)
+                if len(answered) == len(hosts):
+                    all_answered.set()
+
+    for _ in range(min(RESOLVE_THREADS, len(hosts))):
+        threading.Thread(target=look_up, daemon=True).start()
+    if hosts:
+        all_answered.wait(deadline_s)
+    with lock:
+        return [h for h in hosts if h in failed], [h for h in hosts if h not in answered]
 
 
 def check_gpus(o: Options) -> Check:
