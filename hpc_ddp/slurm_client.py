@@ -142,6 +142,10 @@ def wait_for(
         time.sleep(interval_s)
 
 
+class SlurmTimeoutError(HpcDdpError):
+    """A Slurm command that got no answer in time (``SlurmClient.run``'s timeout)."""
+
+
 class LostJobWatch:
     """Tells a controller that missed an answer from a job Slurm no longer knows, for the loops
     that wait on a job: a busy slurmctld can miss one ``scontrol show job``, but a job unknown
@@ -229,9 +233,16 @@ class SlurmClient:
         check: bool = True,
         cwd: Path | str | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            list(argv), env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd
-        )
+        try:
+            proc = subprocess.run(
+                list(argv), env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd
+            )
+        except subprocess.TimeoutExpired:
+            raise SlurmTimeoutError(
+                f"`{' '.join(argv)}` got no answer from Slurm in {timeout_s:.0f} s",
+                hint="`scontrol ping` says whether slurmctld is up; an overloaded one answers "
+                "late, a stopped one never",
+            ) from None
         if check and proc.returncode != 0:
             raise HpcDdpError(
                 f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip()}",
@@ -329,7 +340,7 @@ class SlurmClient:
         """True if slurmctld answers."""
         try:
             proc = self.run(["scontrol", "ping"], check=False, timeout_s=10)
-        except subprocess.TimeoutExpired:
+        except SlurmTimeoutError:
             return False
         return proc.returncode == 0 and "UP" in proc.stdout
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, orphans
 from hpc_ddp.localslurm import etc_hosts as hosts
 from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
 from hpc_ddp.localslurm.embedded import ensure_local_cluster, users_slurm
+from hpc_ddp.slurm_client import SlurmTimeoutError
 
 pytestmark = pytest.mark.slurm
 TESTS_DIR = Path(__file__).parent
@@ -521,6 +523,26 @@ def test_following_a_job_ends_once_its_controller_is_gone(root: Path, tmp_path: 
         LocalCluster(root).stop()
     assert follow.returncode == 2, err
     assert f"Slurm no longer knows job {job_id}" in err and "scontrol ping" in err, err
+
+
+def test_a_stopped_controller_is_a_clear_error_not_a_traceback(root: Path) -> None:
+    """A slurmctld that never answers (SIGSTOPped, as a hung one): a Slurm command through
+    SlurmClient ends at its timeout with an error naming the command, and ping() says no."""
+    require_local_slurm()
+    cluster = LocalCluster(root, nodes=1, ephemeral=True)
+    cluster.start(timeout_s=30)
+    client = SlurmTestCluster(cluster)
+    ctld = cluster._pids()["slurmctld"]
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(SlurmTimeoutError, match="`scontrol show job -o 1` got no answer"):
+            client.run(["scontrol", "show", "job", "-o", "1"], timeout_s=2)
+        assert time.monotonic() - started < 10
+        assert client.ping() is False
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+        LocalCluster(root).stop()
 
 
 @pytest.mark.slow
