@@ -1,5 +1,6 @@
 """Hostile files for the reading tests: FIFOs, device nodes, symlinks, and a child process to read
-them in, so a read that blocks or eats memory fails the test instead of hanging or starving it.
+them in, so a read that blocks or eats memory fails the test instead of hanging or starving it;
+and a process that takes a lock and never lets go.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import struct
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,21 @@ def run_child(code: str, *args: str, timeout: float = 90) -> dict[str, Any]:
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"child failed (rc {done.returncode}): {done.stderr}"
     return json.loads(lines[-1])
+
+
+@contextmanager
+def lock_held_elsewhere(take: str) -> Iterator[None]:
+    """A real process that runs ``take`` (Python that takes a lock, kept bound to a name so it
+    is not collected) and then holds it, as a stopped or hung holder would, until the block
+    ends."""
+    code = f"{take}\nprint('held', flush=True)\nimport time\ntime.sleep(300)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 def make_fifo(path: Path) -> Path:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hostile_files import snapshot
+from hostile_files import lock_held_elsewhere, snapshot
 from slurm_support import HPC_DDP, SlurmTestCluster, clean_job_env, require_local_slurm
 
 import hpc_ddp
@@ -323,14 +323,8 @@ def test_a_hosts_file_locked_for_ever_ends_in_an_error_naming_it(
     monkeypatch.setattr(hosts, "LOCK_WAIT_S", 1.0)
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time\n"
-         f"f = open({str(hosts_file)!r})\nfcntl.flock(f, fcntl.LOCK_EX)\n"
-         "print('held', flush=True)\ntime.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    take = f"import fcntl\nf = open({str(hosts_file)!r})\nfcntl.flock(f, fcntl.LOCK_EX)"
+    with lock_held_elsewhere(take):
         for edit in (
             lambda: hosts.add_names(["node1"], Path("/a"), "127.0.0.1", hosts_file),
             lambda: hosts.remove_names(Path("/a"), hosts_file),
@@ -341,9 +335,6 @@ def test_a_hosts_file_locked_for_ever_ends_in_an_error_naming_it(
                 edit()
             assert time.monotonic() - started < 10
             assert f"fuser -v {hosts_file}" in (info.value.hint or "")
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
     hosts.add_names(["node1"], Path("/a"), "127.0.0.1", hosts_file)  # released: it works
     assert hosts.has_lines(Path("/a"), hosts_file)
 

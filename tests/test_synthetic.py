@@ -11,13 +11,12 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile_files import lock_held_elsewhere
 
 from hpc_ddp.cifar import synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
@@ -245,25 +244,16 @@ def test_a_staging_lock_held_for_ever_ends_in_an_error_naming_it(
     monkeypatch.setattr(data, "STAGING_NOTICE_S", 0.5)
     monkeypatch.setattr(data, "STAGING_WAIT_S", 2.0)
     lock_file = tmp_path / data.STAGING_LOCK
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
-         f"lock = FileLock({str(lock_file)!r})\nlock.acquire()\nprint('held', flush=True)\n"
-         "time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
     cfg = TrainConfig(
         data_dir=str(tmp_path), dataset="cifar100", synthetic=True,
         synthetic_train_size=TRAIN, synthetic_test_size=TEST,
     )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    take = f"from filelock import FileLock\nlock = FileLock({str(lock_file)!r})\nlock.acquire()"
+    with lock_held_elsewhere(take):
         started = time.monotonic()
         with pytest.raises(data.DataError, match="held by another process for 2 s") as info:
             data.stage(cfg)
         assert time.monotonic() - started < 30
         assert f"fuser -v {lock_file}" in (info.value.hint or "")
         assert f"waiting for {lock_file}" in capfd.readouterr().out  # the log says why it waits
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
     assert synthetic.is_current(data.stage(cfg), "cifar100", TRAIN, TEST, 1234)  # released
