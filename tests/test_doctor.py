@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,16 @@ def test_a_resolver_that_never_answers_costs_one_deadline_not_one_per_node(
     node_list = _line(proc.stdout, "node list")
     assert node_list.startswith("FAIL"), proc.stdout + proc.stderr
     assert "64 got no answer in 15 s: gpu001, gpu002" in node_list, node_list
+
+
+def test_a_name_the_resolver_refuses_is_named_at_once(tmp_path: Path) -> None:
+    """A label over 63 characters makes the lookup raise UnicodeError, not OSError: it is a
+    name that does not resolve, reported at once, not a lookup left to the deadline."""
+    bad = "n" + "a" * 70
+    env = _env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST=f"localhost,{bad}")
+    started = time.monotonic()
+    proc = _doctor("--no-torch", "--run-dir", str(tmp_path / "runs"), env=env)
+    assert time.monotonic() - started < 14  # under the lookups' 15-s deadline
+    node_list = _line(proc.stdout, "node list")
+    assert node_list.startswith("FAIL") and f"of 2 hosts, 1 do not resolve: {bad}" in node_list
+    assert "Traceback" not in proc.stderr, proc.stderr

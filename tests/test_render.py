@@ -122,7 +122,7 @@ def test_per_node_layout_one_task_all_gpus() -> None:
 def test_several_processes_per_node_each_driving_gpus_are_described_as_such() -> None:
     text = render(JobSpec(nodes=2, gpus_per_node=4, gpus_per_process=2))
     assert "--ntasks-per-node=2" in _directives(text)
-    layout = "2 processes per node, each driving 2 GPUs: 2 nodes x 4 GPUs = 4 processes"
+    layout = "2 processes per node, each driving 2 GPUs: 2 nodes x 2 = 4 processes"
     assert f"# Layout: {layout}\n" in text and f"on ${{SLURM_JOB_NODELIST}}: {layout}" in text
 
 

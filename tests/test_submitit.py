@@ -39,6 +39,19 @@ def test_local_executor_trains_two_tasks(tmp_path: Path) -> None:
     assert job.read_result() == done.result  # rank 0 returned what the trainer wrote
 
 
+def test_a_failing_task_other_than_the_first_fails_the_job(tmp_path: Path) -> None:
+    """Every task's outcome counts, not only task 0's: rank 1 exits 3, the job fails with it."""
+    script = tmp_path / "rank1fails.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    spec = JobSpec(
+        name="r1fails", nodes=1, procs_per_node=2, time="5", module="", script=str(script)
+    )
+    job = hpc_ddp.submit(spec, "local", folder=tmp_path / "submitit", wait=False)
+    done = job.wait(timeout_s=120)
+    assert done.exit_code == 1, done
+    assert "task 1 failed" in done.error and "exited with code 3" in done.error, done.error
+
+
 def test_local_executor_needs_one_node(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="one machine"):
         hpc_ddp.submit(JobSpec(nodes=2), "local", folder=tmp_path)

@@ -184,13 +184,14 @@ def _resolve_all(hosts: list[str], deadline_s: float) -> tuple[list[str], list[s
                 return
             try:
                 socket.gethostbyname(host)
-            except OSError:
+            except Exception:  # OSError; UnicodeError for a label over 63 characters
                 with lock:
                     failed.add(host)
-            with lock:
-                answered.add(host)
-                if len(answered) == len(hosts):
-                    all_answered.set()
+            finally:
+                with lock:
+                    answered.add(host)
+                    if len(answered) == len(hosts):
+                        all_answered.set()
 
     for _ in range(min(RESOLVE_THREADS, len(hosts))):
         threading.Thread(target=look_up, daemon=True).start()

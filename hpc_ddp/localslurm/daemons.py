@@ -283,7 +283,10 @@ class LocalCluster:
             self._wait_idle(deadline)
         except BaseException as err:
             detail = self._log_excerpt()
-            self.stop(graceful=False)
+            try:
+                self.stop(graceful=False)
+            except HpcDdpError as undo:  # the start's own error is the one to tell
+                detail += f"\n(undoing the start: {undo.message})"
             if isinstance(err, HpcDdpError):
                 raise ClusterStartError(f"{err.message}\n{detail}", hint=err.hint) from err
             raise
@@ -377,7 +380,11 @@ class LocalCluster:
         procs.terminate(daemons)
         stragglers = procs.cluster_pids(self.root, self.daemon_conf_path)
         left = procs.terminate(stragglers, grace_s=2) | procs.terminate(munged)
-        hosts.remove_names(self.root)
+        try:
+            hosts.remove_names(self.root)
+            hosts_error = None
+        except HpcDdpError as err:  # /etc/hosts stays locked: the dir goes all the same, and
+            hosts_error = err  # the next start's prune drops the line of a cluster gone
         if keep_dir:
             for name in ("pids", "cluster.json"):
                 (self.root / "run" / name).unlink(missing_ok=True)
@@ -385,6 +392,8 @@ class LocalCluster:
             cluster_dir.remove_owned(self.root)
         if left:
             raise HpcDdpError(f"processes {sorted(left)} of {self.root} survived SIGKILL")
+        if hosts_error is not None:
+            raise hosts_error
 
     def _check_dir_is_ours(self) -> None:
         """Refuse a dir holding anything that is not this cluster's (cluster_dir)."""

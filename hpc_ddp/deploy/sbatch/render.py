@@ -74,7 +74,7 @@ def layout_text(spec: JobSpec) -> str:
         gpp = spec.gpus_per_process
         if ppn == 1:
             return f"one process per node driving {gpp} GPUs: {n} nodes = {total}"
-        return f"{ppn} processes per node, each driving {gpp} GPUs: {n} nodes x {g} GPUs = {total}"
+        return f"{ppn} processes per node, each driving {gpp} GPUs: {n} nodes x {ppn} = {total}"
     if spec.layout == "per-gpu":
         return f"one process per GPU (srun): {n} nodes x {g} GPUs = {total}"
     return f"CPU/Gloo (srun): {n} nodes x {ppn} processes = {total}"

@@ -12,6 +12,7 @@ be waited on forever.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 from collections.abc import Mapping
@@ -39,7 +40,8 @@ from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts, wait_for
 
 # How long a task's result pickle may lag behind the end Slurm reports (a shared file system's
-# attribute cache): a job that COMPLETED wrote one; after any other end there may be none.
+# attribute cache): tasks that COMPLETED or FAILED (raised) wrote one; after other ends (killed,
+# cancelled, timed out) there may be none.
 RESULT_LAG_S, RESULT_LAG_UNSURE_S = 15.0, 3.0
 
 
@@ -207,34 +209,46 @@ class SubmititJob(Job):
             time.sleep(0.2)
         follower.poll()
         count = restarts(self._info())
-        outcome = self._rank0_outcome(RESULT_LAG_S if state == "COMPLETED" else RESULT_LAG_UNSURE_S)
-        if outcome is None:
+        lag = RESULT_LAG_S if state in ("COMPLETED", "FAILED") else RESULT_LAG_UNSURE_S
+        outcomes = self._outcomes(lag)
+        failed = [(k, o[1]) for k, o in enumerate(outcomes) if o is not None and o[0] != "success"]
+        missing = [str(k) for k, o in enumerate(outcomes) if o is None]
+        if failed:  # ("error", the task's traceback): the most a user can learn
+            task, trace = failed[0]
+            error = f"task {task} failed:\n{trace}"
+            done = Finished(self.job_id, state, 1, count, self.output, error=error)
+        elif missing:
             error = (
-                f"the job ended {state} without a result from its task 0: killed before it "
-                "could write one (cancel --now, out of memory, a node failure)"
+                f"the job ended {state} without a result from task{'s' * (len(missing) > 1)} "
+                f"{', '.join(missing)}: killed before it could write one (cancel --now, out of "
+                "memory, a node failure)"
             )
             done = Finished(self.job_id, state, 1, count, self.output, error=error)
-        elif outcome[0] != "success":  # ("error", the task's traceback)
-            done = Finished(self.job_id, state, 1, count, self.output, error=str(outcome[1]))
         else:
-            summary = outcome[1] if isinstance(outcome[1], dict) else {}
+            result = outcomes[0][1] if outcomes[0] is not None else None
+            summary = result if isinstance(result, dict) else {}
             code = int(summary.get("exit_code", 0))
             trained = summary if self.run_paths is not None else None  # a trainer's job
             done = Finished(self.job_id, state, code, count, self.output, trained or None)
         self._finished = done
         return done
 
-    def _rank0_outcome(self, grace_s: float) -> tuple[str, Any] | None:
-        """What submitit pickled for task 0 (a trainer's carries its result.json): ("success",
-        value) or ("error", traceback); None when the task never wrote it. Read here, not
-        through ``Job.results()``, which waits for a pickle that a killed task never writes
-        until sacct (absent on the embedded cluster) says the job ended: for ever."""
-        pickle = self.job.task(0).paths.result_pickle
-        try:  # a shared file system may show the file a moment after Slurm reports the end
-            wait_for(pickle.exists, grace_s, what=str(pickle), interval_s=0.2)
-        except TimeoutError:
-            return None
-        return submitit.core.utils.pickle_load(pickle)
+    def _outcomes(self, lag_s: float) -> list[tuple[str, Any] | None]:
+        """What submitit pickled for each task, in task order: ("success", value) or ("error",
+        traceback); None for a task that never wrote it. Read here, not through
+        ``Job.results()``, which waits for a pickle that a killed task never writes until sacct
+        (absent on the embedded cluster) says the job ended: for ever."""
+        folder = Path(self.job.paths.folder)
+        pickles = [self.job.task(k).paths.result_pickle for k in range(self.job.num_tasks)]
+
+        def all_written() -> bool:
+            with contextlib.suppress(OSError):  # NFS: refresh the folder's cached view, as
+                folder.chmod(folder.stat().st_mode)  # submitit does before it looks
+            return all(p.exists() for p in pickles)
+
+        with contextlib.suppress(TimeoutError):  # a file system may show them after the end
+            wait_for(all_written, lag_s, what="the tasks' result pickles", interval_s=0.2)
+        return [submitit.core.utils.pickle_load(p) if p.exists() else None for p in pickles]
 
     def cancel(self) -> None:
         if self._finished is not None:
