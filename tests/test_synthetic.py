@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 
@@ -257,3 +258,29 @@ def test_a_staging_lock_held_for_ever_ends_in_an_error_naming_it(
         assert f"fuser -v {lock_file}" in (info.value.hint or "")
         assert f"waiting for {lock_file}" in capfd.readouterr().out  # the log says why it waits
     assert synthetic.is_current(data.stage(cfg), "cifar100", TRAIN, TEST, 1234)  # released
+    assert (tmp_path / data.STAGING_HOLDER).read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_each_holder_of_the_staging_lock_gets_a_full_wait_and_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node after node may stage (or check) a large dataset on a shared dir: the wait is per
+    holder. The lock changes hands (the holder's line changes) 1.5 s in, so a 2-s wait ends
+    no sooner than 3.5 s in, naming the second holder."""
+    from hpc_ddp.cifar import data
+
+    monkeypatch.setattr(data, "STAGING_POLL_S", 0.2)
+    monkeypatch.setattr(data, "STAGING_WAIT_S", 2.0)
+    lock_file, holder = tmp_path / data.STAGING_LOCK, tmp_path / data.STAGING_HOLDER
+    cfg = TrainConfig(data_dir=str(tmp_path), dataset="cifar100", synthetic=True)
+    take = (
+        f"import pathlib, threading\nfrom filelock import FileLock\n"
+        f"lock = FileLock({str(lock_file)!r})\nlock.acquire()\nh = pathlib.Path({str(holder)!r})\n"
+        "h.write_text('pid 1 on first')\n"
+        "threading.Timer(1.5, lambda: h.write_text('pid 2 on second\\x1b[2J')).start()"
+    )
+    with lock_held_elsewhere(take):
+        started = time.monotonic()
+        with pytest.raises(data.DataError, match=r"held by pid 2 on second\[2J for 2 s"):
+            data.stage(cfg)  # the terminal escape of the planted line is not printed
+        assert time.monotonic() - started >= 3.0

@@ -14,9 +14,12 @@ and the second finds the data present), then every rank waits at a barrier.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import pickle
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +34,8 @@ from torch.utils.data import Dataset
 from hpc_ddp.cifar import array_cache, safe_pickle, synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.log import get_logger
-from hpc_ddp.regular_file import open_regular
+from hpc_ddp.private_paths import replace_file
+from hpc_ddp.regular_file import open_regular, read_small
 from hpc_ddp.train import loader_data
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loader_data import eval_batches  # noqa: F401  (the CIFAR tests' name)
@@ -45,11 +49,13 @@ log = get_logger("data")
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 DOWNLOAD_TIMEOUT_S = 60.0
-# Staging is serialised by a file lock in the data dir. Another job's download of CIFAR-100
-# (161 MB) ends well inside STAGING_WAIT_S; a holder that was stopped (Ctrl-Z, `scontrol
-# suspend`) or hangs never lets go, and every later run would wait without a word.
-STAGING_LOCK = ".hpc-ddp-staging.lock"
-STAGING_NOTICE_S, STAGING_WAIT_S = 10.0, 600.0
+# Staging is serialised by a file lock in the data dir; its holder writes who it is beside it.
+# One holder's download of CIFAR-100 (161 MB) or check of a staged copy ends well inside
+# STAGING_WAIT_S, and each new holder (node after node on a shared dir) gets a full wait of its
+# own; one that was stopped (Ctrl-Z, `scontrol suspend`) or hangs never lets go, and every
+# later run would wait without a word.
+STAGING_LOCK, STAGING_HOLDER = ".hpc-ddp-staging.lock", ".hpc-ddp-staging.holder"
+STAGING_POLL_S, STAGING_NOTICE_S, STAGING_WAIT_S = 1.0, 10.0, 600.0
 # The official files' MD5 sums, as torchvision's CIFAR10/CIFAR100 classes list them (a test checks
 # they still match), so a staged copy is verified without importing torchvision.
 OFFICIAL_MD5 = {
@@ -150,25 +156,47 @@ def stage(cfg: TrainConfig) -> Path:
 
 @contextmanager
 def _staging_lock(data_dir: Path) -> Iterator[None]:
-    """The data dir's staging lock, waited for at most STAGING_WAIT_S, saying so after
-    STAGING_NOTICE_S; DataError naming the lock file when it is not released in time."""
+    """The data dir's staging lock. The wait says why after STAGING_NOTICE_S and ends in a
+    DataError naming the holder once one holder has kept it STAGING_WAIT_S."""
     lock = FileLock(str(data_dir / STAGING_LOCK))
-    try:
-        lock.acquire(timeout=STAGING_NOTICE_S)
-    except Timeout:
-        log.info(f"waiting for {lock.lock_file}: another process is staging data in {data_dir}")
+    holder_file = data_dir / STAGING_HOLDER
+    started = time.monotonic()
+    holder, since, told = _staging_holder(holder_file), started, False
+    while True:
         try:
-            lock.acquire(timeout=STAGING_WAIT_S - STAGING_NOTICE_S)
+            lock.acquire(timeout=STAGING_POLL_S)
+            break
         except Timeout:
-            raise DataError(
-                f"{lock.lock_file} has been held by another process for {STAGING_WAIT_S:.0f} s",
-                hint=f"a stopped or hung run holds it: `fuser -v {lock.lock_file}` names it; "
-                "end that process, or use another --data-dir",
-            ) from None
+            now, current = time.monotonic(), _staging_holder(holder_file)
+            if current != holder:  # the lock changed hands: a new holder's own full wait
+                holder, since = current, now
+            who = current or "another process"
+            if not told and now - started >= STAGING_NOTICE_S:
+                log.info(f"waiting for {lock.lock_file}: {who} is staging data in {data_dir}")
+                told = True
+            if now - since >= STAGING_WAIT_S:
+                raise DataError(
+                    f"{lock.lock_file} has been held by {who} for {STAGING_WAIT_S:.0f} s",
+                    hint="a stopped or hung run holds it (on that host, `fuser -v "
+                    f"{lock.lock_file}` names it): end it, or use another --data-dir",
+                ) from None
     try:
+        with contextlib.suppress(OSError):  # only a courtesy to those who wait
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            me = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}"
+            replace_file(holder_file, me.encode())
         yield
     finally:
         lock.release()
+
+
+def _staging_holder(path: Path) -> str | None:
+    """Who holds the staging lock, as its holder wrote it (printable characters only)."""
+    try:
+        text = read_small(path, 200).decode(errors="replace")
+    except OSError:
+        return None
+    return "".join(c for c in text if c.isprintable()) or None
 
 
 def _download(cls: type[CIFAR10], root: Path) -> None:
