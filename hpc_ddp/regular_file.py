@@ -96,5 +96,10 @@ def read_small(path: str | Path, limit: int, *, follow_symlinks: bool = False) -
 
 def read_json(path: str | Path, limit: int = JSON_LIMIT) -> Any:
     """``json.loads`` of a small regular file: ``OSError`` for a FIFO, a device, a link or an
-    oversized file (see ``read_small``), ``ValueError`` for what is not JSON."""
-    return json.loads(read_small(path, limit))
+    oversized file (see ``read_small``), ``ValueError`` for what is not JSON (nesting too deep
+    for the parser included)."""
+    data = read_small(path, limit)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None

@@ -69,5 +69,8 @@ def test_read_json_refuses_what_is_not_a_small_regular_file(tmp_path: Path) -> N
     (tmp_path / "big.json").write_text("[" + "0," * 600 + "0]")
     with pytest.raises(regular_file.FileTooLargeError):
         regular_file.read_json(tmp_path / "big.json", limit=1000)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # RecursionError inside
+    with pytest.raises(ValueError, match="nested too deeply"):
+        regular_file.read_json(tmp_path / "deep.json")
     (tmp_path / "ok.json").write_text('{"step": 3}')
     assert regular_file.read_json(tmp_path / "ok.json") == {"step": 3}

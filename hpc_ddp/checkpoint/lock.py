@@ -20,7 +20,7 @@ from types import TracebackType
 
 import filelock
 
-from hpc_ddp.regular_file import read_small
+from hpc_ddp.regular_file import read_json, read_small
 from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, RunPaths
 
 from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
@@ -48,16 +48,22 @@ def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
 def is_lock_leftover(path: Path) -> bool:
     """Whether ``path`` is what a ``RunDirLock`` leaves behind: its lock file (regular, empty)
     or its owner file (the JSON it writes). Anything else, by those names or others, is not."""
-    if path.name not in (LOCK, LOCK_OWNER):
-        return False
-    try:
-        data = read_small(path, OWNER_MAX_BYTES)  # regular files only, never through a link
-        owner = json.loads(data) if path.name == LOCK_OWNER else None
-    except (OSError, ValueError, RecursionError):
-        return False
     if path.name == LOCK:
-        return data == b""
-    return isinstance(owner, dict) and owner.keys() >= _OWNER_KEYS
+        try:
+            return read_small(path, 0) == b""  # regular files only, never through a link
+        except OSError:
+            return False
+    owner = read_owner(path) if path.name == LOCK_OWNER else None
+    return owner is not None and owner.keys() >= _OWNER_KEYS
+
+
+def read_owner(path: Path) -> dict | None:
+    """The owner JSON a ``RunDirLock`` wrote at ``path``, or None for anything else."""
+    try:
+        owner = read_json(path, OWNER_MAX_BYTES)
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
 
 
 class RunDirLock:
@@ -103,11 +109,8 @@ class RunDirLock:
         return self
 
     def _holder(self) -> str:
-        try:
-            owner = json.loads(read_small(self.paths.lock_owner, OWNER_MAX_BYTES))
-        except (OSError, ValueError, RecursionError):
-            owner = None
-        if not isinstance(owner, dict):
+        owner = read_owner(self.paths.lock_owner)
+        if owner is None:
             return "another process (owner unknown: no readable owner file)"
         job = f", Slurm job {owner['job_id']}" if owner.get("job_id") else ""
         return f"pid {owner.get('pid')} on host {owner.get('host')}{job} since {owner.get('since')}"

@@ -35,7 +35,7 @@ import numpy as np
 from numpy.lib import format as npformat
 
 from hpc_ddp.cifar import safe_pickle as cifar_pickle
-from hpc_ddp.regular_file import open_regular, read_small
+from hpc_ddp.regular_file import open_regular, read_json
 
 CACHE_DIR = ".hpc-ddp-cache"
 FORMAT = 1
@@ -69,12 +69,12 @@ def _stamp(source: Path) -> dict[str, Any]:
 def _load(source: Path) -> tuple[np.ndarray, np.ndarray] | None:
     images_path, labels_path, stamp_path = _paths(source)
     try:
-        if json.loads(read_small(stamp_path, STAMP_MAX_BYTES)) != _stamp(source):
+        if read_json(stamp_path, STAMP_MAX_BYTES) != _stamp(source):
             return None
         # A private copy, not a memory map: callers may write into it; the read is still one
         # sequential pass over the file.
         images, labels = _read_npy(images_path, np.uint8), _read_npy(labels_path, np.int64)
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         return None
     if images.ndim != 2 or labels.shape != (len(images),):
         return None

@@ -21,7 +21,6 @@ import pickle
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -154,7 +153,7 @@ def stage(cfg: TrainConfig) -> Path:
     return root
 
 
-@contextmanager
+@contextlib.contextmanager
 def _staging_lock(data_dir: Path) -> Iterator[None]:
     """The data dir's staging lock. The wait says why after STAGING_NOTICE_S and ends in a
     DataError naming the holder once one holder has kept it STAGING_WAIT_S."""

@@ -29,13 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
 from hpc_ddp.cifar import array_cache
 from hpc_ddp.cifar import safe_pickle as cifar_pickle
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.regular_file import read_small
+from hpc_ddp.regular_file import read_json
 
 FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
@@ -206,12 +207,17 @@ def _dump(path: Path, obj: dict) -> None:
 def is_current(
     root: Path, dataset: str, train_size: int, test_size: int, seed: int, variant: str = "easy"
 ) -> bool:
-    marker = Path(root) / FOLDERS[dataset] / MARKER
-    try:  # a regular file only: a FIFO planted in a shared data dir would block the read
-        info = json.loads(read_small(marker, 4096))
-    except (OSError, ValueError, RecursionError):
-        return False
+    info = _read_marker(Path(root) / FOLDERS[dataset])
     return info == _marker(dataset, train_size, test_size, seed, variant)
+
+
+def _read_marker(folder: Path) -> Any:
+    """The generator's marker in ``folder``, or None. A regular file only: a FIFO planted in a
+    shared data dir would block the read."""
+    try:
+        return read_json(folder / MARKER, 4096)
+    except (OSError, ValueError):
+        return None
 
 
 def _marker(dataset: str, train_size: int, test_size: int, seed: int, variant: str) -> dict:
@@ -293,10 +299,7 @@ def _check_replaceable(final: Path) -> None:
     MARKER names a dataset): a folder of the user's by that name is theirs, never removed."""
     if not os.path.lexists(final):
         return
-    try:
-        info = None if final.is_symlink() else json.loads(read_small(final / MARKER, 4096))
-    except (OSError, ValueError, RecursionError):
-        info = None
+    info = None if final.is_symlink() else _read_marker(final)
     ours = isinstance(info, dict) and "dataset" in info
     if not ours:
         raise HpcDdpError(

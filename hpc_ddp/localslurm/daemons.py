@@ -380,9 +380,9 @@ class LocalCluster:
         procs.terminate(daemons)
         stragglers = procs.cluster_pids(self.root, self.daemon_conf_path)
         left = procs.terminate(stragglers, grace_s=2) | procs.terminate(munged)
+        hosts_error: HpcDdpError | None = None
         try:
             hosts.remove_names(self.root)
-            hosts_error = None
         except HpcDdpError as err:  # /etc/hosts stays locked: the dir goes all the same, and
             hosts_error = err  # the next start's prune drops the line of a cluster gone
         if keep_dir:
