@@ -29,6 +29,9 @@ from hpc_ddp.errors import ConfigError, HpcDdpError
 
 T = TypeVar("T")
 
+# The JobState this module reports for a job slurmctld does not answer about (forgotten, or
+# the controller gone).
+UNKNOWN = "UNKNOWN"
 # States after which a job never runs again (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset(
     {
@@ -157,9 +160,9 @@ class LostJobWatch:
         self.grace_s = grace_s
         self._unknown_since: float | None = None
 
-    def answer(self, known: bool) -> None:
-        """Record one poll's answer; raise HpcDdpError once the job has been unknown too long."""
-        if known:
+    def answer(self, state: str) -> None:
+        """Record one poll's JobState; raise HpcDdpError once it has been UNKNOWN too long."""
+        if state != UNKNOWN:
             self._unknown_since = None
         elif self._unknown_since is None:
             self._unknown_since = time.monotonic()
@@ -289,7 +292,7 @@ class SlurmClient:
 
     def job_state(self, job_id: str) -> str:
         """PENDING, RUNNING, COMPLETED, ... or UNKNOWN once slurmctld has forgotten the job."""
-        return self.job_info(job_id).get("JobState", "UNKNOWN")
+        return self.job_info(job_id).get("JobState", UNKNOWN)
 
     def wait_job(self, job_id: str, timeout_s: float, output_path: Path | None = None) -> JobResult:
         """Wait until the job is in a terminal state; on timeout cancel it and raise."""

@@ -281,7 +281,7 @@ def follow_logs(
                 sink.flush()
         if ended or (deadline is not None and time.monotonic() > deadline):
             return
-        lost.answer(state != "UNKNOWN")
+        lost.answer(state)
         time.sleep(interval_s)
 
 

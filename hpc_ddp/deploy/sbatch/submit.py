@@ -21,6 +21,7 @@ from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm_client import (
     TERMINAL,
+    UNKNOWN,
     LostJobWatch,
     SlurmClient,
     restarts,
@@ -130,7 +131,7 @@ def wait_job(
             on_poll(info)
         if info.get("JobState") in TERMINAL:
             break
-        lost.answer(bool(info))
+        lost.answer(info.get("JobState", UNKNOWN))
         if deadline is not None and time.monotonic() > deadline:
             client.cancel(job_id)
             raise HpcDdpError(

@@ -37,7 +37,14 @@ from hpc_ddp.deploy.submitit.parameters import (
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts, wait_for
+from hpc_ddp.slurm_client import (
+    TERMINAL,
+    UNKNOWN,
+    LostJobWatch,
+    SlurmClient,
+    restarts,
+    wait_for,
+)
 
 # How long a task's result pickle may lag behind the end Slurm reports (a shared file system's
 # attribute cache): tasks that COMPLETED or FAILED (raised) wrote one; after other ends (killed,
@@ -163,7 +170,7 @@ class SubmititJob(Job):
         if self._finished is not None:
             return self._finished.state
         if self._client is not None:
-            return self._info().get("JobState", "UNKNOWN")
+            return self._info().get("JobState", UNKNOWN)
         if self._local_running():
             return "RUNNING"
         if self._cancelled or self._cancel_marker().exists():
@@ -199,7 +206,7 @@ class SubmititJob(Job):
         lost = LostJobWatch(self.job_id)
         while (state := self.status()) not in TERMINAL:
             follower.poll()
-            lost.answer(state != "UNKNOWN")
+            lost.answer(state)
             if deadline is not None and time.monotonic() > deadline:
                 self.cancel()
                 raise HpcDdpError(
