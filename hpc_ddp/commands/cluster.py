@@ -84,14 +84,14 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    root = control.cluster_dir(args.dir)
+    root = control.cluster_root(args.dir)
     existed = control.cluster_down(root)
     print(f"stopped the local cluster in {root}" if existed else f"no local cluster in {root}")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    root = control.cluster_dir(args.dir)
+    root = control.cluster_root(args.dir)
     cluster = control.running_cluster(root)
     if cluster is None:
         print(f"not running ({root})")

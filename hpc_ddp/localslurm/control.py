@@ -28,7 +28,7 @@ class ClusterUp:
     start_s: float | None  # seconds the start took; None: one already ran in the dir
 
 
-def cluster_dir(dir: Path | str | None = None) -> Path:
+def cluster_root(dir: Path | str | None = None) -> Path:
     """The cluster dir that ``dir`` names (None: the default one), absolute."""
     return Path(dir).absolute() if dir is not None else default_state_dir().absolute()
 
@@ -50,7 +50,7 @@ def cluster_up(
     (every /dev/nvidiaN) or comma-separated device files, shared out to the nodes in order;
     without it ``gpus_per_node`` fake GPUs (default 0). Raises HpcDdpError on bad input or a
     failed start, which undoes itself."""
-    root = cluster_dir(dir)
+    root = cluster_root(dir)
     with dir_lock(root, timeout_s + 30):
         real_gpus, per_node_gpus = _gpus(nodes, gpus_per_node, gpu_devices)
         cluster = LocalCluster(
@@ -91,7 +91,7 @@ def cluster_down(dir: Path | str | None = None) -> bool:
     """Cancel the cluster's jobs, stop its daemons and remove its dir; whether the dir existed.
     Also cleans up after a cluster whose dir is gone (its daemons, its hosts line). A dir that
     is not a cluster's is refused untouched (ConfigError)."""
-    root = cluster_dir(dir)
+    root = cluster_root(dir)
     with dir_lock(root):
         existed = root.exists()
         LocalCluster(root).stop()
@@ -100,7 +100,7 @@ def cluster_down(dir: Path | str | None = None) -> bool:
 
 def running_cluster(dir: Path | str | None = None) -> LocalCluster | None:
     """The cluster running in ``dir``, or None (``hpc-ddp cluster status``). Starts nothing."""
-    cluster = LocalCluster(cluster_dir(dir))
+    cluster = LocalCluster(cluster_root(dir))
     return cluster if cluster.is_running() else None
 
 
@@ -122,7 +122,7 @@ def cluster_env_script(dir: Path | str | None = None) -> str:
 
 
 def _running(dir: Path | str | None) -> LocalCluster:
-    root = cluster_dir(dir)
+    root = cluster_root(dir)
     cluster = running_cluster(root)
     if cluster is None:
         raise HpcDdpError(f"no local cluster running in {root}", hint="hpc-ddp cluster up")
