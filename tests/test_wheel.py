@@ -1,13 +1,18 @@
-"""A plain (non-editable) install works from any directory, without torch.
+"""A plain (non-editable) install works from any directory, without torch, on every Python the
+package claims.
 
-Builds the wheel from this checkout, installs it with only its core dependencies into a fresh
-venv (jinja2, filelock: what a login node gets from ``pip install hpc-ddp``), and runs the
-commands that do not train from a directory that is not the checkout.
+Builds the wheel from this checkout once, installs it with only its core dependencies into a
+fresh venv per interpreter (jinja2, filelock, tomli: what a login node gets from
+``pip install hpc-ddp``), and runs the commands that do not train from a directory that is not
+the checkout. The interpreters are the suite's own plus every other claimed minor version found
+on this machine (``python3.X`` on PATH, or pyenv's versions).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,7 +21,10 @@ from pathlib import Path
 import pytest
 from slurm_support import SlurmTestCluster, clean_job_env
 
+from hpc_ddp.cli import COMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
+CLAIMED_MINORS = range(10, 14)  # pyproject's requires-python >=3.10, up to the newest tested
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
@@ -27,11 +35,43 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout:
     )
 
 
+def _minor_of(python: str) -> int | None:
+    try:
+        out = subprocess.run(
+            [python, "-c", "import sys; print(sys.version_info[0], sys.version_info[1])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out[1]) if len(out) == 2 and out[0] == "3" else None
+
+
+def _other_pythons() -> dict[str, str]:
+    """'3.X' -> an interpreter of that claimed version other than the suite's own minor."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found: dict[str, str] = {}
+    for minor in CLAIMED_MINORS:
+        if minor == sys.version_info.minor:
+            continue
+        candidates = [shutil.which(f"python3.{minor}")]
+        candidates += sorted(str(p) for p in pyenv.glob(f"3.{minor}.*/bin/python3.{minor}"))
+        for python in filter(None, candidates):
+            if _minor_of(python) == minor:  # a pyenv shim of a version not enabled fails here
+                found[f"3.{minor}"] = python
+                break
+    return found
+
+
+OTHER_PYTHONS = _other_pythons()
+
+
 @pytest.fixture(scope="module")
-def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """bin/ of a fresh venv holding the built wheel and its core dependencies only."""
-    base = tmp_path_factory.mktemp("wheel")
-    dist = base / "dist"
+def wheel_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from this checkout, with the templates shipped inside it."""
+    dist = tmp_path_factory.mktemp("dist")
     built = _run(
         [
             sys.executable,
@@ -44,7 +84,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(dist),
             str(REPO),
         ],
-        cwd=base,
+        cwd=dist,
     )
     assert built.returncode == 0, built.stderr
     (wheel,) = dist.glob("hpc_ddp-*.whl")
@@ -52,15 +92,24 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         names = zf.namelist()
     shipped = {Path(n).name for n in names if n.startswith("hpc_ddp/_templates/")}
     assert shipped == {p.name for p in (REPO / "templates").glob("*.j2")}, shipped
+    return wheel
 
+
+def _install(python: str, wheel: Path, base: Path) -> Path:
+    """bin/ of a fresh venv of ``python`` holding the wheel and its core dependencies only."""
     venv = base / "venv"
-    # The base interpreter, not this venv's: the new venv must not see torch or the checkout.
-    python = getattr(sys, "_base_executable", sys.executable)
     made = _run([python, "-m", "venv", str(venv)], cwd=base)
     assert made.returncode == 0, made.stderr
-    pip = _run([str(venv / "bin" / "pip"), "install", "-q", str(wheel)], cwd=base)
+    pip = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], cwd=base)
     assert pip.returncode == 0, pip.stderr
     return venv / "bin"
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(wheel_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The base interpreter, not this venv's: the new venv must not see torch or the checkout.
+    python = getattr(sys, "_base_executable", sys.executable)
+    return _install(python, wheel_file, tmp_path_factory.mktemp("wheel"))
 
 
 def _env(bindir: Path, **extra: str) -> dict[str, str]:
@@ -165,3 +214,42 @@ def test_submit_from_the_installed_wheel(
     )
     assert res.returncode == 0, res.stderr
     assert "job" in res.stdout.lower()
+
+
+def _commands_work(bindir: Path, cwd: Path) -> None:
+    """Every subcommand's --help, a render and env, from a directory that is not the checkout."""
+    env = _env(bindir)
+    cli = str(bindir / "hpc-ddp")
+    for command in ["", *COMMANDS]:
+        res = _run([cli, *([command] if command else []), "--help"], cwd=cwd, env=env)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, (command, res.stderr)
+        assert res.stdout.startswith("usage: hpc-ddp"), (command, res.stdout)
+    res = _run(
+        [cli, "render", "-N", "2", "--gpus-per-node", "4", "--script-out", "job.sbatch"],
+        cwd=cwd,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --nodes=2" in (cwd / "job.sbatch").read_text()
+    res = _run([cli, "env", "--json"], cwd=cwd, env=env)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r'"world_size": 1\b', res.stdout), res.stdout
+
+
+def test_every_command_on_the_suites_python(wheel_venv: Path, tmp_path: Path) -> None:
+    _commands_work(wheel_venv, tmp_path)
+
+
+@pytest.mark.parametrize("version", sorted(OTHER_PYTHONS) or ["none"])
+def test_every_command_on_every_claimed_python(
+    version: str, wheel_file: Path, tmp_path: Path
+) -> None:
+    """The core wheel on each other claimed Python found here (CI has 3.10 and 3.13 besides its
+    default): Python 3.10 lacked importlib.resources.abc, and every command crashed there."""
+    if version == "none":
+        pytest.skip(f"no other Python 3.{CLAIMED_MINORS.start}-3.{CLAIMED_MINORS.stop - 1} here")
+    bindir = _install(OTHER_PYTHONS[version], wheel_file, tmp_path)
+    assert _minor_of(str(bindir / "python")) == int(version.split(".")[1])
+    work = tmp_path / "work"
+    work.mkdir()
+    _commands_work(bindir, work)

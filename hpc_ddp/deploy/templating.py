@@ -12,14 +12,17 @@ import os
 import shlex
 from functools import lru_cache
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.env_vars import TEMPLATES_VAR
 from hpc_ddp.errors import ConfigError
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python 3.11+; the package claims 3.10
+    from importlib.resources.abc import Traversable
 
 # Run from a source checkout (editable install, or PYTHONPATH=checkout), the checkout's own
 # templates are the truth: another copy's hpc_ddp._templates may be importable beside it.
