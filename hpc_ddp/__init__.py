@@ -16,6 +16,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     # who am I, who are my peers (torch-free)
     "DistEnv": ("hpc_ddp.cluster", "DistEnv"),
     "detect_env": ("hpc_ddp.cluster", "detect_env"),
+    "torch_contract": ("hpc_ddp.cluster", "torch_contract"),
     # the process group (torch)
     "DistContext": ("hpc_ddp.dist", "DistContext"),
     "init_distributed": ("hpc_ddp.dist", "init_distributed"),
@@ -130,11 +131,12 @@ __all__ = [
     "shutdown",
     "stop_launch",
     "submit",
+    "torch_contract",
 ]  # the keys of _PUBLIC (tests/test_public_api.py checks)
 
 if TYPE_CHECKING:
     from hpc_ddp.checkpoint import Checkpointer
-    from hpc_ddp.cluster import DistEnv, detect_env
+    from hpc_ddp.cluster import DistEnv, detect_env, torch_contract
     from hpc_ddp.commands.train import run_training
     from hpc_ddp.deploy.api import describe, get_backend, submit
     from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job

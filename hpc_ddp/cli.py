@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "status": "show a submitted job's state, requeues, nodes, progress and result",
     "logs": "print (-f: follow) a submitted job's batch log and rank logs",
     "cancel": "checkpoint and end a submitted job (--now: kill it at once)",
+    "exec": "run a program with torch's RANK, WORLD_SIZE, MASTER_ADDR... set from its "
+    "launcher (srun, mpirun, pdsh/clush), or N copies on this machine",
     "launch": "start a job on hosts without a scheduler (pdsh or ClusterShell)",
     "doctor": "check that this machine or allocation has what a job needs",
     "cluster": "start, stop or inspect the embedded local Slurm cluster",

@@ -14,7 +14,7 @@ from trainer_helpers import forked_cmd, read_result, run, train_args
 import hpc_ddp
 
 TORCH_FREE = (
-    "DistEnv", "detect_env", "JobSpec", "load_job_spec", "render", "HpcDdpError",
+    "DistEnv", "detect_env", "torch_contract", "JobSpec", "load_job_spec", "render", "HpcDdpError",
     "doctor", "Check", "run_dir_report", "nccl_dump_report", "stop_launch", "run_training",
     "ShardPlan", "eval_indices", "cluster_up", "cluster_down", "running_cluster", "cluster_env",
     "ClusterUp", "LocalCluster",

@@ -63,7 +63,14 @@ def test_apptainer_wraps_every_process_in_every_layout(layout: str) -> None:
     else:
         step = _words(step_command(spec))
         at = step.index("apptainer")
-        assert step[0] == "srun" and step[at + len(head) :][:3] == ["python", "-u", "-m"]
+        # In the image: hpc-ddp exec (torch's env:// variables), then the program.
+        assert step[0] == "srun" and step[at + len(head) :][:5] == [
+            "python",
+            "-m",
+            "hpc_ddp",
+            "exec",
+            "--",
+        ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

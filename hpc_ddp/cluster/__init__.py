@@ -14,8 +14,9 @@ from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchr
 from hpc_ddp.cluster._vars import check_part_of_world, check_rank
 from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.distenv import SOURCES, DistEnv
+from hpc_ddp.errors import LaunchEnvError
 
-__all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source"]
+__all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source", "torch_contract"]
 
 # THE precedence list. Launchers nest (srun starts torchrun, pdsh starts torchrun, sbatch starts
 # mpirun or a submitit controller), and a process inherits the variables of every launcher above
@@ -71,3 +72,21 @@ def detect_env(
         visible=visible,
     )
     return dataclasses.replace(env, gpus=gpus)
+
+
+def torch_contract(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torch's env:// variables for this process (``DistEnv.torch_env``), derived from whatever
+    launched it, for a program that reads them itself (``init_process_group()`` with no
+    arguments, ``LOCAL_RANK`` for its device). A value already set that says otherwise is a
+    LaunchEnvError naming both: two launchers disagree, and guessing would start a wrong world.
+    """
+    environ = os.environ if environ is None else environ
+    env = detect_env(environ)
+    contract = env.torch_env()
+    for key, value in contract.items():
+        if environ.get(key, value) != value:
+            raise LaunchEnvError(
+                f"{key}={environ[key]} is set, but {env.source} says {key}={value}",
+                hint=f"unset {key} (an outer launcher's leftover?) or launch with one launcher",
+            )
+    return contract

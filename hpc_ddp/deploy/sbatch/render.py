@@ -225,7 +225,11 @@ def step_command(spec: JobSpec) -> str:
         argv = [*_srun_prefix(spec), "bash", "-c", 'torchrun_task "$@"', "torchrun"]
         argv += spec.program
     else:
-        argv = [*_srun_prefix(spec), *_container_exec(spec), spec.python, "-u", *spec.program]
+        # Through `hpc-ddp exec`: srun sets SLURM_PROCID..., a program written for torchrun
+        # reads RANK, WORLD_SIZE, MASTER_ADDR...; exec derives those and becomes the program.
+        exported = [spec.python, "-m", "hpc_ddp", "exec", "--"]
+        argv = [*_srun_prefix(spec), *_container_exec(spec), *exported, spec.python, "-u"]
+        argv += spec.program
     return _wrap(shlex.join(argv)) + array_run_dir(spec)
 
 

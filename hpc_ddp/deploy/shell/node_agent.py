@@ -2,12 +2,13 @@
 
 ``python -m hpc_ddp.deploy.shell.node_agent --nproc G -- CMD ...`` starts CMD G times, adding
 the local rank 0..G-1 and the local world size G of the launch contract (hpc_ddp.env_vars) to
-its environment; the host script exported the rest. If one process fails, the agent stops
+its environment (the host script exported the rest), and torch's env:// variables derived from
+them, so that a script written for torchrun runs unchanged. If one process fails, the agent stops
 its siblings (SIGTERM, SIGKILL after ``--grace`` seconds) and exits with that process's code, so
 a dead rank ends the host at once instead of leaving the others blocked in a collective.
 
-Pure standard library (and hpc_ddp.env_vars, which is too): it runs on hosts before anything
-else is known to work.
+Pure standard library (and hpc_ddp.env_vars and hpc_ddp.cluster, which are too): it runs on
+hosts before anything else is known to work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import sys
 import time
 from types import FrameType
 
+from hpc_ddp.cluster import torch_contract
 from hpc_ddp.env_vars import NODE_RANK_VAR, launch_environ
+from hpc_ddp.errors import LaunchEnvError
 
 TAG = "hpc-ddp node-agent:"
 
@@ -53,7 +56,12 @@ def run(nproc: int, command: list[str], grace_s: float) -> int:
     for local_rank in range(nproc):
         env = {**os.environ, **launch_environ(local_rank=local_rank, local_world_size=nproc)}
         try:
+            env.update(torch_contract(env))
             proc = subprocess.Popen(command, env=env)
+        except LaunchEnvError as err:
+            print(f"{TAG} {err}", file=sys.stderr, flush=True)
+            _stop(procs, grace_s)
+            return 2
         except OSError as err:
             print(f"{TAG} cannot start {command[0]!r}: {err}", file=sys.stderr, flush=True)
             _stop(procs, grace_s)

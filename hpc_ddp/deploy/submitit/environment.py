@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from hpc_ddp.cluster import DistEnv, detect_env
+from hpc_ddp.cluster import DistEnv, detect_env, torch_contract
 
 
 def export_task_env(env: Mapping[str, str]) -> DistEnv:
     """Export ``env`` (the spec's), then this task's rank, world and master; returns them."""
     os.environ.update(env)
-    dist_env = detect_env()
-    os.environ.update(dist_env.torch_env())
-    return dist_env
+    os.environ.update(torch_contract())
+    return detect_env()
