@@ -45,7 +45,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "describe": ("hpc_ddp.deploy.api", "describe"),
     "submit": ("hpc_ddp.deploy.api", "submit"),
     "get_backend": ("hpc_ddp.deploy.api", "get_backend"),
-    "Executor": ("hpc_ddp.deploy.submitit.executor", "Executor"),
+    "Executor": ("hpc_ddp.submission", "Executor"),
     "Backend": ("hpc_ddp.deploy.backend", "Backend"),
     "DryRun": ("hpc_ddp.deploy.backend", "DryRun"),
     "Job": ("hpc_ddp.deploy.backend", "Job"),
@@ -156,7 +156,6 @@ if TYPE_CHECKING:
     from hpc_ddp.deploy.shell.spec import make_spec as make_launch_spec
     from hpc_ddp.deploy.spec import JobSpec
     from hpc_ddp.deploy.spec import build_spec as load_job_spec
-    from hpc_ddp.deploy.submitit.executor import Executor
     from hpc_ddp.dist import DistContext, init_distributed, run_main
     from hpc_ddp.dist import shutdown_and_exit as shutdown
     from hpc_ddp.errors import ConfigError, HpcDdpError
@@ -179,6 +178,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.run_paths import RunPaths
     from hpc_ddp.runtime.sampler import ResumableDistributedSampler
     from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
+    from hpc_ddp.submission import Executor
     from hpc_ddp.train.fingerprint import params_sha256
 
 

@@ -11,11 +11,15 @@ cluster (gres over character devices).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import fn_support
 import pytest
-from slurm_support import late_reply_scontrol_path
+from slurm_support import HPC_DDP, clean_job_env, late_reply_scontrol_path
 
 import hpc_ddp
 from hpc_ddp.deploy.submitit.parameters import executor_parameters, extra_sbatch_parameters
@@ -205,3 +209,35 @@ def test_the_gpu_binding_reaches_slurm(slurm_gpu_cluster, tmp_path: Path) -> Non
         "gpus-per-node": ("gres:gpu:2", "", "2"),
         "gpus-per-task": ("", "gres:gpu:1", "2"),
     }, tres
+
+
+README_LINE = """
+import fn_support, hpc_ddp
+job = hpc_ddp.Executor({folder!r}, cluster="slurm").submit(fn_support.whoami, "readme")
+print("results", [r["tag"] for r in job.results()], job.state)
+"""
+
+
+@pytest.mark.slurm
+def test_the_readme_line_works_without_a_configured_slurm(tmp_path: Path) -> None:
+    """No SLURM_CONF and no configuration: the README's Executor line chooses the cluster as
+    `hpc-ddp submit` does (here the embedded one, started in a dir of this test's), says which,
+    and reports the job's state from scontrol: no `sacct: fatal` line or submitit warning. Before,
+    sbatch failed with 'Could not establish a configuration source'."""
+    # A short dir: Slurm's step sockets live under it (conftest reaps hpcddp-* of killed runs).
+    embedded = Path(tempfile.mkdtemp(prefix="hpcddp-fn-", dir="/tmp")) / "slurm"
+    env = clean_job_env(PYTHONPATH=_pythonpath(), HPC_DDP_LOCAL_SLURM_DIR=str(embedded))
+    env.pop("SLURM_CONF", None)
+    code = README_LINE.format(folder=str(tmp_path / "fn"))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        subprocess.run([str(HPC_DDP), "cluster", "down"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(embedded.parent, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "results ['readme'] COMPLETED" in proc.stdout, proc.stdout
+    assert f"Slurm: the embedded local cluster in {embedded}" in proc.stderr
+    assert "fatal" not in proc.stderr and "sacct" not in proc.stderr, proc.stderr

@@ -16,6 +16,7 @@ from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
 from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.submission import choose_cluster_env
 from hpc_ddp.train.results import result_lines
 
 # The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
@@ -58,16 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cluster_env(nodes: int, gpus_per_node: int) -> dict[str, str]:
-    """The user's Slurm if one answers, else the embedded cluster (started if need be); says
-    which one the job goes to."""
-    from hpc_ddp.localslurm.embedded import choose_slurm
-
-    target = choose_slurm(nodes=max(nodes, 2), gpus_per_node=gpus_per_node)
-    print(f"Slurm: {target.description}", flush=True)
-    return dict(target.env)
-
-
 def run(args: argparse.Namespace) -> int:
     executor = "submitit" if args.executor == "slurm" else args.executor
     spec, executor = as_spec(args.job, executor)
@@ -77,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.text, end="")
         return 0
-    nodes, gpus = (2, 0)
+    nodes, gpus = (1, 0)
     if executor == "sbatch" and isinstance(spec, JobSpec):
         nodes, gpus = spec.nodes, spec.gpus_per_node
-    cluster_env = None if executor == "local" else _cluster_env(nodes, gpus)
+    cluster_env = None if executor == "local" else choose_cluster_env(nodes, gpus)
     follow = None if args.quiet else sys.stdout
     job = get_backend(executor, cluster_env=cluster_env, follow=follow, **options).submit(plan)
     if executor == "sbatch":

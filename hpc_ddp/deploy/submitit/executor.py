@@ -14,13 +14,13 @@ This module imports submitit only when an executor is made (it is an optional ex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
-from hpc_ddp.deploy.submission_env import scrubbed_environ, with_this_python
+from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
 from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
 from hpc_ddp.deploy.submitit.parameters import Kind, checked_folder, executor_parameters
 from hpc_ddp.errors import ConfigError
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     import submitit
 
 Cluster = Literal["slurm", "local"]
+# The variables that name the Slurm to submit to, or a function of the spec that finds them
+# (hpc_ddp.Executor's: the user's Slurm, else the embedded cluster, as `hpc-ddp submit` does).
+ClusterEnv = Mapping[str, str] | Callable[[JobSpec], Mapping[str, str]]
 # The program of a spec: here it is the submitted function.
 _PROGRAM_FIELDS = ("module", "script", "args")
 _SPEC_FIELDS = frozenset(JobSpec.field_names())
@@ -39,8 +42,9 @@ class Executor:
     """submitit's executor interface (``update_parameters``, ``submit``, ``map_array``) for any
     function; each task establishes the distributed environment before calling it.
 
-    ``cluster``: ``"slurm"`` (AutoExecutor, submits with sbatch to the Slurm this environment or
-    ``cluster_env`` names) or ``"local"`` (LocalExecutor: this machine, one node). ``spec``: a
+    ``cluster``: ``"slurm"`` (AutoExecutor, submits with sbatch to the Slurm ``cluster_env``
+    names: its variables, or a function of the spec returning them; None: this environment's)
+    or ``"local"`` (LocalExecutor: this machine, one node). ``spec``: a
     ``JobSpec`` to start from (its program fields are not used). ``distributed=True`` also starts
     the process group (``hpc_ddp.init_distributed``) in every task. Returns submitit's ``Job``.
     """
@@ -52,7 +56,7 @@ class Executor:
         *,
         spec: JobSpec | None = None,
         distributed: bool = False,
-        cluster_env: Mapping[str, str] | None = None,
+        cluster_env: ClusterEnv | None = None,
         **parameters: Any,
     ) -> None:
         require("submitit", "hpc_ddp.Executor")
@@ -65,14 +69,23 @@ class Executor:
         self.cluster: Cluster = cluster
         self.spec = spec if spec is not None else JobSpec(name="hpc-ddp-fn")
         self.distributed = distributed
-        # On Slurm, jobs run this interpreter (submitit's default) with this venv first on PATH.
-        self.cluster_env = None if cluster == "local" else with_this_python(cluster_env or {})
+        self._cluster_env = None if cluster == "local" else cluster_env or {}
         self._submitit_parameters: dict[str, Any] = {}
         self.update_parameters(**parameters)
 
     @property
     def kind(self) -> Kind:
         return "local" if self.cluster == "local" else "submitit"
+
+    @property
+    def cluster_env(self) -> dict[str, str] | None:
+        """The Slurm jobs go to (found on first use when given as a function), with this
+        interpreter (submitit's default) and its venv first on PATH; None for "local"."""
+        if self._cluster_env is None:
+            return None
+        if callable(self._cluster_env):
+            self._cluster_env = dict(self._cluster_env(self.spec))
+        return with_this_python(self._cluster_env)
 
     def update_parameters(self, **kwargs: Any) -> None:
         """JobSpec fields (``nodes``, ``procs_per_node``, ``time``, ``qos``, ``mem``,
@@ -102,7 +115,8 @@ class Executor:
         """Run ``fn(*args, **kwargs)`` in every task; ``job.results()`` lists every rank's
         return value (rank order), ``job.result()`` is it for a one-task job."""
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
-            return self._executor().submit(self._task(fn), *args, **kwargs)
+            job = self._executor().submit(self._task(fn), *args, **kwargs)
+        return self._watched([job])[0]
 
     def map_array(
         self, fn: Callable[..., Any], *iterables: Iterable[Any]
@@ -110,7 +124,18 @@ class Executor:
         """One Slurm array task (one job each under the local executor) per element, as
         ``map(fn, *iterables)``: each runs ``fn`` with the whole spec's shape."""
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
-            return self._executor().map_array(self._task(fn), *iterables)
+            jobs = self._executor().map_array(self._task(fn), *iterables)
+        return self._watched(jobs)
+
+    def _watched(self, jobs: Sequence[Any]) -> list[Any]:
+        """On Slurm, jobs whose state comes from scontrol with the submission's environment,
+        not from submitit's sacct polls (hpc_ddp.deploy.submitit.watcher says why)."""
+        env = self.cluster_env
+        if env is not None:
+            from hpc_ddp.deploy.submitit.watcher import watched_by_scontrol
+
+            watched_by_scontrol(list(jobs), {**submission_env(), **env})
+        return list(jobs)
 
     def _task(self, fn: Callable[..., Any]) -> Any:
         from hpc_ddp.deploy.submitit.function_task import FunctionTask
