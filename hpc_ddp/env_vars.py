@@ -53,6 +53,9 @@ per host. The node agent is ``hpc_ddp.deploy.shell.node_agent``; spawn is ``hpc_
 |                            |                                  | kernels in a captured step     |
 | `HPC_DDP_GRAPH_ALLREDUCE`  | hpc_ddp.train.cuda_graphs        | `0`: the all-reduce stays out  |
 |                            |                                  | of the captured graph          |
+| `HPC_DDP_TORCH_CPU_INDEX`  | scripts/install.sh               | the package index of PyTorch's |
+|                            |                                  | CPU-only build (a mirror of    |
+|                            |                                  | download.pytorch.org/whl/cpu)  |
 
 Pure standard library: the node agent imports it on hosts where nothing else is known to work.
 """
@@ -114,6 +117,7 @@ SLURM_VAR = "HPC_DDP_SLURM"
 LOCAL_SLURM_DIR_VAR = "HPC_DDP_LOCAL_SLURM_DIR"
 GRAPH_FUSED_ADAM_VAR = "HPC_DDP_GRAPH_FUSED_ADAM"
 GRAPH_ALLREDUCE_VAR = "HPC_DDP_GRAPH_ALLREDUCE"
+TORCH_CPU_INDEX_VAR = "HPC_DDP_TORCH_CPU_INDEX"  # spelled again in scripts/install.sh
 
 SETTINGS_VARS: tuple[str, ...] = (
     TEMPLATES_VAR,
@@ -121,6 +125,7 @@ SETTINGS_VARS: tuple[str, ...] = (
     LOCAL_SLURM_DIR_VAR,
     GRAPH_FUSED_ADAM_VAR,
     GRAPH_ALLREDUCE_VAR,
+    TORCH_CPU_INDEX_VAR,
 )
 
 

@@ -47,14 +47,15 @@ def test_only_the_owner_module_spells_the_names() -> None:
 
 def test_templates_and_docs_name_only_real_variables() -> None:
     """The torchrun template exports the rendezvous endpoint and Slurm's process tracking itself
-    (its batch shell computes them); it, the docs and the README must spell the owner's names,
-    not near misses."""
+    (its batch shell computes them); it, the docs, the README and the install script must spell
+    the owner's names, not near misses."""
     for path in [
         *(REPO / "templates").glob("*.j2"),
         *(REPO / "docs").glob("*.md"),
         REPO / "README.md",
     ]:
         assert _spellings(path) <= KNOWN, path
+    assert _spellings(REPO / "scripts" / "install.sh") == {env_vars.TORCH_CPU_INDEX_VAR}
     assert _spellings(REPO / "templates" / "torchrun.sbatch.j2") == {
         env_vars.RDZV_ENDPOINT_VAR,
         env_vars.PROCTRACK_VAR,
