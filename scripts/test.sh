@@ -5,7 +5,8 @@
 # Slurm's scheduling and requeues, process start-up or rendezvous with the CPUs idle. Each test
 # file stays on one worker (--dist loadfile: its module fixtures run once), the files with slow
 # tests first (tests/conftest.py); each worker starts its own local Slurm clusters.
-# `scripts/test.sh -n 0 ...` runs serially.
+# `scripts/test.sh -n 0 ...` runs serially. Every 30 s a line says how many tests are done of
+# all, how many failed and the time so far (tests/conftest.py; --progress-every SECONDS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .

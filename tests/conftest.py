@@ -4,7 +4,8 @@
 fake GPUs, started only if a test asks for it. Without slurm-wlm or root they skip locally, but
 FAIL when $CI is set: a CI run that skips every Slurm test proves nothing. Helpers for these
 tests are in slurm_support.py. ``data_dir``: one dataset directory per test module, for the
-trainer tests (helpers in trainer_helpers.py).
+trainer tests (helpers in trainer_helpers.py). ``Progress``: a line a person can read every 30 s
+(``--progress-every``), serial or under pytest-xdist.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -71,14 +73,76 @@ def launches() -> Iterator[list[Launch]]:
         kill_leftovers(launch.launch_id)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="print tests done / total, failures and the time so far at most this often "
+        "(0: never); the dots alone say little in a run of many minutes",
+    )
+
+
+class Progress:
+    """Once at least ``every`` seconds have passed since the last, when a test ends:
+    ``progress: 312/1013 tests done (31%), 2 failed, 5m12s so far``. Serial runs count
+    ``session.items``; under pytest-xdist the controller (which collects nothing itself)
+    counts what a worker collected, and receives every worker's reports."""
+
+    def __init__(self, config: pytest.Config, every: float) -> None:
+        self.config = config
+        self.every = every
+        self.total: int | None = None
+        self.done = 0
+        self.failed: set[str] = set()
+        self.start = self.last = time.monotonic()
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.total = len(session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: object, ids: Sequence[str]) -> None:
+        self.total = len(ids)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.failed.add(report.nodeid)
+        if report.when != "teardown":  # every test ends with one, even a skipped one
+            return
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            reporter = self.config.pluginmanager.getplugin("terminalreporter")
+            if reporter is not None:  # none under -p no:terminal
+                reporter.ensure_newline()  # after a file's name and its dots (a serial run)
+                if reporter._tw.width_of_current_line:  # after xdist's dots, which have none
+                    reporter._tw.line()
+                reporter.write_line(self.line(now))
+
+    def line(self, now: float) -> str:
+        total = f"/{self.total}" if self.total else ""
+        share = f" ({100 * self.done // self.total}%)" if self.total else ""
+        minutes, seconds = divmod(int(now - self.start), 60)
+        return (
+            f"progress: {self.done}{total} tests done{share}, {len(self.failed)} failed, "
+            f"{minutes}m{seconds:02d}s so far"
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Children the tests start answer SIGINT whatever the suite was started with. A suite run
     in the background of a script (``./scripts/test.sh &``) inherits SIGINT ignored, and an
     ignored signal stays ignored across exec: the tests that stop a launch script or a local job
     with SIGINT would wait for nothing and time out. A handler, unlike SIG_IGN, is reset to the
-    default in every exec'd child."""
+    default in every exec'd child. Progress lines come from the process that reports (not from
+    pytest-xdist's workers)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    every = config.getoption("progress_every")
+    if every > 0 and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Progress(config, every), "hpc-ddp-progress")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
