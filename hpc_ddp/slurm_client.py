@@ -65,6 +65,7 @@ class SlurmTarget:
 
     env: dict[str, str]
     description: str
+    local_root: Path | None = None  # the embedded cluster's dir, when the toolkit's own
 
 
 def _ask(argv: list[str], env: Mapping[str, str]) -> tuple[bool, str]:

@@ -14,26 +14,27 @@ from typing import Any, TextIO
 
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submitit import executor as submitit_executor
+from hpc_ddp.slurm_client import SlurmTarget
 
 # The embedded cluster always has at least two nodes: the smallest that shows a multi-node job.
 EMBEDDED_MIN_NODES = 2
 
 
-def choose_cluster_env(
+def choose_slurm_target(
     nodes: int = 1, gpus_per_node: int = 0, *, say: TextIO | None = sys.stdout
-) -> dict[str, str]:
-    """The variables Slurm's clients need for a job of ``nodes`` x ``gpus_per_node``; prints
-    ``Slurm: <which cluster>`` to ``say`` (None: silent)."""
+) -> SlurmTarget:
+    """The Slurm a job of ``nodes`` x ``gpus_per_node`` goes to; prints ``Slurm: <which
+    cluster>`` to ``say`` (None: silent)."""
     from hpc_ddp.localslurm.embedded import choose_slurm
 
     target = choose_slurm(nodes=max(nodes, EMBEDDED_MIN_NODES), gpus_per_node=gpus_per_node)
     if say is not None:
         print(f"Slurm: {target.description}", file=say, flush=True)
-    return dict(target.env)
+    return target
 
 
 def _for_spec(spec: JobSpec) -> dict[str, str]:
-    return choose_cluster_env(spec.nodes, spec.gpus_per_node, say=sys.stderr)
+    return dict(choose_slurm_target(spec.nodes, spec.gpus_per_node, say=sys.stderr).env)
 
 
 class Executor(submitit_executor.Executor):

@@ -235,6 +235,53 @@ def test_wrong_pairs_of_job_and_executor_are_config_errors(
     assert err.value.hint
 
 
+class _Ended(api.Job):
+    """A job that has ended: what ``hpc-ddp submit`` reports on needs no scheduler."""
+
+    def __init__(self, run_paths: api.RunPaths) -> None:
+        self.executor, self.job_id, self.run_paths = "sbatch", "7", run_paths
+
+    def status(self) -> str:
+        return "COMPLETED"
+
+    def wait(self, timeout_s: float | None = None) -> api.Finished:
+        raise AssertionError("not asked")
+
+    def cancel(self) -> None:
+        raise AssertionError("not asked")
+
+
+@pytest.mark.parametrize("executor", ["sbatch", "submitit"])
+def test_submit_reports_the_result_once_and_names_the_plot(executor: str, tmp_path: Path) -> None:
+    """Following the log shows the trainer's own result lines: the report then names the file
+    instead of printing them again. Unfollowed (--quiet), it prints them. plot.png is named
+    where the trainer drew one."""
+    from hpc_ddp.commands.submit import _report
+
+    paths = api.RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    result = {"status": "finished", "test_accuracy": 0.5, "params_sha256": "ab" * 32}
+    paths.result.write_text(json.dumps(result))
+    done = api.Finished("7", "COMPLETED", 0, 0, None, result)
+    restarts = ", restarts 0" if executor == "sbatch" else ""
+    head = f"job 7: COMPLETED, exit code 0{restarts}"
+    followed = _report(executor, _Ended(paths), done, followed=True)
+    assert (
+        followed == f"{head}\nresult: {paths.result} (its lines are above, at the end of the log)"
+    )
+    quiet = _report(executor, _Ended(paths), done, followed=False).splitlines()
+    assert (
+        quiet[:2] == [head, f"result ({paths.result}):"]
+        and f"  params_sha256: {'ab' * 32}" in quiet
+    )
+
+    paths.plot.write_bytes(b"\x89PNG")
+    for follow in (True, False):
+        report = _report(executor, _Ended(paths), done, followed=follow).splitlines()
+        assert report[-1] == f"plot: {paths.plot} (loss and accuracy per epoch)"
+        assert sum("params_sha256" in line for line in report) == (not follow)
+
+
 # --- sbatch on the real local Slurm cluster -----------------------------------------------------
 @pytest.mark.slurm
 def test_submit_sbatch_follows_the_trainer_to_its_result(slurm_cluster, tmp_path: Path) -> None:

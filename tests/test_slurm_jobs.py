@@ -276,7 +276,9 @@ def _hpc_ddp(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Comp
 @pytest.mark.slow
 def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
     """No SLURM_CONF, no /etc/slurm: `hpc-ddp submit` starts the embedded cluster, renders the
-    spec, follows the log, prints the result and exits with the job's code."""
+    spec, follows the log (the trainer's result lines in it, once), names result.json and
+    plot.png, says that the cluster keeps running and how to stop it, and exits with the job's
+    code."""
     from slurm_support import clean_job_env, require_local_slurm
 
     from hpc_ddp.localslurm import LocalCluster
@@ -295,7 +297,12 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
         assert "hpc-ddp preflight: rank=1/2" in proc.stdout  # the log was followed
         assert "COMPLETED, exit code 0" in proc.stdout
         sha = read_result(tmp_path / "run")["params_sha256"]
-        assert f"params_sha256: {sha}" in proc.stdout
+        assert proc.stdout.count(f"params_sha256: {sha}") == 1, proc.stdout  # the trainer's
+        run_dir = tmp_path / "run"
+        assert f"result: {run_dir / 'result.json'} (its lines are above" in proc.stdout
+        assert f"plot: {run_dir / 'plot.png'} (loss and accuracy per epoch)\n" in proc.stdout
+        running = f"the embedded local cluster in {root} keeps running"
+        assert proc.stdout.endswith("`hpc-ddp cluster down` stops it\n") and running in proc.stdout
 
         failing = tmp_path / "fail.py"
         failing.write_text("import sys\nsys.exit(3)\n")
@@ -303,7 +310,7 @@ def test_submit_without_slurm_uses_the_embedded_cluster(tmp_path: Path) -> None:
         spec = _tiny_spec_file(tmp_path, nodes=1, module="", script=str(failing), args=[])
         proc = _hpc_ddp(["submit", str(spec), "--wait-timeout", "60", "--quiet"], tmp_path, env)
         assert proc.returncode == 3, proc.stdout + proc.stderr
-        assert "FAILED, exit code 3" in proc.stdout
+        assert "FAILED, exit code 3" in proc.stdout and running in proc.stdout
     finally:
         LocalCluster(root).stop()
         shutil.rmtree(root, ignore_errors=True)

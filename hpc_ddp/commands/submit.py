@@ -16,7 +16,8 @@ from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
 from hpc_ddp.deploy.spec import JobSpec
-from hpc_ddp.submission import choose_cluster_env
+from hpc_ddp.slurm_client import SlurmTarget
+from hpc_ddp.submission import choose_slurm_target
 from hpc_ddp.train.results import result_lines
 
 # The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     nodes, gpus = (1, 0)
     if executor == "sbatch" and isinstance(spec, JobSpec):
         nodes, gpus = spec.nodes, spec.gpus_per_node
-    cluster_env = None if executor == "local" else choose_cluster_env(nodes, gpus)
+    slurm = None if executor == "local" else choose_slurm_target(nodes, gpus)
+    cluster_env = None if slurm is None else dict(slurm.env)
     follow = None if args.quiet else sys.stdout
     job = get_backend(executor, cluster_env=cluster_env, follow=follow, **options).submit(plan)
     if executor == "sbatch":
@@ -80,22 +82,44 @@ def run(args: argparse.Namespace) -> int:
         folder = getattr(job, "folder", None)  # a SubmititJob's: its logs and pickles
         print(f"submitted {executor} job {job.job_id}; logs in {folder}", flush=True)
     if args.no_wait:
+        _still_running(slurm)
         return 0
     done = job.wait(args.wait_timeout)
-    print(_report(executor, job, done))
+    print(_report(executor, job, done, followed=follow is not None))
+    _still_running(slurm)
     return done.exit_code
 
 
-def _report(executor: str, job: Job, done: Finished) -> str:
-    """How the job ended, and what the trainer's result.json says."""
+def _report(executor: str, job: Job, done: Finished, *, followed: bool) -> str:
+    """How the job ended, and where the trainer's result.json and plot.png are. The result's
+    lines only where the job's log was not followed: the trainer prints them at its end."""
+    head = f"job {done.job_id}: {done.state}, exit code {done.exit_code}"
     if executor != "sbatch":  # submitit: rank 0's return value carries the result
-        lines = [f"job {done.job_id}: {done.state}, exit code {done.exit_code}"]
         if done.error:
-            return "\n".join([*lines, f"  error: {done.error}"])
-        return "\n".join([*lines, *result_lines(done.result or {})])
-    head = f"job {done.job_id}: {done.state}, exit code {done.exit_code}, restarts {done.restarts}"
-    if job.run_paths is None:
-        return f"{head}\nno --run-dir in the job: no result.json to show"
-    if done.result is None:
-        return f"{head}\n{job.run_paths.result} was not written"
-    return "\n".join([head, f"result ({job.run_paths.result}):", *result_lines(done.result)])
+            return f"{head}\n  error: {done.error}"
+    else:
+        head += f", restarts {done.restarts}"
+        if job.run_paths is None:
+            return f"{head}\nno --run-dir in the job: no result.json to show"
+        if done.result is None:
+            return f"{head}\n{job.run_paths.result} was not written"
+    if job.run_paths is None or done.result is None:
+        return head
+    paths = job.run_paths
+    if followed:
+        lines = [head, f"result: {paths.result} (its lines are above, at the end of the log)"]
+    else:
+        lines = [head, f"result ({paths.result}):", *result_lines(done.result)]
+    if paths.plot.is_file():
+        lines.append(f"plot: {paths.plot} (loss and accuracy per epoch)")
+    return "\n".join(lines)
+
+
+def _still_running(slurm: SlurmTarget | None) -> None:
+    """The embedded cluster outlives the command (status, logs and the next submit use it):
+    say so, and how to stop it."""
+    if slurm is not None and slurm.local_root is not None:
+        print(
+            f"the embedded local cluster in {slurm.local_root} keeps running (status, logs, "
+            "cancel and the next submit use it): `hpc-ddp cluster down` stops it"
+        )

@@ -84,6 +84,7 @@ def choose_slurm(
         cluster.env(),
         f"the embedded local cluster in {root} ({cfg.nodes} nodes, only root can use it; "
         f"SLURM_CONF={cluster.conf_path})",
+        local_root=root,
     )
 
 
@@ -114,4 +115,4 @@ def running_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget:
             f"no Slurm answers here and the embedded cluster in {root} is not running",
             hint="set SLURM_CONF to the cluster the job went to (`hpc-ddp cluster status`)",
         )
-    return SlurmTarget(cluster.env(), f"the embedded local cluster in {root}")
+    return SlurmTarget(cluster.env(), f"the embedded local cluster in {root}", local_root=root)
