@@ -12,6 +12,8 @@ the write lands in a file of the attacker's choosing. So:
 - :func:`ensure_private_dir` creates a directory with mode 0700, and accepts an existing one only
   if it is a real directory (not a link), this user owns it and neither group nor others can
   write it; anything else is refused with an error naming the directory and the fix.
+- :func:`read_private_file` reads a file only if this user owns it and nobody else can write it
+  (a pickle, which runs code when it is loaded, is read only so).
 - :func:`create_file` creates a file that must not exist yet (``O_EXCL | O_NOFOLLOW``: not even
   a dangling link); :func:`replace_file` writes a whole file through such a new temporary file
   and a rename, which replaces a link at the final name instead of writing through it.
@@ -23,6 +25,7 @@ both resolve the same directory.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import secrets
@@ -30,6 +33,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpc_ddp import regular_file
 from hpc_ddp.errors import HpcDdpError
 
 APP_DIR = "hpc-ddp"
@@ -43,6 +47,16 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def owner_problem(st: os.stat_result) -> str | None:
+    """Why what ``st`` describes could hold another user's content (owned by someone else, or
+    writable by group or others), or None if only this user can have written it."""
+    if st.st_uid != os.geteuid():
+        return f"owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())})"
+    if st.st_mode & SHARED_WRITE:
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def private_dir_problem(path: Path) -> str | None:
     """Why ``path`` (which exists) is not a private directory of this user, or None if it is."""
     st = os.lstat(path)
@@ -50,11 +64,22 @@ def private_dir_problem(path: Path) -> str | None:
         return "a symbolic link"
     if not stat.S_ISDIR(st.st_mode):
         return "not a directory"
-    if st.st_uid != os.geteuid():
-        return f"owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())})"
-    if st.st_mode & SHARED_WRITE:
-        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
+    return owner_problem(st)
+
+
+class NotPrivateFileError(OSError):
+    """A file that another user owns or could write: what it holds may not be theirs to say."""
+
+
+def read_private_file(path: Path, limit: int) -> bytes:
+    """The content of ``path``, a regular file of this user's that nobody else can write, at
+    most ``limit`` bytes: opened as ``regular_file.open_regular`` does (never a link, a FIFO or a
+    device, so the open cannot block), its owner and mode checked on the open descriptor (no race
+    with a swap), then read bounded. ``NotPrivateFileError`` (an ``OSError``) otherwise."""
+    with regular_file.open_regular(path) as f:
+        if problem := owner_problem(os.fstat(f.fileno())):
+            raise NotPrivateFileError(errno.EPERM, problem, str(path))
+        return regular_file.read_whole(f, limit, path)
 
 
 def ensure_private_dir(path: Path) -> Path:

@@ -84,14 +84,20 @@ def read_capped(f: BinaryIO, limit: int, path: str | Path) -> bytes:
 def read_small(path: str | Path, limit: int, *, follow_symlinks: bool = False) -> bytes:
     """The whole content of a small regular file, at most ``limit`` bytes."""
     with open_regular(path, follow_symlinks=follow_symlinks) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise FileTooLargeError(
-                errno.EFBIG,
-                f"{size} bytes, larger than the {limit} bytes such a file may hold",
-                str(path),
-            )
-        return read_capped(f, limit, path)
+        return read_whole(f, limit, path)
+
+
+def read_whole(f: BinaryIO, limit: int, path: str | Path) -> bytes:
+    """The whole content of a file ``open_regular`` opened, at most ``limit`` bytes: refused
+    before reading when its size is larger already."""
+    size = os.fstat(f.fileno()).st_size
+    if size > limit:
+        raise FileTooLargeError(
+            errno.EFBIG,
+            f"{size} bytes, larger than the {limit} bytes such a file may hold",
+            str(path),
+        )
+    return read_capped(f, limit, path)
 
 
 def read_json(path: str | Path, limit: int = JSON_LIMIT) -> Any:
