@@ -32,9 +32,13 @@ T = TypeVar("T")
 # The JobState this module reports for a job slurmctld does not answer about (forgotten, or
 # the controller gone).
 UNKNOWN = "UNKNOWN"
+# What hpc-ddp reports for a job that has ended with an outcome it did not read (a local
+# submitit job whose result pickle someone else could have written); no Slurm state.
+ENDED = "ENDED"
 # States after which a job never runs again (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset(
     {
+        ENDED,
         "COMPLETED",
         "FAILED",
         "CANCELLED",

@@ -4,18 +4,26 @@
 A trainer held at step 3 (``--debug-hold-at-step``: it waits there for a preemption signal)
 gives each test a running job in a known place: checkpoints exist for step 2 (every 2 steps),
 and a checkpoint of step 3 exists only if the trainer was told to checkpoint.
+
+The hostile cases (docs/security.md, "Job control") use the real user ``nobody`` as the other
+user (the suite runs as root), pickles whose loading would run ``touch`` on a canary file, real
+FIFOs and device nodes, and a real process that the toolkit did not start.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from deploy_support import progress_status, submit_spec, train_args, train_spec
+from hostile_files import evil_pickle, make_fifo, run_child
 
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
@@ -23,6 +31,7 @@ from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
 
 HOLD = ("--debug-hold-at-step", "3")
+NOBODY_UID = 65534
 
 
 def _hpc_ddp(args: list[str], env: dict[str, str], **kw: object) -> subprocess.Popen[str]:
@@ -186,3 +195,186 @@ def test_cancel_checkpoints_a_torchrun_job(slurm_cluster, tmp_path: Path) -> Non
     assert hpc_ddp.cancel_job(job, timeout_s=200) == "CANCELLED"
     assert _latest(tmp_path / "run") == "step-00000003", out.read_text()
     assert "restart 1" not in out.read_text()
+
+
+# --- hostile folders and processes -----------------------------------------------------------
+def _ended_pid() -> str:
+    """The pid of a process that has ended: a local job's id whose controller is gone."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return str(proc.pid)
+
+
+def _local_folder(folder: Path, job_id: str, pickled: bytes) -> Path:
+    """What submitit's LocalExecutor leaves in its folder, every pickle holding ``pickled``."""
+    folder.mkdir()
+    for name in (f"{job_id}_submitted.pkl", f"{job_id}_0_result.pkl"):
+        (folder / name).write_bytes(pickled)
+    (folder / f"{job_id}_submission.sh").write_text("#!/bin/bash\n# submitit local job\n")
+    (folder / f"{job_id}_0_log.out").write_text("the job's log\n")
+    return folder
+
+
+def _chown_all(folder: Path, uid: int) -> None:
+    for path in [folder, *folder.iterdir()]:
+        os.chown(path, uid, uid)
+
+
+def _run_any(args: list[str], env: dict[str, str], timeout_s: float = 60) -> tuple[int, str, str]:
+    proc = _hpc_ddp(args, env)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"hpc-ddp {args} did not end within {timeout_s} s") from None
+    return proc.returncode, out, err
+
+
+def test_status_and_logs_never_load_pickles_another_user_could_have_written(
+    tmp_path: Path,
+) -> None:
+    """As root, a local job's folder owned by nobody: its pickles would run code. status and
+    logs report the job (from /proc: it has ended) and its log, say why the pickles were not
+    read, and the code never runs. A FIFO as a result pickle in a folder of ours: no hang."""
+    canary = tmp_path / "code-ran"
+    job_id = _ended_pid()
+    theirs = _local_folder(tmp_path / "theirs", job_id, evil_pickle(canary))
+    _chown_all(theirs, NOBODY_UID)
+
+    code, out, err = _run_any(["status", job_id, "--folder", str(theirs)], {})
+    assert not canary.exists(), "status loaded another user's pickle: its code ran"
+    assert code == 0, (out, err)
+    assert f"job {job_id} (local): ENDED" in out, out
+    why = f"its folder {theirs} is owned by nobody (uid {NOBODY_UID}), not by you"
+    for name in (f"{job_id}_submitted.pkl", f"{job_id}_0_result.pkl"):
+        assert f"note: {theirs / name} not read: {why}" in out, out
+    assert "a pickle runs code when it is loaded" in out, out
+
+    code, out, err = _run_any(["logs", job_id, "--folder", str(theirs)], {})
+    assert not canary.exists(), "logs loaded another user's pickle: its code ran"
+    assert code == 0 and "the job's log" in out, (out, err)
+    assert f"{theirs / f'{job_id}_submitted.pkl'} not read: {why}" in err, err
+
+    ours = _local_folder(tmp_path / "ours", job_id, pickle.dumps("harmless"))
+    make_fifo(ours / f"{job_id}_0_result.pkl")
+    code, out, err = _run_any(["status", "--json", job_id, "--folder", str(ours)], {}, 30)
+    report = json.loads(out)
+    assert report["state"] == "ENDED", report
+    assert report["notes"] == [
+        f"{ours / f'{job_id}_0_result.pkl'} not read: it is a FIFO, not a regular file; a "
+        "pickle runs code when it is loaded, so hpc-ddp loads only pickles nobody else could "
+        "write"
+    ], report
+
+
+# Each case: how to spoil a private folder holding one pickle, and what the refusal says. The
+# pickle would create the canary; "own file" is the control: a pickle of ours, loaded.
+PICKLE_CASES = {
+    "folder owned by nobody": "owned by nobody (uid 65534), not by you",
+    "folder writable by all (0777)": "its folder {folder} is writable by other users (mode 0777)",
+    "folder writable by its group (0770)": "writable by other users (mode 0770)",
+    "folder is a link to a folder of ours": "its folder {folder} is a symbolic link",
+    "pickle owned by nobody": "it is owned by nobody (uid 65534), not by you",
+    "pickle writable by its group (0664)": "it is writable by other users (mode 0664)",
+    "pickle is a FIFO": "it is a FIFO, not a regular file",
+    "pickle is a link to a pickle of ours": "it is a symbolic link, not a regular file",
+    "pickle is a device (/dev/zero's numbers)": "it is a character device, not a regular file",
+    "pickle larger than 256 MiB (sparse)": "larger than the 268435456 bytes",
+    "own file": None,
+}
+
+
+def _spoil(case: str, folder: Path, target: Path) -> Path:
+    """Set up ``case`` around ``target`` (a private folder's pickle); returns the path to load."""
+    if case == "folder owned by nobody":
+        os.chown(folder, NOBODY_UID, NOBODY_UID)
+    elif case.startswith(("folder writable", "pickle writable")):
+        mode = int(re.search(r"\(0([0-7]+)\)", case).group(1), 8)  # type: ignore[union-attr]
+        (folder if case.startswith("folder") else target).chmod(mode)
+    elif case == "folder is a link to a folder of ours":
+        link = folder.with_name(folder.name + "-link")
+        link.symlink_to(folder)
+        return link / target.name
+    elif case == "pickle owned by nobody":
+        os.chown(target, NOBODY_UID, NOBODY_UID)
+    elif case == "pickle is a FIFO":
+        make_fifo(target)
+    elif case == "pickle is a link to a pickle of ours":
+        real = folder / "real.pkl"
+        target.rename(real)
+        target.symlink_to(real)
+    elif case.startswith("pickle is a device"):
+        target.unlink()
+        os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+    elif case.startswith("pickle larger"):
+        os.truncate(target, (256 << 20) + 1)
+    return target
+
+
+def test_a_pickle_is_loaded_only_where_nobody_else_could_have_written_it(tmp_path: Path) -> None:
+    """submitit's pickles through hpc_ddp's loader, each hostile case in a folder of its own,
+    loaded in a child with a deadline (an open that blocks on the FIFO would hang it)."""
+    canary = tmp_path / "code-ran"
+    paths = {}
+    for i, case in enumerate(PICKLE_CASES):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir(mode=0o700)
+        target = folder / "1234_0_result.pkl"
+        target.write_bytes(pickle.dumps("ours") if case == "own file" else evil_pickle(canary))
+        target.chmod(0o600)
+        paths[case] = str(_spoil(case, folder, target))
+    said = run_child(
+        """
+        import json, sys
+        from pathlib import Path
+        from hpc_ddp.deploy.submitit import pickles
+        cap_memory()
+        out = {}
+        for case, path in json.loads(sys.argv[1]).items():
+            try:
+                out[case] = ["loaded", pickles.load(Path(path))]
+            except pickles.PickleRefusedError as err:
+                out[case] = ["refused", pickles.refusal_note(err)]
+        print(json.dumps(out))
+        """,
+        json.dumps(paths),
+        timeout=60,
+    )
+    assert not canary.exists(), "a refused pickle was loaded: its code ran"
+    for case, expected in PICKLE_CASES.items():
+        if expected is None:
+            assert said[case] == ["loaded", "ours"], said[case]
+            continue
+        folder = str(Path(paths[case]).parent)
+        what, note = said[case]
+        assert what == "refused" and expected.format(folder=folder) in note, (case, note)
+        assert note.startswith(f"{paths[case]} not read: "), note
+
+
+@pytest.mark.slurm
+def test_status_of_a_slurm_job_never_loads_pickles_from_another_users_folder(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """The folder named by Slurm's record of a job (its StdOut's directory) belongs to nobody:
+    the job is reported from Slurm's answer, the pickle there is not loaded, and status says
+    why. The job is held, so it never runs."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, NOBODY_UID, NOBODY_UID)
+    env = slurm_cluster.env
+    job_id = slurm_cluster.run(
+        ["sbatch", "--parsable", "--hold", f"--output={theirs}/%j_0_log.out",
+         "--wrap", "true  # a submitit job's script, as hpc-ddp recognises one"],
+    ).stdout.strip()  # fmt: skip
+    try:
+        canary = tmp_path / "code-ran"
+        planted = theirs / f"{job_id}_submitted.pkl"
+        planted.write_bytes(evil_pickle(canary))
+        os.chown(planted, NOBODY_UID, NOBODY_UID)
+        status, _ = _run(["status", job_id], env)
+        assert not canary.exists(), "status loaded another user's pickle: its code ran"
+        assert f"job {job_id} (submitit): PENDING" in status, status
+        why = f"its folder {theirs} is owned by nobody (uid {NOBODY_UID}), not by you"
+        assert f"note: {planted} not read: {why}" in status, status
+    finally:
+        slurm_cluster.run(["scancel", job_id], check=False)

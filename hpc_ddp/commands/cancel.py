@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_ddp.commands.job_target import add_job_arguments, find_job
+from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
 from hpc_ddp.deploy.control import STOP_TIMEOUT_S, cancel_job
 
 
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     job = find_job(args.job, args.folder)
+    say_notes(job)
     state = cancel_job(
         job,
         now=args.now,

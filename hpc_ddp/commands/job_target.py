@@ -8,6 +8,7 @@ the embedded local cluster if it runs (nothing is started).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hpc_ddp.deploy.backend import Job
@@ -25,7 +26,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, what: str = "JOB") -> Non
         "--folder",
         type=Path,
         default=None,
-        help="submitit's job folder (needed for a local-executor job; found for Slurm jobs)",
+        help="submitit's job folder (needed for a local-executor job; found for Slurm jobs); "
+        "its pickles are read only if it and they are yours and nobody else can write them",
     )
 
 
@@ -36,3 +38,10 @@ def find_job(job_id: str, folder: Path | None) -> Job:
     from hpc_ddp.localslurm.embedded import running_slurm
 
     return attach_job(job_id, folder=folder, cluster_env=running_slurm().env)
+
+
+def say_notes(job: Job) -> None:
+    """What was not read about ``job`` and why (a pickle someone else could have written), on
+    stderr: for the commands whose output is not a report."""
+    for note in getattr(job, "notes", ()):
+        print(f"hpc-ddp: note: {note}", file=sys.stderr, flush=True)

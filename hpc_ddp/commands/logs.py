@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpc_ddp.commands.job_target import add_job_arguments, find_job
+from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
 from hpc_ddp.deploy.control import follow_logs, log_paths
 from hpc_ddp.errors import HpcDdpError
 
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     job = find_job(args.job, args.folder)
+    say_notes(job)
     if args.list:
         print("\n".join(str(path) for path in log_paths(job)))
         return 0

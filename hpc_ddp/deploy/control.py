@@ -4,7 +4,10 @@
 what outlives the submitting process: Slurm's record of the job (``scontrol show job``, the
 batch script Slurm keeps) and, for submitit, its job folder (logs and pickles). ``job_report``,
 ``log_paths``/``follow_logs`` and ``cancel_job`` work on any such handle, so ``hpc-ddp status``,
-``logs`` and ``cancel`` behave the same for sbatch and submitit jobs.
+``logs`` and ``cancel`` behave the same for sbatch and submitit jobs. A submitit folder's pickles
+are loaded only where nobody else could have written them (``submitit.pickles``): the folder
+may be another user's, named by Slurm's record of their job; otherwise the job is reported from
+Slurm's answer and /proc, and the report's notes say which pickle was not read and why.
 
 Stopping without ``now`` is a checkpoint, then an end: the preemption signal goes to the
 processes that checkpoint on it, and once the job has left RUNNING (the trainer checkpointed and
@@ -113,7 +116,7 @@ def _submitit_job(
     job_id: str, folder: Path, cluster_env: Mapping[str, str] | None, workdir: Path
 ) -> Job:
     """submitit's own handle re-created from its folder; the run dir from the task's pickle
-    (a submitit task runs in the submitter's directory, ``workdir``)."""
+    (a submitit task runs in the submitter's directory, ``workdir``), if it may be loaded."""
     import submitit
 
     from hpc_ddp.deploy.submitit.backend import SubmititJob
@@ -122,11 +125,11 @@ def _submitit_job(
         handle: Any = submitit.local.local.LocalJob(folder, job_id)
     else:
         handle = submitit.SlurmJob(folder, job_id)
-    run_paths = None
-    # Our own pickle in the folder the job was submitted with: a trainer's run dir.
-    with contextlib.suppress(AssertionError, AttributeError, OSError, ConfigError):
-        run_paths = handle.submission().function.run_paths(workdir)
-    return SubmititJob(handle, cluster_env, run_paths, None, folder)
+    job = SubmititJob(handle, cluster_env, None, None, folder)
+    # The submitted call, when it is a trainer's task, knows its run dir (refusals in job.notes).
+    with contextlib.suppress(AttributeError, OSError, ConfigError):
+        job.run_paths = job.read_pickle(handle.paths.submitted_pickle).function.run_paths(workdir)
+    return job
 
 
 # --- status ---------------------------------------------------------------------------------
@@ -144,6 +147,7 @@ class JobReport:
     progress: Mapping[str, Any] | None = None
     result: Mapping[str, Any] | None = None
     logs: tuple[Path, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()  # what was not read, and why
 
     def lines(self) -> list[str]:
         from hpc_ddp.train.results import result_lines
@@ -160,6 +164,7 @@ class JobReport:
             out.append("  progress: " + progress_text(self.progress))
         if self.result:
             out += ["  result:", *("  " + line for line in result_lines(self.result))]
+        out += [f"  note: {note}" for note in self.notes]
         return out
 
 
@@ -196,6 +201,7 @@ def job_report(job: Job) -> JobReport:
         read_progress(run_paths),
         read_result(run_paths),
         tuple(log_paths(job)),
+        tuple(getattr(job, "notes", ())),
     )
 
 

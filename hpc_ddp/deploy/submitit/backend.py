@@ -13,6 +13,7 @@ be waited on forever.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import time
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
+from hpc_ddp.deploy.submitit import pickles
 from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
 from hpc_ddp.deploy.submitit.parameters import (
     Kind,
@@ -38,6 +40,7 @@ from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import (
+    ENDED,
     TERMINAL,
     UNKNOWN,
     LostJobWatch,
@@ -162,6 +165,8 @@ class SubmititJob(Job):
         )  # fmt: skip
         self._finished: Finished | None = None
         self._cancelled = False  # the local executor has no scheduler to remember it
+        # Pickles of the folder that were not loaded, each with why (pickles.refusal_note).
+        self.notes: list[str] = []
 
     def _info(self) -> dict[str, str]:
         return self._client.job_info(self.job_id) if self._client is not None else {}
@@ -176,9 +181,23 @@ class SubmititJob(Job):
         if self._cancelled or self._cancel_marker().exists():
             return "CANCELLED"
         # submitit pickles ("success", value) or ("error", traceback) when the task ends.
-        pickle = self.job.paths.result_pickle
-        ok = pickle.exists() and submitit.core.utils.pickle_load(pickle)[0] == "success"
+        try:
+            ok = self.read_pickle(self.job.paths.result_pickle)[0] == "success"
+        except FileNotFoundError:
+            ok = False
+        except pickles.PickleRefusedError:
+            return ENDED
         return "COMPLETED" if ok else "FAILED"
+
+    def read_pickle(self, path: Path) -> Any:
+        """What submitit pickled at ``path``, loaded only where nobody else could have written
+        it (``pickles.load``); a refusal is kept in ``notes`` for the job's report."""
+        try:
+            return pickles.load(path)
+        except pickles.PickleRefusedError as err:
+            if (note := pickles.refusal_note(err)) not in self.notes:
+                self.notes.append(note)
+            raise
 
     def _local_running(self) -> bool:
         """The controller runs: asked through its Popen, or /proc for a job re-attached from
@@ -246,16 +265,24 @@ class SubmititJob(Job):
         ``Job.results()``, which waits for a pickle that a killed task never writes until sacct
         (absent on the embedded cluster) says the job ended: for ever."""
         folder = Path(self.job.paths.folder)
-        pickles = [self.job.task(k).paths.result_pickle for k in range(self.job.num_tasks)]
+        paths = [self.job.task(k).paths.result_pickle for k in range(self.job.num_tasks)]
 
         def all_written() -> bool:
             with contextlib.suppress(OSError):  # NFS: refresh the folder's cached view, as
                 folder.chmod(folder.stat().st_mode)  # submitit does before it looks
-            return all(p.exists() for p in pickles)
+            return all(os.path.lexists(p) for p in paths)
 
         with contextlib.suppress(TimeoutError):  # a file system may show them after the end
             wait_for(all_written, lag_s, what="the tasks' result pickles", interval_s=0.2)
-        return [submitit.core.utils.pickle_load(p) if p.exists() else None for p in pickles]
+        return [self._outcome(p) for p in paths]
+
+    def _outcome(self, path: Path) -> tuple[str, Any] | None:
+        try:
+            return self.read_pickle(path)  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            return None
+        except pickles.PickleRefusedError as err:
+            return ("error", pickles.refusal_note(err))
 
     def cancel(self) -> None:
         if self._finished is not None:
