@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import io
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,6 +193,43 @@ def test_a_submitit_folder_with_a_line_break_is_refused_before_anything(tmp_path
     with pytest.raises(ConfigError, match="submitit folder"):
         api.Executor(folder, "local")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        ("nobody", "owned by nobody (uid 65534), not by you"),
+        ("0777", "writable by other users (mode 0777)"),
+        ("link", "a symbolic link"),
+    ],
+)
+def test_a_submitit_folder_another_user_could_change_is_refused_before_anything(
+    tmp_path: Path, spoil: str, said: str
+) -> None:
+    """submitit keeps the job's pickles in its folder and loading one runs its code: an existing
+    folder gets every private dir's checks (real chown to nobody; the suite runs as root). The
+    CLI, describe/submit and Executor refuse it, nothing is written inside."""
+    folder = tmp_path / "logs"
+    folder.mkdir(mode=0o700)
+    if spoil == "nobody":
+        os.chown(folder, 65534, 65534)
+    elif spoil == "0777":
+        folder.chmod(0o777)
+    else:
+        folder.rename(tmp_path / "real")
+        folder.symlink_to(tmp_path / "real")
+    spec_file = tmp_path / "job.toml"
+    spec_file.write_text('name = "j"\nnodes = 1\nprocs_per_node = 1\ntime = "5"\n')
+    cli = hpc_ddp(["submit", str(spec_file), "--executor", "local", "--folder", str(folder)])
+    assert cli.returncode == 2, cli
+    assert f"submitit folder {folder} is {said}" in cli.stderr and "HINT:" in cli.stderr, cli
+    spec = api.JobSpec(nodes=1, procs_per_node=1, time="5")
+    for executor in ("submitit", "local"):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            api.submit(spec, executor, folder=folder, cwd=tmp_path, wait=False)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        api.Executor(folder, "local")
+    assert not any(folder.iterdir())
 
 
 def test_a_launch_describes_its_script_and_the_dry_run_command(tmp_path: Path) -> None:

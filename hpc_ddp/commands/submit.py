@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--folder",
         type=Path,
         default=None,
-        help="submitit: logs and pickles (default runs/submitit/NAME, NAME the spec's name)",
+        help="submitit: logs and pickles (default runs/submitit/NAME, NAME the spec's name); "
+        "created 0700, an existing one must be yours and writable by nobody else",
     )
 
 

@@ -4,10 +4,11 @@ executor "local").
 
 describe: the executor's parameters and the command every task runs (``ProgramTask``; the
 trainer's is a ``TrainTask``), checked and written out without creating anything. submit: the
-executor (made only then, in ``folder``) submits the task. ``SubmititJob`` reads the job's state
-from ``scontrol`` on Slurm, because submitit's own watcher asks sacct, which clusters without
-accounting (like the local one) do not answer: a job that died before writing its result would
-be waited on forever.
+executor (made only then, in ``folder``, a private directory of this user's: submitit keeps the
+job's pickles there, and ``pickles`` loads them only from such a folder) submits the task.
+``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because submitit's own watcher
+asks sacct, which clusters without accounting (like the local one) do not answer: a job that died
+before writing its result would be waited on forever.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hpc_ddp.deploy.submitit.parameters import (
 )
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.private_paths import ensure_private_dir
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import (
     ENDED,
@@ -91,7 +93,7 @@ class SubmititBackend(Backend):
 
     def describe(self, spec: JobSpec) -> DryRun:
         parameters = executor_parameters(spec, self.kind)
-        folder = self.folder or Path("runs") / "submitit" / spec.name
+        folder = self.folder or checked_folder(Path("runs") / "submitit" / spec.name)
         cwd = (self.cwd or Path.cwd()).absolute()
         # Where the tasks run: submitit's jobs start in the submitter's directory (--chdir on
         # Slurm); submitit needs a file system shared with the job, so the script is checked here.
@@ -128,7 +130,7 @@ class SubmititBackend(Backend):
 
     def submit(self, plan: DryRun) -> SubmititJob:
         request: _Request = plan.request
-        request.folder.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(request.folder)
         # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF
         # kept); submitit reads os.environ itself, hence the temporary scrub.
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():

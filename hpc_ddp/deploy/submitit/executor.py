@@ -25,6 +25,7 @@ from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
 from hpc_ddp.deploy.submitit.parameters import Kind, checked_folder, executor_parameters
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.extras import require
+from hpc_ddp.private_paths import ensure_private_dir
 
 if TYPE_CHECKING:
     import submitit
@@ -44,9 +45,11 @@ class Executor:
 
     ``cluster``: ``"slurm"`` (AutoExecutor, submits with sbatch to the Slurm ``cluster_env``
     names: its variables, or a function of the spec returning them; None: this environment's)
-    or ``"local"`` (LocalExecutor: this machine, one node). ``spec``: a
-    ``JobSpec`` to start from (its program fields are not used). ``distributed=True`` also starts
-    the process group (``hpc_ddp.init_distributed``) in every task. Returns submitit's ``Job``.
+    or ``"local"`` (LocalExecutor: this machine, one node). ``spec``: a ``JobSpec`` to start
+    from (its program fields are not used). ``folder``: submitit's logs and pickles, created
+    0700; an existing one must be private (``parameters.checked_folder``).
+    ``distributed=True`` also starts the process group (``hpc_ddp.init_distributed``) in every
+    task. Returns submitit's ``Job``.
     """
 
     def __init__(
@@ -147,7 +150,7 @@ class Executor:
     def _executor(self) -> submitit.Executor:
         import submitit
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.folder)  # submitit's pickles: see parameters.checked_folder
         if self.cluster == "local":
             ex: submitit.Executor = submitit.LocalExecutor(folder=str(self.folder))
         else:

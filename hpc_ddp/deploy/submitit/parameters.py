@@ -10,6 +10,7 @@ Pure Python; never imports submitit.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from hpc_ddp.deploy.core import problem_list
 from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.private_paths import private_dir_problem
 
 Kind = Literal["submitit", "local"]
 
@@ -40,10 +42,20 @@ _NO_LIMIT_MINUTES = 60 * 24 * 365
 
 
 def checked_folder(folder: str | Path) -> Path:
-    """submitit's folder, refused if it holds a control character: submitit writes it into the
-    #SBATCH lines of its script, where a line break would start a line of shell."""
+    """submitit's folder, refused if it holds a control character (submitit writes it into the
+    #SBATCH lines of its script, where a line break would start a line of shell) or if it exists
+    and is no private directory of this user's (submitit keeps the job's pickles there, and a
+    pickle runs code when it is loaded). Submission creates a missing one with mode 0700
+    (``private_paths.ensure_private_dir``); nothing is created here."""
     if problem := control_problem("submitit folder", str(folder)):
         raise ConfigError(problem, hint="give the folder (--folder, folder=) a name of one line")
+    if os.path.lexists(folder) and (problem := private_dir_problem(Path(folder))):
+        raise ConfigError(
+            f"submitit folder {folder} is {problem}; submitit keeps the job's pickles there, "
+            "and a pickle someone else could write would run as you",
+            hint=f"if it is yours, `chmod go-w {folder}`; otherwise give --folder (folder=) "
+            "a directory only you can write, or one that does not exist yet",
+        )
     return Path(folder)
 
 
