@@ -27,6 +27,7 @@ from hostile_files import evil_pickle, make_fifo, run_child
 
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
+from hpc_ddp.deploy.submitit.local_control import children
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
 
@@ -378,3 +379,53 @@ def test_status_of_a_slurm_job_never_loads_pickles_from_another_users_folder(
         assert f"note: {planted} not read: {why}" in status, status
     finally:
         slurm_cluster.run(["scancel", job_id], check=False)
+
+
+def test_cancel_signals_only_a_local_job_the_toolkit_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real process with "submitit" in its command line, and a child, that hpc-ddp did not
+    start: `cancel --now PID --folder F` with F holding its pickles refuses and both live on.
+    A local job hpc-ddp did start is refused under another folder, then killed under its own;
+    the cancel's marker replaces a link planted at its name, never writing through it."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the records of local jobs
+    stranger = subprocess.Popen(["bash", "-c", "sleep 300 & wait", "submitit"])
+    try:
+        wait_for(lambda: children(stranger.pid), 30, "the stranger's child")
+        (child,) = children(stranger.pid)
+        pid = str(stranger.pid)
+        folder = _local_folder(tmp_path / "stranger", pid, pickle.dumps("harmless"))
+        code, out, err = _run_any(["cancel", "--now", pid, "--folder", str(folder)], {})
+        assert code == 2 and f"hpc-ddp has no record of starting process {pid}" in err, err
+        assert stranger.poll() is None and os.path.exists(f"/proc/{child}"), "a stranger died"
+    finally:
+        stranger.kill()
+        stranger.wait(timeout=30)
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(300)\n")
+    spec = JobSpec(name="ctl-kill", nodes=1, procs_per_node=1, time="10", module="",
+                   script=str(sleeper))  # fmt: skip
+    mine = tmp_path / "mine"
+    monkeypatch.chdir(tmp_path)
+    job = hpc_ddp.submit(spec, "local", folder=mine, wait=False)
+    assert mine.stat().st_mode & 0o777 == 0o700  # submitit's folder: created private
+    wait_for(lambda: (tmp_path / "started").exists(), 120, "the local job to start")
+    other = tmp_path / "other"
+    other.mkdir()
+    name = f"{job.job_id}_submitted.pkl"
+    (other / name).write_bytes((mine / name).read_bytes())
+    code, out, err = _run_any(["cancel", "--now", job.job_id, "--folder", str(other)], {})
+    assert code == 2 and f"with the folder {mine}, not {other}" in err, err
+    assert job.status() == "RUNNING"
+
+    target = tmp_path / "link-target"
+    marker = mine / f"{job.job_id}_cancelled"
+    marker.symlink_to(target)
+    code, out, err = _run_any(["cancel", "--now", job.job_id, "--folder", str(mine)], {})
+    assert code == 0 and f"job {job.job_id}: CANCELLED" in out, (out, err)
+    assert job.wait(timeout_s=60).state == "CANCELLED"
+    assert not os.path.lexists(target), "the cancel wrote through a planted link"
+    assert marker.is_file() and not marker.is_symlink()
+    status, _ = _run(["status", job.job_id, "--folder", str(mine)], {})
+    assert f"job {job.job_id} (local): CANCELLED" in status, status

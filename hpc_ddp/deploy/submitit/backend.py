@@ -5,10 +5,11 @@ executor "local").
 describe: the executor's parameters and the command every task runs (``ProgramTask``; the
 trainer's is a ``TrainTask``), checked and written out without creating anything. submit: the
 executor (made only then, in ``folder``, a private directory of this user's: submitit keeps the
-job's pickles there, and ``pickles`` loads them only from such a folder) submits the task.
-``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because submitit's own watcher
-asks sacct, which clusters without accounting (like the local one) do not answer: a job that died
-before writing its result would be waited on forever.
+job's pickles there, and ``pickles`` loads them only from such a folder) submits the task; a
+local job is recorded (``local_control.remember_local_jobs``) so that a later cancel can prove
+it is the toolkit's. ``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because
+submitit's own watcher asks sacct, which clusters without accounting (like the local one) do not
+answer: a job that died before writing its result would be waited on forever.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
 from hpc_ddp.deploy.submitit import pickles
-from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
+from hpc_ddp.deploy.submitit.local_control import (
+    cancellable_by_sigint,
+    local_records,
+    remember_local_jobs,
+)
 from hpc_ddp.deploy.submitit.parameters import (
     Kind,
     checked_folder,
@@ -39,7 +44,7 @@ from hpc_ddp.deploy.submitit.parameters import (
 )
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.private_paths import ensure_private_dir
+from hpc_ddp.private_paths import ensure_private_dir, replace_file
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import (
     ENDED,
@@ -131,6 +136,8 @@ class SubmititBackend(Backend):
     def submit(self, plan: DryRun) -> SubmititJob:
         request: _Request = plan.request
         ensure_private_dir(request.folder)
+        if request.kind == "local":
+            local_records()  # refused before the job runs, not after
         # Submission from inside a job must not pass that job's SLURM_* sizing on (SLURM_CONF
         # kept); submitit reads os.environ itself, hence the temporary scrub.
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
@@ -140,6 +147,8 @@ class SubmititBackend(Backend):
                 ex = submitit.AutoExecutor(folder=str(request.folder), cluster="slurm")
             ex.update_parameters(**request.parameters)
             job = ex.submit(request.task)
+        if request.kind == "local":
+            remember_local_jobs([job], request.folder)
         return SubmititJob(job, self.cluster_env, plan.run_paths, self.follow, request.folder)
 
 
@@ -217,7 +226,7 @@ class SubmititJob(Job):
         """Remember that the job was cancelled: no scheduler does for a local job, so a file
         beside submitit's own says it to later ``status`` calls (hpc_ddp.deploy.control)."""
         self._cancelled = True
-        self._cancel_marker().touch()
+        replace_file(self._cancel_marker(), b"")  # never through a link planted there
 
     def wait(self, timeout_s: float | None = None) -> Finished:
         if self._finished is not None:

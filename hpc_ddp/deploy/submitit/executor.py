@@ -21,7 +21,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
-from hpc_ddp.deploy.submitit.local_control import cancellable_by_sigint
+from hpc_ddp.deploy.submitit.local_control import (
+    cancellable_by_sigint,
+    local_records,
+    remember_local_jobs,
+)
 from hpc_ddp.deploy.submitit.parameters import Kind, checked_folder, executor_parameters
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.extras import require
@@ -47,7 +51,8 @@ class Executor:
     names: its variables, or a function of the spec returning them; None: this environment's)
     or ``"local"`` (LocalExecutor: this machine, one node). ``spec``: a ``JobSpec`` to start
     from (its program fields are not used). ``folder``: submitit's logs and pickles, created
-    0700; an existing one must be private (``parameters.checked_folder``).
+    0700; an existing one must be private (``parameters.checked_folder``), and a local job is
+    recorded so that ``hpc-ddp cancel`` can prove it is the toolkit's.
     ``distributed=True`` also starts the process group (``hpc_ddp.init_distributed``) in every
     task. Returns submitit's ``Job``.
     """
@@ -119,7 +124,7 @@ class Executor:
         return value (rank order), ``job.result()`` is it for a one-task job."""
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
             job = self._executor().submit(self._task(fn), *args, **kwargs)
-        return self._watched([job])[0]
+        return self._track([job])[0]
 
     def map_array(
         self, fn: Callable[..., Any], *iterables: Iterable[Any]
@@ -128,13 +133,16 @@ class Executor:
         ``map(fn, *iterables)``: each runs ``fn`` with the whole spec's shape."""
         with scrubbed_environ(self.cluster_env), cancellable_by_sigint():
             jobs = self._executor().map_array(self._task(fn), *iterables)
-        return self._watched(jobs)
+        return self._track(jobs)
 
-    def _watched(self, jobs: Sequence[Any]) -> list[Any]:
-        """On Slurm, jobs whose state comes from scontrol with the submission's environment,
-        not from submitit's sacct polls (hpc_ddp.deploy.submitit.watcher says why)."""
+    def _track(self, jobs: Sequence[Any]) -> list[Any]:
+        """Local jobs are recorded, so that `hpc-ddp cancel` can prove they are this toolkit's;
+        Slurm jobs get their state from scontrol with the submission's environment, not from
+        submitit's sacct polls (hpc_ddp.deploy.submitit.watcher says why)."""
         env = self.cluster_env
-        if env is not None:
+        if env is None:
+            remember_local_jobs(list(jobs), self.folder)
+        else:
             from hpc_ddp.deploy.submitit.watcher import watched_by_scontrol
 
             watched_by_scontrol(list(jobs), {**submission_env(), **env})
@@ -152,6 +160,7 @@ class Executor:
 
         ensure_private_dir(self.folder)  # submitit's pickles: see parameters.checked_folder
         if self.cluster == "local":
+            local_records()  # refused before a job runs, not after
             ex: submitit.Executor = submitit.LocalExecutor(folder=str(self.folder))
         else:
             ex = submitit.AutoExecutor(folder=str(self.folder), cluster="slurm")

@@ -6,37 +6,60 @@ process has no Popen for it, so this module reads /proc. Stopping with a checkpo
 to the tasks, not the controller: the controller answers SIGINT by killing its tasks a second
 later, too soon for a checkpoint, while a task answers it by sending its program SIGTERM (on
 which the trainer checkpoints and exits) and waiting for it (``ProgramTask._end_child``).
+
+A pid alone proves nothing: any process may hold it (one of another user's, or a new one after
+the job ended and the pid was reused). So submission records each local job it starts
+(``remember_local_jobs``): the controller's pid, its start time, the boot and the job's folder,
+in a file of the toolkit's private state dir. ``stop_local`` signals a controller, and the
+processes it started, only when that record matches the live process (``proven_controller``).
 Torch-free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from hpc_ddp import regular_file
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.private_paths import ensure_private_dir, lasting_state_base, replace_file
+
+# Under the lasting state dir: a local job may outlive the login session that submitted it.
+RECORDS_DIR = "local-jobs"
+# A record's name: the controller's pid and its start time (clock ticks after boot).
+_RECORD = re.compile(r"([0-9]{1,10})-([0-9]{1,20})\.json", re.ASCII)
+_RECORD_LIMIT = 1 << 16
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, parent pid) of ``pid``, None if it is gone."""
+class _Stat(NamedTuple):
+    state: str  # R, S, Z...
+    ppid: int
+    start: int  # clock ticks after boot: with the pid, names one process of this boot
+
+
+def _stat(pid: int) -> _Stat | None:
+    """State letter, parent pid and start time of ``pid``, None if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[0], int(fields[1])
+    return _Stat(fields[0], int(fields[1]), int(fields[19]))
 
 
 def controller_alive(job_id: str) -> bool:
     """Whether the controller of local job ``job_id`` still runs (and is submitit's)."""
     stat = _stat(int(job_id))
-    if stat is None or stat[0] in ("Z", "X"):
+    if stat is None or stat.state in ("Z", "X"):
         return False
     try:
         cmdline = Path(f"/proc/{job_id}/cmdline").read_bytes()
@@ -60,7 +83,7 @@ def children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         stat = _stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat is not None and stat[1] == pid and stat[0] not in ("Z", "X"):
+        if stat is not None and stat.ppid == pid and stat.state not in ("Z", "X"):
             found.append(int(entry.name))
     return found
 
@@ -99,9 +122,69 @@ def cancellable_by_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def local_records() -> Path:
+    """The private dir of the records of local jobs (created, or checked: HpcDdpError if
+    another user could change it). Submission asks for it first, so that a dir it refuses stops
+    the submission before a job runs unrecorded."""
+    return ensure_private_dir(ensure_private_dir(lasting_state_base()) / RECORDS_DIR)
+
+
+def _boot_id() -> str:
+    return regular_file.read_small(_BOOT_ID, 64).decode().strip()
+
+
+def remember_local_jobs(jobs: Iterable[Any], folder: Path) -> None:
+    """Record the controller of each local job just submitted (submitit's ``LocalJob``s, whose
+    id is the controller's pid), with the job's ``folder``: the proof ``stop_local`` asks for.
+    Records of controllers that have ended are removed (they are this module's own files)."""
+    records = local_records()
+    for entry in records.iterdir():
+        if (named := _RECORD.fullmatch(entry.name)) is not None:
+            stat = _stat(int(named.group(1)))
+            if stat is None or stat.start != int(named.group(2)):
+                entry.unlink(missing_ok=True)
+    boot, where = _boot_id(), str(Path(folder).resolve())
+    for job in jobs:
+        pid = int(job.job_id)
+        if (stat := _stat(pid)) is None:
+            continue  # already ended: there is nothing to stop
+        record = {"pid": pid, "start": stat.start, "boot": boot, "folder": where}
+        replace_file(records / f"{pid}-{stat.start}.json", json.dumps(record).encode(), 0o600)
+
+
+def proven_controller(job_id: str, folder: Path) -> int:
+    """The pid of local job ``job_id``'s controller, once this toolkit's record of starting it
+    (``remember_local_jobs``) matches the live process: same pid, start time, boot and folder.
+    HpcDdpError otherwise: a process the toolkit did not start is never signalled."""
+    pid = int(job_id)
+    start = stat.start if (stat := _stat(pid)) is not None else -1
+    record_path = local_records() / f"{pid}-{start}.json"
+    try:
+        record = regular_file.read_json(record_path, _RECORD_LIMIT)
+    except (OSError, ValueError):
+        record = None
+    this = {"pid": pid, "start": start, "boot": _boot_id()}
+    where = str(Path(folder).resolve())
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in this.items()):
+        why = f"hpc-ddp has no record of starting process {pid} (in {record_path.parent})"
+    elif record.get("folder") != where:
+        why = f"hpc-ddp started job {pid} with the folder {record.get('folder')}, not {where}"
+    else:
+        return pid
+    raise HpcDdpError(
+        f"not stopping local job {job_id}: {why}; only a process that hpc-ddp started itself, "
+        "and is still the same process, is signalled",
+        hint="give the id and --folder that `hpc-ddp submit --executor local` printed; a "
+        "process started otherwise is yours to stop with kill",
+    )
+
+
 def stop_local(job: Any, *, now: bool, timeout_s: float, on_event: Callable[[str], None]) -> str:
-    """Stop a local submitit job (see the module's docstring); returns its final state."""
-    pid = int(job.job_id)
+    """Stop a local submitit job (see the module's docstring); returns its final state.
+    HpcDdpError, nothing signalled, unless the toolkit can prove it started the job."""
+    if not controller_alive(job.job_id):
+        return str(job.status())  # it ended meanwhile: nothing to stop
+    pid = proven_controller(job.job_id, job.folder)
     if now:
         on_event(f"job {job.job_id}: SIGKILL to the controller and every task")
         _signal([pid, *_descendants(pid)], signal.SIGKILL)
