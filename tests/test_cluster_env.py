@@ -276,6 +276,69 @@ def test_explicit_master_wins(no_gpu_proc: str) -> None:
     assert (env.master_addr, env.master_port) == ("node1-ib", 31000)
 
 
+# ---- a launcher inside a one-task Slurm job -----------------------------------------------
+
+# The shell of a one-task job, where another launcher is started: `sbatch -n1` / `salloc -N1`
+# (SLURM_NTASKS unset without -n), and salloc's interactive step (a step of one task).
+ONE_TASK_SHELLS = {
+    "batch -n1": {"SLURM_JOB_ID": "777", "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1"},
+    "salloc -N1": {"SLURM_JOB_ID": "777", "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1"},
+    "interactive step": {
+        "SLURM_JOB_ID": "777",
+        "SLURM_NTASKS": "1",
+        "SLURM_STEP_ID": "4294967290",
+        "SLURM_PROCID": "0",
+    },
+}
+# What each inner launcher leaves in its workers (DeepSpeed's launcher and the legacy
+# torch.distributed.launch set no torchrun markers; MPI cannot be faked better: no MPI here).
+TORCH_LIKE = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+INNER_LAUNCHERS = {
+    "deepspeed": ({**TORCH_LIKE, "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, "RANK=3 "),
+    "deepspeed rank 0": ({**TORCH_LIKE, "RANK": "0", "WORLD_SIZE": "8"}, "WORLD_SIZE=8 are set"),
+    "legacy launch": ({**TORCH_LIKE, "RANK": "1", "WORLD_SIZE": "2"}, "RANK=1 WORLD_SIZE=2"),
+    "open mpi": (
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+        },
+        "OMPI_COMM_WORLD_RANK=3 OMPI_COMM_WORLD_SIZE=4 are set",
+    ),
+    "mpich hydra": ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "PMI_RANK=0 PMI_SIZE=2 are set"),
+    "pmix": ({"PMIX_RANK": "2"}, "PMIX_RANK=2 is set"),
+}
+
+
+@pytest.mark.parametrize("shell", ONE_TASK_SHELLS)
+@pytest.mark.parametrize("inner", INNER_LAUNCHERS)
+def test_launcher_inside_a_one_task_job_is_a_contradiction(
+    shell: str, inner: str, no_gpu_proc: str
+) -> None:
+    """Each worker read Slurm's single task and went on as rank 0 of 1 (outside Slurm the same
+    variables were refused): now they are named, with the fix."""
+    variables, shown = INNER_LAUNCHERS[inner]
+    with pytest.raises(LaunchEnvError) as err:
+        detect_env({**ONE_TASK_SHELLS[shell], **variables}, proc_root=no_gpu_proc)
+    assert shown in err.value.message and "in Slurm job 777" in err.value.message
+    assert "neither an srun task" in err.value.message
+    assert err.value.hint and "srun" in err.value.hint
+
+
+def test_launcher_inside_a_job_is_named_before_srun_forgotten(no_gpu_proc: str) -> None:
+    """mpirun in `sbatch -n4`: its ranks are what went wrong, not a forgotten srun. Variables
+    that agree with one process stay valid in a one-task job."""
+    mpirun = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "n1"}
+    shell = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}
+    with pytest.raises(LaunchEnvError, match="OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=4"):
+        detect_env({**shell, **mpirun}, proc_root=no_gpu_proc)
+    agree = {**ONE_TASK_SHELLS["batch -n1"], "RANK": "0", "WORLD_SIZE": "1", "PMI_SIZE": "1"}
+    env = detect_env(agree, proc_root=no_gpu_proc)
+    assert (env.source, env.rank, env.world_size) == ("slurm", 0, 1)
+
+
 # ---- ports -------------------------------------------------------------------------------
 
 

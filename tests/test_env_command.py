@@ -114,6 +114,21 @@ TORCHRUN_VARS |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "2
             },
             "srun forgotten",
         ),
+        # DeepSpeed's launcher (or the legacy torch.distributed.launch) in `salloc -N1`: every
+        # worker was rank 0 of a world of 1.
+        (
+            {
+                "SLURM_JOB_ID": "777",
+                "SLURM_NTASKS": "1",
+                "SLURM_JOB_NUM_NODES": "1",
+                "RANK": "3",
+                "WORLD_SIZE": "8",
+                "LOCAL_RANK": "3",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500",
+            },
+            "RANK=3 WORLD_SIZE=8 are set in Slurm job 777",
+        ),
     ],
 )
 def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:

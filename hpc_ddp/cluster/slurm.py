@@ -22,7 +22,7 @@ from hpc_ddp.cluster._vars import first_int, get_address, get_int, get_opt_int
 from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.cluster.master_port import choose_master_port
-from hpc_ddp.cluster.single import one_process
+from hpc_ddp.cluster.single import one_process, other_world
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import LaunchEnvError
 
@@ -89,11 +89,25 @@ def _outside_step(environ: Mapping[str, str], gpus_per_process: int) -> DistEnv:
     job_id = _job_id(environ)
     tasks = first_int(environ, ("SLURM_NTASKS", "SLURM_NPROCS"), minimum=1) or 1
     nodes = first_int(environ, ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"), minimum=1) or 1
+    step = special_step(environ)
+    why = f"Slurm's {step} step" if step else "no SLURM_STEP_ID"
+    # A launcher started inside the job (mpirun, DeepSpeed's, the legacy
+    # torch.distributed.launch) left its ranks here; srun and torchrun would have been read
+    # first. Slurm's one task would make every one of its processes rank 0 of 1.
+    found = other_world(environ)
+    if found is not None:
+        single = "; read as the job's one task, each of them would be rank 0 of 1"
+        raise LaunchEnvError(
+            f"{found} in Slurm job {job_id}, but this process is neither an srun task ({why}) "
+            "nor a torchrun worker: a launcher hpc-ddp does not read (mpirun, deepspeed, "
+            "torch.distributed.launch) started it inside the job, or they were exported by hand"
+            + (single if tasks == nodes == 1 else ""),
+            hint="start the processes with `srun -n <N>` (`srun --mpi=pmix` for an MPI "
+            "program) or with torchrun inside the job; or unset them to run one process",
+        )
     if tasks > 1 or nodes > 1:
         where = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         job = f"a job of {tasks} task(s) on {nodes} node(s)" + (f": {where}" if where else "")
-        step = special_step(environ)
-        why = f"Slurm's {step} step" if step else "no SLURM_STEP_ID"
         raise LaunchEnvError(
             f"srun forgotten: SLURM_JOB_ID={job_id} is set ({job}), but this process is not an "
             f"srun task ({why}): it is the batch script or an salloc shell itself, "
