@@ -53,6 +53,9 @@ def test_captures_exist() -> None:
         "slurm_srun_torchrun",
         "slurm_interactive_step",
         "slurm_srun_resv_ports",
+        "slurm_het_job_step",
+        "slurm_srun_het_allocation",
+        "slurm_het_step_in_plain_job",
     } <= names
 
 
@@ -263,6 +266,7 @@ def test_slurm_master_is_first_host_in_slurm_order(no_gpu_proc: str) -> None:
             SLURM_STEP_TASKS_PER_NODE="2,1(x2)",
             SLURM_NODEID="0",
             SLURM_PROCID="1",
+            SLURMD_NODENAME="zeta9",
         ),
         proc_root=no_gpu_proc,
     )
@@ -337,6 +341,108 @@ def test_launcher_inside_a_job_is_named_before_srun_forgotten(no_gpu_proc: str) 
     agree = {**ONE_TASK_SHELLS["batch -n1"], "RANK": "0", "WORLD_SIZE": "1", "PMI_SIZE": "1"}
     env = detect_env(agree, proc_root=no_gpu_proc)
     assert (env.source, env.rank, env.world_size) == ("slurm", 0, 1)
+
+
+# ---- heterogeneous steps -------------------------------------------------------------------
+
+# `srun --het-group=0,1`: component 0 is gpu01 (2 tasks), component 1 cpu01 and cpu02 (1 each).
+# srun sorted the joint node list and its tasks per node; SLURM_NODEID counts component 0 first.
+HET_STEP = {
+    "SLURM_JOB_ID": "500",
+    "SLURM_STEP_ID": "0",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_STEP_NODELIST": "cpu[01-02],gpu01",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2),2",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "3",
+}
+HET_GROUPS = {
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu0[1-2]",
+}
+# (SLURM_PROCID, SLURM_NODEID, SLURM_LOCALID, SLURMD_NODENAME) of each task, as slurmstepd sets.
+HET_TASKS = [(0, 0, 0, "gpu01"), (1, 0, 1, "gpu01"), (2, 1, 0, "cpu01"), (3, 2, 0, "cpu02")]
+
+
+def _task(base: dict, procid: int, nodeid: int, localid: int, host: str, **extra: str) -> dict:
+    ids = {"SLURM_PROCID": str(procid), "SLURM_NODEID": str(nodeid), "SLURM_LOCALID": str(localid)}
+    return {**base, **ids, "SLURMD_NODENAME": host, **extra}
+
+
+def test_het_step_without_component_lists_is_refused(no_gpu_proc: str) -> None:
+    """Task 0 of the step read cpu01 as MASTER_ADDR and 1 process on its node (it has 2)."""
+    environ = {**HET_STEP, "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
+    with pytest.raises(LaunchEnvError) as err:
+        detect_env(environ, proc_root=no_gpu_proc)
+    message = err.value.message
+    assert "SLURM_HET_SIZE=2" in message and "SLURM_NODEID" in message
+    assert "SLURM_JOB_NODELIST_HET_GROUP_0, SLURM_JOB_NODELIST_HET_GROUP_1" in message
+    assert err.value.hint
+
+
+@pytest.mark.parametrize("spelling", ["HET_GROUP", "PACK_GROUP"])
+def test_het_step_nodes_in_component_order(spelling: str, no_gpu_proc: str) -> None:
+    """sbatch/salloc set _HET_GROUP_<n> and _PACK_GROUP_<n>, srun's own allocation only the
+    second. Every task agrees on component 0's first node and counts its own node's tasks."""
+    groups = {k.replace("HET_GROUP", spelling): v for k, v in HET_GROUPS.items()}
+    envs = [
+        detect_env(_task({**HET_STEP, **groups}, *task), proc_root=no_gpu_proc)
+        for task in HET_TASKS
+    ]
+    assert {(e.master_addr, e.world_size, e.num_nodes) for e in envs} == {("gpu01", 4, 3)}
+    assert [(e.rank, e.node_rank, e.local_rank, e.local_world_size) for e in envs] == [
+        (0, 0, 0, 2),
+        (1, 0, 1, 2),
+        (2, 1, 0, 1),
+        (3, 2, 0, 1),
+    ]
+    # An exported MASTER_ADDR is kept; the node sizes still come from component order.
+    mine = detect_env(_task({**HET_STEP, **groups}, *HET_TASKS[3], MASTER_ADDR="gpu01-ib"))
+    assert (mine.master_addr, mine.local_world_size) == ("gpu01-ib", 1)
+    # A step of component 1 alone in the same job: its own list, in its own order.
+    alone = {**HET_STEP, **groups, "SLURM_STEP_NODELIST": "cpu0[1-2]"}
+    alone |= {"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NUM_TASKS": "2"}
+    alone |= {"SLURM_STEP_NUM_NODES": "2"}
+    env = detect_env(_task(alone, 1, 1, 0, "cpu02"), proc_root=no_gpu_proc)
+    assert (env.master_addr, env.rank, env.node_rank, env.world_size) == ("cpu01", 1, 1, 2)
+
+
+HET_CONTRADICTIONS = [
+    (
+        "host in two components",
+        _task(
+            {**HET_STEP, **HET_GROUPS, "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01,cpu01"},
+            *HET_TASKS[0],
+        ),
+        "cpu01 is in the node lists of components 0 and 1",
+    ),
+    (
+        "host in no component",
+        _task({**HET_STEP, **HET_GROUPS, "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu01"}, *HET_TASKS[0]),
+        "cpu02 of SLURM_STEP_NODELIST='cpu[01-02],gpu01' is in no component's node list",
+    ),
+    (
+        "task on another node",
+        _task({**HET_STEP, **HET_GROUPS}, 0, 0, 0, "cpu01"),
+        "this task runs on SLURMD_NODENAME='cpu01', but SLURM_NODEID=0 is 'gpu01'",
+    ),
+    # `srun A : B` inside an ordinary job: no SLURM_HET_SIZE, no component lists.
+    (
+        "het step in an ordinary job",
+        _task({k: v for k, v in HET_STEP.items() if k != "SLURM_HET_SIZE"}, *HET_TASKS[0]),
+        "this task runs on SLURMD_NODENAME='gpu01', but SLURM_NODEID=0 is 'cpu01'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "environ", "message"), HET_CONTRADICTIONS, ids=[c[0] for c in HET_CONTRADICTIONS]
+)
+def test_het_step_contradictions(name: str, environ: dict, message: str, no_gpu_proc: str) -> None:
+    with pytest.raises(LaunchEnvError) as err:
+        detect_env(environ, proc_root=no_gpu_proc)
+    assert message in err.value.message, err.value.message
+    assert err.value.hint
 
 
 # ---- ports -------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ KEYS = {
     "job_id", "layout", "hostname",
 }  # fmt: skip
 # Launcher variables of the machine running the tests must not leak into these runs.
-LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI", "MV2_", "SUBMITIT_", "HPC_DDP_")
+LAUNCH_PREFIXES = (
+    "SLURM_", "SLURMD_", "TORCHELASTIC_", "OMPI_", "PMI", "MV2_", "SUBMITIT_", "HPC_DDP_",
+)  # fmt: skip
 LAUNCH_NAMES = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
     "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
@@ -84,6 +86,31 @@ def test_never_imports_torch_and_is_fast() -> None:
     assert cpu < 0.6  # interpreter start included; importing torch alone would exceed it
 
 
+# `srun --het-group=0,1`, component 0 on gpu01 (2 tasks), component 1 on cpu01 and cpu02: srun
+# sorts the joint node list, SLURM_NODEID counts component 0's nodes first.
+HET_STEP = {
+    "SLURM_JOB_ID": "500",
+    "SLURM_STEP_ID": "0",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_STEP_NODELIST": "cpu[01-02],gpu01",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2),2",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "3",
+}
+HET_GROUPS = {
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu0[1-2]",
+}
+
+
+def _tasks(*tasks: tuple[int, int, int, str]) -> list[dict[str, str]]:
+    """SLURM_PROCID, SLURM_NODEID, SLURM_LOCALID and SLURMD_NODENAME of each task."""
+    keys = ("SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID", "SLURMD_NODENAME")
+    return [dict(zip(keys, map(str, task), strict=True)) for task in tasks]
+
+
+HET_TASKS = _tasks((0, 0, 0, "gpu01"), (1, 0, 1, "gpu01"), (2, 1, 0, "cpu01"), (3, 2, 0, "cpu02"))
+
 # A torchrun worker's variables (rank 0 of 2 on one node), to break in the table below.
 TORCHRUN_VARS = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 TORCHRUN_VARS |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
@@ -129,6 +156,9 @@ TORCHRUN_VARS |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "2
             },
             "RANK=3 WORLD_SIZE=8 are set in Slurm job 777",
         ),
+        # A heterogeneous step without its components' node lists: task 0 took cpu01 (sorted
+        # first) as MASTER_ADDR and 1 process on its node.
+        ({**HET_STEP, **HET_TASKS[0]}, "without SLURM_JOB_NODELIST_HET_GROUP_0"),
     ],
 )
 def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:
@@ -137,6 +167,24 @@ def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:
     assert message in out.stderr and "HINT: " in out.stderr
     assert "Traceback" not in out.stderr
     assert out.stdout == ""
+
+
+def _every_task(base: dict[str, str], tasks: list[dict[str, str]]) -> list[dict]:
+    outs = [hpc_ddp_env("--json", env=clean_env(**base, **task)) for task in tasks]
+    assert [out.returncode for out in outs] == [0] * len(tasks), [out.stderr for out in outs]
+    return [json.loads(out.stdout) for out in outs]
+
+
+def test_het_step_tasks_agree_on_component_0s_first_node() -> None:
+    """Before, every task named cpu01 (first of the sorted list) and the wrong node sizes."""
+    ranks = _every_task({**HET_STEP, **HET_GROUPS}, HET_TASKS)
+    assert {r["master_addr"] for r in ranks} == {"gpu01"}
+    assert [(r["rank"], r["node_rank"], r["local_world_size"]) for r in ranks] == [
+        (0, 0, 2),
+        (1, 0, 2),
+        (2, 1, 1),
+        (3, 2, 1),
+    ]
 
 
 def test_an_enormous_host_list_is_refused_in_well_under_a_second() -> None:

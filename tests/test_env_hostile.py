@@ -35,6 +35,13 @@ def _with(base: dict, **changes: str) -> dict:
     return {**base, **changes}
 
 
+HUGE = "n[0-99999][0-99999][0-99999]"
+
+
+def _het_groups(first: str, second: str) -> dict[str, str]:
+    return {"SLURM_JOB_NODELIST_HET_GROUP_0": first, "SLURM_JOB_NODELIST_HET_GROUP_1": second}
+
+
 @pytest.fixture
 def no_gpu_proc(tmp_path: Path) -> str:
     """A /proc without an NVIDIA driver, so the real host's state cannot leak in."""
@@ -88,6 +95,30 @@ HOSTILE = [
     ("torchrun run id space", _with(TORCHRUN, TORCHELASTIC_RUN_ID="a b"), "is not a job id"),
     ("launcher job id", _with(LAUNCHER, HPC_DDP_JOB_ID="j\u00f6b"), "HPC_DDP_JOB_ID="),
     ("step id digits", _with(SRUN, SLURM_STEP_ID="\u0660"), "is not a Slurm step id"),
+    # Heterogeneous jobs: component counts and lists are read before anything is expanded.
+    ("het size huge", _with(SRUN, SLURM_HET_SIZE="1000000"), "at most 128 components"),
+    ("het size digits", _with(SRUN, SLURM_HET_SIZE="\u0662"), "SLURM_HET_SIZE='\u0662' is not"),
+    (
+        "het group list huge",
+        _with(SRUN, SLURM_HET_SIZE="2", **_het_groups(HUGE, "node1")),
+        "more than 65536 hosts",
+    ),
+    (
+        "het group lists add up",
+        _with(SRUN, SLURM_HET_SIZE="2", **_het_groups("a[0-39999]", "b[0-39999]")),
+        "name more than 65536 hosts",
+    ),
+    (
+        "het group list text",
+        _with(SRUN, SLURM_HET_SIZE="2", **_het_groups("node1;reboot", "node2")),
+        "cannot parse host list 'node1;reboot'",
+    ),
+    # Where this task runs, shown quoted: it reaches terminals and logs.
+    (
+        "node name escape",
+        _with(SRUN, SLURMD_NODENAME="node2\x1b[2J"),
+        "SLURMD_NODENAME='node2\\x1b[2J'",
+    ),
 ]
 
 

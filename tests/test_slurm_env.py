@@ -173,6 +173,40 @@ def test_batch_script_of_slurm_26_sees_its_step_id_and_still_forgot_srun(
     assert "srun forgotten" in res.output and "Slurm's batch step" in res.output, res.output
 
 
+# ---- steps whose node list is not in task order ---------------------------------------------
+
+
+def test_heterogeneous_step_master_is_component_0s_first_node(
+    slurm_cluster: SlurmTestCluster,
+) -> None:
+    """srun allocates a heterogeneous job, component 0 on node2 and component 1 (2 tasks) on
+    node1, and sorts the step's node list to node[1-2], tasks per node 2,1, while SLURM_NODEID
+    counts node2 first. Task 0 runs on node2; before, every task named node1."""
+    env = [slurm_cluster.hpc_ddp, "env", "--json"]
+    tasks = _srun_json(slurm_cluster, ["-w", "node2", "-n1", *env, ":", "-w", "node1", "-n2"], env)
+    assert [t["rank"] for t in tasks] == [0, 1, 2]
+    assert {(t["master_addr"], t["world_size"], t["num_nodes"]) for t in tasks} == {("node2", 3, 2)}
+    assert [(t["node_rank"], t["local_rank"], t["local_world_size"]) for t in tasks] == [
+        (0, 0, 1),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
+
+
+def test_heterogeneous_step_in_an_ordinary_job_fails_loudly(
+    slurm_cluster: SlurmTestCluster,
+) -> None:
+    """`srun A : B` inside a plain allocation: the node list is sorted just the same but no
+    variable gives the components' order. Each task sees that SLURMD_NODENAME is not the node
+    SLURM_NODEID names; before, task 0 trained against node1 as its master."""
+    env = [slurm_cluster.hpc_ddp, "env", "--json"]
+    step = ["srun", "-N1", "-w", "node2", "-n1", *env, ":", "-N1", "-w", "node1", "-n2", *env]
+    proc = slurm_cluster.run(["salloc", "-N2", "-n4", *step], timeout_s=90, check=False)
+    assert proc.returncode != 0 and not _json_lines(proc.stdout), proc.stdout
+    assert proc.stderr.count("this task runs on SLURMD_NODENAME=") == 3, proc.stderr
+    assert "HINT:" in proc.stderr and "hetjob" in proc.stderr
+
+
 # ---- a cluster that reserves ports per step ------------------------------------------------
 
 

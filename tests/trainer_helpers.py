@@ -49,7 +49,7 @@ def train_args(run_dir: Path, data_dir: Path, **overrides: Any) -> list[str]:
 
 def job_env(**extra: str) -> dict[str, str]:
     """The test process's environment minus launcher variables it may have inherited."""
-    drop = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_", "OMPI_", "PMI_", "PMIX_", "HPC_DDP_")
+    drop = ("SLURM_", "SLURMD_", "TORCHELASTIC_", "SUBMITIT_", "OMPI_", "PMI_", "PMIX_", "HPC_DDP_")
     names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"

@@ -3,6 +3,9 @@
 Step-level variables come first: a step (``srun -N2 -n2`` inside a 3-node job) can be smaller
 than the allocation, and only SLURM_STEP_* describe the processes that actually run.
 
+Where the tasks run, when the node list is not in task order (heterogeneous steps), is
+:mod:`hpc_ddp.cluster.slurm_nodes`'s.
+
 The batch script itself also has SLURM_PROCID=0, so the step id tells a forgotten ``srun``
 apart from task 0. Slurm 22.05 gives the batch script no SLURM_STEP_ID at all. Its special
 steps have ids near 2**32 (slurm.h: SLURM_BATCH_SCRIPT 0xfffffffb, SLURM_EXTERN_CONT
@@ -23,6 +26,7 @@ from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.cluster.master_port import choose_master_port
 from hpc_ddp.cluster.single import one_process, other_world
+from hpc_ddp.cluster.slurm_nodes import check_this_node, node_order
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import LaunchEnvError
 
@@ -189,6 +193,8 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             f"slurm: node rank {node_rank} is outside the step's {num_nodes} node(s)",
             hint="SLURM_NODEID does not belong to this step; do not export it by hand",
         )
+    hosts, tasks_per_node = node_order(environ, hosts, tasks_per_node, nodelist)
+    check_this_node(environ, hosts, node_rank, nodelist)
     local_world = tasks_per_node[node_rank]
     _check_same(environ, "RANK", rank, "SLURM_PROCID")
     _check_same(environ, "LOCAL_RANK", local_rank, "SLURM_LOCALID")
@@ -206,7 +212,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         node_rank=node_rank,
         num_nodes=num_nodes,
         # An exported MASTER_ADDR (e.g. an InfiniBand hostname) is the user's choice; otherwise
-        # the first host in Slurm's order, where task 0 runs.
+        # the first host in the order SLURM_NODEID counts, where task 0 runs.
         master_addr=get_address(environ, "MASTER_ADDR") or hosts[0],
         master_port=port.port,
         job_id=job_id,
