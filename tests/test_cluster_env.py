@@ -56,6 +56,7 @@ def test_captures_exist() -> None:
         "slurm_het_job_step",
         "slurm_srun_het_allocation",
         "slurm_het_step_in_plain_job",
+        "slurm_srun_arbitrary_w",
     } <= names
 
 
@@ -443,6 +444,90 @@ def test_het_step_contradictions(name: str, environ: dict, message: str, no_gpu_
         detect_env(environ, proc_root=no_gpu_proc)
     assert message in err.value.message, err.value.message
     assert err.value.hint
+
+
+# ---- srun --distribution=arbitrary ----------------------------------------------------------
+
+# `SLURM_HOSTFILE=<node2, node1, node1> srun -m arbitrary -n3` (the real slurm_srun_arbitrary_w
+# capture without its -w): the node list stays node[1-2], task 0 runs on node2 (SLURM_NODEID 1).
+ARBITRARY = {
+    "SLURM_JOB_ID": "61",
+    "SLURM_STEP_ID": "0",
+    "SLURM_DISTRIBUTION": "arbitrary",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "2,1",
+    "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_NUM_NODES": "2",
+}
+ARBITRARY_TASKS = [(0, 1, 0, "node2"), (1, 0, 0, "node1"), (2, 0, 1, "node1")]
+
+
+@pytest.mark.parametrize(
+    "hostfile",
+    [
+        "node2\nnode1\nnode1\n",
+        "node2,node1*2",  # Slurm's other forms: commas, name*N
+        "# task 0\nnode2 # rank 0\n\n  node1  \r\nnode1\nnode1\nnode3\n",  # more than needed
+    ],
+    ids=["lines", "commas and repeat", "comments and spare lines"],
+)
+def test_arbitrary_master_is_the_hostfile_first_host(
+    hostfile: str, tmp_path: Path, no_gpu_proc: str
+) -> None:
+    path = tmp_path / "hosts"
+    path.write_text(hostfile)
+    base = {**ARBITRARY, "SLURM_HOSTFILE": str(path)}
+    envs = [detect_env(_task(base, *task), proc_root=no_gpu_proc) for task in ARBITRARY_TASKS]
+    assert {e.master_addr for e in envs} == {"node2"}
+    assert [(e.rank, e.node_rank, e.local_world_size) for e in envs] == [
+        (0, 1, 1),
+        (1, 0, 2),
+        (2, 0, 2),
+    ]
+    # An exported MASTER_ADDR wins; the hostfile is not read then.
+    explicit = {**base, "SLURM_HOSTFILE": str(tmp_path / "absent"), "MASTER_ADDR": "node2-ib"}
+    assert detect_env(_task(explicit, *ARBITRARY_TASKS[1])).master_addr == "node2-ib"
+
+
+ARBITRARY_REFUSED = [
+    ("no hostfile", None, 0, "SLURM_HOSTFILE is not set in this task"),
+    ("missing file", "", 0, "cannot be read here (No such file or directory)"),
+    (
+        "counts differ",
+        "node1\nnode2\nnode2\n",
+        1,
+        "places 1 task(s) on node1, the step runs 2 there",
+    ),
+    (
+        "this task elsewhere",
+        "node1\nnode2\nnode1\n",
+        0,
+        "places task 0 on node1, which runs on node2",
+    ),
+    ("too few hosts", "node2\nnode1\n", 2, "names 2 task(s), not the step's 3"),
+    ("not a host", "node2\n$(reboot)\nnode1\n", 1, "holds '$(reboot)' on line 2"),
+    ("zero repeat", "node2*0,node1*2\n", 0, "holds 'node2*0' on line 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "task", "message"), ARBITRARY_REFUSED, ids=[c[0] for c in ARBITRARY_REFUSED]
+)
+def test_arbitrary_without_a_matching_hostfile_is_refused(
+    name: str, content: str | None, task: int, message: str, tmp_path: Path, no_gpu_proc: str
+) -> None:
+    """Rank 0 ran elsewhere than the node list's first host, which every task took as master."""
+    environ = _task(ARBITRARY, *ARBITRARY_TASKS[task])
+    if content is not None:
+        path = tmp_path / "hosts"
+        if content:
+            path.write_text(content)
+        environ["SLURM_HOSTFILE"] = str(path)
+    with pytest.raises(LaunchEnvError) as err:
+        detect_env(environ, proc_root=no_gpu_proc)
+    assert message in err.value.message, err.value.message
+    assert "SLURM_DISTRIBUTION=arbitrary" in err.value.message
+    assert err.value.hint and "MASTER_ADDR" in err.value.hint
 
 
 # ---- ports -------------------------------------------------------------------------------

@@ -101,6 +101,16 @@ HET_GROUPS = {
     "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01",
     "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu0[1-2]",
 }
+# `srun -m arbitrary` with task 0 on node2, the second node of node[1-2].
+ARBITRARY = {
+    "SLURM_JOB_ID": "61",
+    "SLURM_STEP_ID": "0",
+    "SLURM_DISTRIBUTION": "arbitrary",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "2,1",
+    "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_NUM_NODES": "2",
+}
 
 
 def _tasks(*tasks: tuple[int, int, int, str]) -> list[dict[str, str]]:
@@ -110,6 +120,7 @@ def _tasks(*tasks: tuple[int, int, int, str]) -> list[dict[str, str]]:
 
 
 HET_TASKS = _tasks((0, 0, 0, "gpu01"), (1, 0, 1, "gpu01"), (2, 1, 0, "cpu01"), (3, 2, 0, "cpu02"))
+ARBITRARY_TASKS = _tasks((0, 1, 0, "node2"), (1, 0, 0, "node1"), (2, 0, 1, "node1"))
 
 # A torchrun worker's variables (rank 0 of 2 on one node), to break in the table below.
 TORCHRUN_VARS = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
@@ -159,6 +170,8 @@ TORCHRUN_VARS |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "2
         # A heterogeneous step without its components' node lists: task 0 took cpu01 (sorted
         # first) as MASTER_ADDR and 1 process on its node.
         ({**HET_STEP, **HET_TASKS[0]}, "without SLURM_JOB_NODELIST_HET_GROUP_0"),
+        # srun -m arbitrary -w ...: rank 0's host is not in any variable.
+        ({**ARBITRARY, **ARBITRARY_TASKS[0]}, "SLURM_HOSTFILE is not set in this task"),
     ],
 )
 def test_errors_exit_2_with_hint(extra: dict[str, str], message: str) -> None:
@@ -185,6 +198,15 @@ def test_het_step_tasks_agree_on_component_0s_first_node() -> None:
         (2, 1, 1),
         (3, 2, 1),
     ]
+
+
+def test_arbitrary_tasks_take_master_from_the_hostfile(tmp_path: Path) -> None:
+    """Before, every task named node1 (first of the node list); task 0 runs on node2."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node2\nnode1\nnode1\n")
+    ranks = _every_task({**ARBITRARY, "SLURM_HOSTFILE": str(hostfile)}, ARBITRARY_TASKS)
+    assert {r["master_addr"] for r in ranks} == {"node2"}
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
 
 
 def test_an_enormous_host_list_is_refused_in_well_under_a_second() -> None:

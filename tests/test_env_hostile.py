@@ -8,11 +8,13 @@ way a hand-written export, a failed ``$(...)`` or another Slurm version would.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from hpc_ddp.cluster import detect_env
+from hpc_ddp.cluster import detect_env, slurm_nodes
 from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port
 from hpc_ddp.errors import LaunchEnvError
 
@@ -192,3 +194,61 @@ def test_derived_port_of_any_job_id_text() -> None:
     """Ids that are not numbers hash; other scripts' digits and undecodable bytes included."""
     for job_id in ("\u00b3", "\u0661\u0662", "x\udcff", "prterun-n1-4242@1"):
         assert PORT_BASE <= derive_port(job_id) < PORT_BASE + PORT_SPAN
+
+
+# ---- SLURM_HOSTFILE under srun --distribution=arbitrary --------------------------------------
+
+# The real 2x2 srun task (rank 3 on node2) as if placed by a hostfile.
+ARBITRARY = _with(SRUN, SLURM_DISTRIBUTION="arbitrary")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link to a device", "directory"])
+def test_hostfile_that_is_not_a_file_is_refused_at_once(
+    kind: str, tmp_path: Path, no_gpu_proc: str
+) -> None:
+    """A FIFO nobody writes would block open() forever; /dev/zero never ends. Neither is read."""
+    path = tmp_path / "hosts"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "link to a device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    with pytest.raises(LaunchEnvError) as err:
+        detect_env(_with(ARBITRARY, SLURM_HOSTFILE=str(path)), proc_root=no_gpu_proc)
+    assert "cannot be read here" in err.value.message and err.value.hint
+
+
+def test_hostfile_read_is_bounded(
+    tmp_path: Path, no_gpu_proc: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first HOSTFILE_LIMIT bytes are read (a smaller limit here: 64 bytes)."""
+    monkeypatch.setattr(slurm_nodes, "HOSTFILE_LIMIT", 64)
+    path = tmp_path / "hosts"
+    path.write_text("node1\n" + "#" * 200 + "\nnode1\nnode2\nnode2\n")
+    with pytest.raises(LaunchEnvError, match="its first 64 bytes name 1 task"):
+        detect_env(_with(ARBITRARY, SLURM_HOSTFILE=str(path)), proc_root=no_gpu_proc)
+    path.write_text("node1\nnode1\nnode2\nnode2\n" + "#" * 200 + "\n")  # the rest is not needed
+    env = detect_env(_with(ARBITRARY, SLURM_HOSTFILE=str(path)), proc_root=no_gpu_proc)
+    assert env.master_addr == "node1"
+
+
+def test_hostfile_repeats_are_counted_not_expanded(tmp_path: Path, no_gpu_proc: str) -> None:
+    """`name*N` for two nodes of 999999999 tasks each: a list of 2e9 names would never fit."""
+    path = tmp_path / "hosts"
+    path.write_text("node2*999999999\nnode1*999999999\n")
+    environ = _with(
+        ARBITRARY,
+        SLURM_HOSTFILE=str(path),
+        SLURM_STEP_TASKS_PER_NODE="999999999(x2)",
+        SLURM_STEP_NUM_TASKS="1999999998",
+        SLURM_PROCID="1999999997",  # the last task: node1's, SLURM_NODEID 0
+        SLURM_NODEID="0",
+        SLURMD_NODENAME="node1",
+    )
+    started = time.process_time()
+    env = detect_env(environ, proc_root=no_gpu_proc)
+    assert time.process_time() - started < 0.5
+    assert (env.master_addr, env.rank, env.local_world_size) == ("node2", 1999999997, 999999999)

@@ -207,6 +207,27 @@ def test_heterogeneous_step_in_an_ordinary_job_fails_loudly(
     assert "HINT:" in proc.stderr and "hetjob" in proc.stderr
 
 
+def test_arbitrary_distribution_master_is_the_hostfiles_first_host(
+    slurm_cluster: SlurmTestCluster, tmp_path: Path
+) -> None:
+    """srun -m arbitrary runs task i on the hostfile's line i: task 0 on node2, while the node
+    list says node[1-2]. Given the hosts with -w instead, the tasks cannot know where rank 0
+    runs and say so."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node2\nnode1\nnode1\n")
+    env = [slurm_cluster.hpc_ddp, "env", "--json"]
+    argv = ["env", f"SLURM_HOSTFILE={hostfile}", "srun", "-m", "arbitrary", "-n3", *env]
+    proc = slurm_cluster.run(argv, timeout_s=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    tasks = sorted(_json_lines(proc.stdout), key=lambda t: t["rank"])
+    assert [t["rank"] for t in tasks] == [0, 1, 2]
+    assert {t["master_addr"] for t in tasks} == {"node2"}
+    assert [t["node_rank"] for t in tasks] == [1, 0, 0]
+    listed = slurm_cluster.srun(["-m", "arbitrary", "-w", "node2,node1,node1", "-n3", *env])
+    assert listed.returncode != 0 and not _json_lines(listed.stdout), listed.stdout
+    assert listed.stderr.count("SLURM_HOSTFILE is not set in this task") == 3, listed.stderr
+
+
 # ---- a cluster that reserves ports per step ------------------------------------------------
 
 

@@ -3,8 +3,8 @@
 Step-level variables come first: a step (``srun -N2 -n2`` inside a 3-node job) can be smaller
 than the allocation, and only SLURM_STEP_* describe the processes that actually run.
 
-Where the tasks run, when the node list is not in task order (heterogeneous steps), is
-:mod:`hpc_ddp.cluster.slurm_nodes`'s.
+Where the tasks run, when the node list is not in task order (heterogeneous steps,
+``--distribution=arbitrary``), is :mod:`hpc_ddp.cluster.slurm_nodes`'s.
 
 The batch script itself also has SLURM_PROCID=0, so the step id tells a forgotten ``srun``
 apart from task 0. Slurm 22.05 gives the batch script no SLURM_STEP_ID at all. Its special
@@ -26,7 +26,7 @@ from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.cluster.master_port import choose_master_port
 from hpc_ddp.cluster.single import one_process, other_world
-from hpc_ddp.cluster.slurm_nodes import check_this_node, node_order
+from hpc_ddp.cluster.slurm_nodes import check_this_node, node_order, rank0_host
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import LaunchEnvError
 
@@ -212,8 +212,9 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
         node_rank=node_rank,
         num_nodes=num_nodes,
         # An exported MASTER_ADDR (e.g. an InfiniBand hostname) is the user's choice; otherwise
-        # the first host in the order SLURM_NODEID counts, where task 0 runs.
-        master_addr=get_address(environ, "MASTER_ADDR") or hosts[0],
+        # the host where task 0 runs.
+        master_addr=get_address(environ, "MASTER_ADDR")
+        or rank0_host(environ, hosts, tasks_per_node, rank=rank, node_rank=node_rank, world=world),
         master_port=port.port,
         job_id=job_id,
         gpus_per_process=gpus_per_process,

@@ -1,14 +1,19 @@
-"""Where the tasks of an srun step run: its nodes in the order SLURM_NODEID counts them.
+"""Where the tasks of an srun step run: its nodes in the order SLURM_NODEID counts them, and the
+host of task 0 (the default MASTER_ADDR).
 
-In an ordinary step that is SLURM_STEP_NODELIST's order: its node i is SLURM_NODEID i, and task 0
-runs on its first node whatever the distribution (block, cyclic, plane). A heterogeneous step
-(``srun A : B``, ``srun --het-group=0,1``) breaks that (Slurm's src/srun/srun.c,
-src/slurmd/slurmstepd/task.c): srun joins the components' node lists, sorts the joint list and
-reorders the tasks per node to match (``_reorder_het_job_recs``), while each task's SLURM_NODEID
-and SLURM_PROCID are offsets in component order, component 0's nodes first. The order is rebuilt
-from the components' allocations, SLURM_JOB_NODELIST_HET_GROUP_<n> (srun's own allocation sets
-only the older _PACK_GROUP_<n>): a component's step nodes keep the order of its allocation. srun
-leaves a joint list that names a host twice (components sharing a node) unsorted.
+In an ordinary step both come from SLURM_STEP_NODELIST: its node i is SLURM_NODEID i, and task 0
+runs on its first node whatever the distribution (block, cyclic, plane). Two kinds of step break
+that (Slurm's src/srun/srun.c, src/slurmd/slurmstepd/task.c):
+
+- A heterogeneous step (``srun A : B``, ``srun --het-group=0,1``). srun joins the components'
+  node lists, sorts the joint list and reorders the tasks per node to match
+  (``_reorder_het_job_recs``), while each task's SLURM_NODEID and SLURM_PROCID are offsets in
+  component order, component 0's nodes first. The order is rebuilt from the components'
+  allocations, SLURM_JOB_NODELIST_HET_GROUP_<n> (srun's own allocation sets only the older
+  _PACK_GROUP_<n>): a component's step nodes keep the order of its allocation. srun leaves a joint
+  list that names a host twice (components sharing a node) unsorted.
+- ``--distribution=arbitrary``: task i runs on the i-th host of SLURM_HOSTFILE (or of srun's
+  ``-w`` list, which the tasks never see), while the node list stays in Slurm's order.
 
 SLURMD_NODENAME, the node this task runs on, checks the result. A heterogeneous step inside an
 ordinary allocation (``srun A : B`` in a job without ``hetjob``) is sorted the same way but has no
@@ -17,15 +22,23 @@ per-component lists: there the check is what turns a wrong answer into an error.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from hpc_ddp.cluster._vars import first_int
+from hpc_ddp.cluster._vars import ascii_int, first_int
+from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.hostlist import MAX_HOSTS, expand_hostlist
 from hpc_ddp.errors import LaunchEnvError
+from hpc_ddp.regular_file import open_regular
 
 # slurm.h: MAX_HET_JOB_COMPONENTS.
 MAX_HET_COMPONENTS = 128
 _HET_SIZE_VARS = ("SLURM_HET_SIZE", "SLURM_PACK_SIZE")
+# A hostfile names one host per task; 16 MiB is some 10**6 tasks of long names. Only the bytes up
+# to the last task's host are needed (srun reads no further either).
+HOSTFILE_LIMIT = 16 << 20
+_ARBITRARY = ("arbitrary", "hostfile")  # srun -m: "hostfile" is another name for it
 
 
 def _group_vars(n: int) -> tuple[str, str]:
@@ -128,3 +141,115 @@ def check_this_node(
         "or start each component as a step of its own; otherwise look for SLURM_* variables "
         "exported by hand",
     )
+
+
+def is_arbitrary(environ: Mapping[str, str]) -> bool:
+    """srun placed task i on the i-th host it was given (``--distribution=arbitrary``)."""
+    value = environ.get("SLURM_DISTRIBUTION", "")
+    return value.split(",")[0].split(":")[0].strip().lower() in _ARBITRARY
+
+
+def _hostfile_error(path: str | None, why: str) -> LaunchEnvError:
+    name = "SLURM_HOSTFILE" if path is None else f"SLURM_HOSTFILE={path!r}"
+    return LaunchEnvError(
+        "SLURM_DISTRIBUTION=arbitrary places task i on the i-th host srun was given, but "
+        f"{name} {why}, so the host of rank 0 is not known",
+        hint="export MASTER_ADDR=<the host of task 0: the first one srun was given> before "
+        "srun in the job script; where srun read SLURM_HOSTFILE, keep that file where every "
+        "node can read it",
+    )
+
+
+@dataclass
+class _Placement:
+    """Where srun put the step's tasks, read from a hostfile: tasks per host, and the hosts of
+    task 0 and of one more task (counted, never expanded: ``name*N`` can be huge)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    placed: int = 0
+    first: str = ""
+    mine: str = ""
+
+
+def _place(text: str, tasks: int, rank: int, path: str) -> _Placement:
+    """The first ``tasks`` entries of a Slurm hostfile (slurm_read_hostfile): '#' starts a
+    comment, hosts are separated by newlines or commas, ``name*N`` is N tasks on name."""
+    found = _Placement()
+    for number, line in enumerate(text.split("\n"), 1):
+        for item in line.split("#", 1)[0].split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, star, count = item.partition("*")
+            repeat = ascii_int(count) if star else 1
+            if not is_host_name(name) or repeat is None or repeat < 1:
+                why = f"holds {item[:80]!r} on line {number} (a host name, or name*N)"
+                raise _hostfile_error(path, why)
+            repeat = min(repeat, tasks - found.placed)
+            if found.placed <= rank < found.placed + repeat:
+                found.mine = name
+            found.first = found.first or name
+            found.counts[name] += repeat
+            found.placed += repeat
+            if found.placed == tasks:
+                return found
+    return found
+
+
+def read_hostfile(environ: Mapping[str, str], tasks: int, rank: int) -> tuple[str, _Placement]:
+    """SLURM_HOSTFILE's path and where its first ``tasks`` entries put the tasks; a bounded read
+    of a regular file (a FIFO or a device is refused without blocking)."""
+    path = environ.get("SLURM_HOSTFILE")
+    if not path:
+        raise _hostfile_error(
+            None, "is not set in this task (srun's -w or --nodefile list never reaches its tasks)"
+        )
+    try:
+        with open_regular(path, follow_symlinks=True) as f:
+            data = f.read(HOSTFILE_LIMIT + 1)
+    except OSError as err:
+        raise _hostfile_error(path, f"cannot be read here ({err.strerror or err})") from None
+    cut = len(data) > HOSTFILE_LIMIT
+    if cut:  # the last line may end in the middle of a name
+        data = data[: data.rfind(b"\n", 0, HOSTFILE_LIMIT) + 1]
+    found = _place(data.decode("utf-8", "replace"), tasks, rank, path)
+    if found.placed < tasks:
+        size = f"its first {HOSTFILE_LIMIT} bytes name" if cut else "names"
+        raise _hostfile_error(path, f"{size} {found.placed} task(s), not the step's {tasks}")
+    return path, found
+
+
+def rank0_host(
+    environ: Mapping[str, str],
+    hosts: list[str],
+    tasks: list[int],
+    *,
+    rank: int,
+    node_rank: int,
+    world: int,
+) -> str:
+    """The host task 0 runs on; ``hosts`` and ``tasks`` in SLURM_NODEID order (node_order).
+
+    Under ``--distribution=arbitrary`` every task reads the hostfile and checks it against what
+    it knows: the tasks per host of the step, and the host of its own rank.
+    """
+    if not is_arbitrary(environ):
+        return hosts[0]
+    path, found = read_hostfile(environ, world, rank)
+    step: Counter[str] = Counter()
+    for host, count in zip(hosts, tasks, strict=True):
+        step[host] += count
+    if found.counts != step:
+        host = next(h for h in sorted(step | found.counts) if step[h] != found.counts[h])
+        why = (
+            f"does not describe this step: it places {found.counts[host]} task(s) on {host}, "
+            f"the step runs {step[host]} there"
+        )
+        raise _hostfile_error(path, why)
+    if found.mine and found.mine != hosts[node_rank]:
+        why = (
+            f"does not describe this step: it places task {rank} on {found.mine}, "
+            f"which runs on {hosts[node_rank]} (SLURM_NODEID={node_rank})"
+        )
+        raise _hostfile_error(path, why)
+    return found.first
