@@ -25,6 +25,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     # the trainer (torch once it trains; a finished run is answered without it)
     "run_training": ("hpc_ddp.commands.train", "run_training"),
     # training runtime (torch)
+    "Resumable": ("hpc_ddp.runtime.resumable", "Resumable"),
     "Checkpointer": ("hpc_ddp.checkpoint", "Checkpointer"),
     "Preemption": ("hpc_ddp.runtime.preemption", "Preemption"),
     "ShardPlan": ("hpc_ddp.runtime.shard_plan", "ShardPlan"),
@@ -96,6 +97,7 @@ __all__ = [
     "LaunchSpec",
     "LocalCluster",
     "Preemption",
+    "Resumable",
     "ResumableDistributedSampler",
     "RunPaths",
     "ShardPlan",
@@ -173,6 +175,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.evaluation import evaluate
     from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
     from hpc_ddp.runtime.preemption import Preemption
+    from hpc_ddp.runtime.resumable import Resumable
     from hpc_ddp.runtime.rng import capture as capture_rng_state
     from hpc_ddp.runtime.rng import restore as restore_rng_state
     from hpc_ddp.runtime.run_paths import RunPaths
