@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from deploy_support import progress_status, submit_spec, train_args, train_spec
-from hostile_files import evil_pickle, make_fifo, run_child
+from hostile_files import evil_pickle, make_fifo, run_child, symlink_to
 
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
@@ -47,10 +47,17 @@ def _hpc_ddp(args: list[str], env: dict[str, str], **kw: object) -> subprocess.P
     )
 
 
-def _run(args: list[str], env: dict[str, str], timeout_s: float = 240) -> tuple[str, str]:
+def _run(
+    args: list[str], env: dict[str, str], timeout_s: float = 240, rc: int = 0
+) -> tuple[str, str]:
+    """``hpc-ddp ARGS``'s (stdout, stderr); it must exit ``rc`` within ``timeout_s`` (a read
+    that blocks fails the test with TimeoutExpired)."""
     proc = _hpc_ddp(args, env)
-    out, err = proc.communicate(timeout=timeout_s)
-    assert proc.returncode == 0, (args, out, err)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        proc.kill()
+    assert proc.returncode == rc, (args, out, err)
     return out, err
 
 
@@ -125,6 +132,20 @@ def test_status_and_cancel_local_submitit_job(tmp_path: Path) -> None:
     assert _latest(tmp_path / "run") == "step-00000003"
     again = hpc_ddp.job_report(hpc_ddp.attach_job(submitted.job_id, folder=folder))
     assert again.state == "CANCELLED", again
+
+    # Hostile files in submitit's folder, which may be shared: a FIFO as task 0's log and as
+    # the submission file (each read blocked for ever), a link to /dev/zero as task 1's log.
+    prefix = f"{folder / submitted.job_id}"
+    make_fifo(Path(f"{prefix}_0_log.out"))
+    symlink_to(Path(f"{prefix}_1_log.out"), "/dev/zero")
+    target = [submitted.job_id, "--folder", str(folder)]
+    logs, said = _run(["logs", *target], {}, timeout_s=60, rc=2)
+    assert f"==> {prefix}_0_log.err <==" in logs, logs  # the readable logs, first
+    assert f"{prefix}_0_log.out: a FIFO, not a regular file" in said, said
+    assert f"{prefix}_1_log.out: a character device, not a regular file" in said, said
+    make_fifo(Path(f"{prefix}_submission.sh"))
+    status, _ = _run(["status", *target], {}, timeout_s=60)
+    assert f"job {submitted.job_id} (local): CANCELLED" in status, status
 
 
 @pytest.mark.slurm
@@ -429,3 +450,96 @@ def test_cancel_signals_only_a_local_job_the_toolkit_started(
     assert marker.is_file() and not marker.is_symlink()
     status, _ = _run(["status", job.job_id, "--folder", str(mine)], {})
     assert f"job {job.job_id} (local): CANCELLED" in status, status
+
+
+# --- hostile inputs: what job control reads that someone else may have put there -------------
+# A log, a submission file or a job's Command file may sit in a shared directory: each is read
+# only as a regular file, in bounded pieces; what a run dir's records say is shown escaped.
+BIG_LOG = 512 << 20  # sparse: nothing is written to disk
+LOG_MEMORY = 128 << 20  # what printing it may add to the reader's address space
+
+PRINT_LOGS = """
+import json, sys
+from pathlib import Path
+from hpc_ddp.deploy.control import follow_logs
+from hpc_ddp.deploy.sbatch.backend import SlurmJob
+from hpc_ddp.errors import HpcDdpError
+
+class Tally:
+    \"\"\"Keeps the output's size, its start and its end: nothing in between.\"\"\"
+    size, head, tail = 0, "", ""
+    def write(self, text):
+        self.size += len(text)
+        self.head = (self.head + text[:200])[:200]
+        self.tail = (self.tail + text[-200:])[-200:]
+    def flush(self):
+        pass
+
+cap_memory(int(sys.argv[2]))
+tally, error = Tally(), None
+try:
+    follow_logs(SlurmJob("12", {}, Path(sys.argv[1])), tally)
+except HpcDdpError as err:
+    error = str(err)
+print(json.dumps({"size": tally.size, "head": tally.head, "tail": tally.tail, "error": error}))
+"""
+
+
+def test_logs_print_a_huge_log_in_bounded_memory_and_refuse_what_is_no_file(
+    tmp_path: Path,
+) -> None:
+    """A 512 MiB batch log (sparse) printed in a process that may use 128 MiB more than it has
+    after its imports: read whole, it ended in MemoryError. Every byte arrives, the last line
+    without a line break too. Rank logs that are a FIFO (a read would block) and a link to
+    /dev/zero (a read would never end) are named in the error that follows the printing."""
+    out = tmp_path / "job.out"
+    with out.open("wb") as f:
+        f.write(b"first line\n")
+        f.seek(BIG_LOG)
+        f.write(b"last line, no line break")
+    make_fifo(tmp_path / "job.out.rank0")
+    symlink_to(tmp_path / "job.out.rank1", "/dev/zero")
+    said = run_child(PRINT_LOGS, str(out), str(LOG_MEMORY), timeout=120)
+    header = f"==> {out} <==\n"
+    assert said["size"] == len(header) + out.stat().st_size, said["size"]
+    assert said["head"].startswith(header + "first line\n\0"), said["head"]
+    assert said["tail"].endswith("\0last line, no line break"), said["tail"]
+    assert f"{out}.rank0: a FIFO, not a regular file" in said["error"], said
+    assert f"{out}.rank1: a character device, not a regular file" in said["error"], said
+
+
+@pytest.mark.slurm
+def test_status_reads_no_fifo_or_device_as_a_jobs_command_file(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """A job without a batch script Slurm gives out (an srun job here; another user's batch job
+    alike) is read from its Command, the path scontrol reports, which its owner can replace
+    once the job runs: by a FIFO, whose read blocked `status` for ever, or a link to /dev/zero,
+    whose read never ended. `status` reads neither and answers at once."""
+    env = slurm_cluster.env
+    program = tmp_path / "program.sh"
+    program.write_text("#!/bin/sh\ntouch started\nexec sleep 300\n")
+    program.chmod(0o755)
+    srun = subprocess.Popen(
+        ["srun", "-N1", "-J", "ctl-command", "-t", "5", str(program)], env=env, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    job_id = ""
+    try:
+
+        def running() -> str:
+            ask = ["squeue", "-h", "-n", "ctl-command", "-t", "RUNNING", "-o", "%i"]
+            return slurm_cluster.run(ask).stdout.strip()
+
+        job_id = wait_for(running, 60, "the srun job to run")
+        wait_for(lambda: (tmp_path / "started").exists(), 60, "the program to start")
+        assert slurm_cluster.job_info(job_id)["Command"] == str(program)
+        for hostile in (make_fifo, lambda p: symlink_to(p, "/dev/zero")):
+            hostile(program)
+            status, _ = _run(["status", job_id], env, timeout_s=60)
+            assert f"job {job_id} (sbatch): RUNNING" in status, status
+    finally:
+        if job_id:
+            slurm_cluster.cancel(job_id)
+        srun.kill()
+        srun.wait(timeout=30)

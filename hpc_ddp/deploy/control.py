@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from hpc_ddp import regular_file
 from hpc_ddp.deploy.backend import Job, read_result
+from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
@@ -38,6 +39,9 @@ from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts
 _JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
 # `#SBATCH --signal=[B:]SIG[@SECONDS]`: the warning the job's script asks Slurm for.
 _SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+--signal[= ](?:[BR]+:)?(?:SIG)?([A-Z0-9]+)", re.M)
+# The most of a batch script read back: sbatch refuses larger ones unless a site raises its
+# max_script_size (SchedulerParameters, 4 MB by default).
+SCRIPT_LIMIT = 4 << 20
 # How long a stop waits for the checkpoint before it cancels for good (the trainer's own
 # checkpoint deadline on a signal is 120 s).
 STOP_TIMEOUT_S = 300.0
@@ -95,10 +99,20 @@ def batch_script(client: SlurmClient, job_id: str, info: Mapping[str, str]) -> s
     proc = client.run(["scontrol", "write", "batch_script", job_id, "-"], check=False)
     if proc.returncode == 0 and proc.stdout:
         return proc.stdout
-    try:  # the file it was submitted from, if it still exists
-        return Path(info.get("Command", "")).read_text(errors="replace")
+    # The file it was submitted from, if it is still there: a path that anyone's job names
+    # (scontrol refuses another user's batch script), so read as a regular file only, bounded.
+    command = info.get("Command", "")
+    return _read_script(Path(command), follow_symlinks=True) if command else ""
+
+
+def _read_script(path: Path, *, follow_symlinks: bool = False) -> str:
+    """A batch script's text; '' for what is missing, unreadable or no regular file (a FIFO
+    would block the read, a link to /dev/zero never end it)."""
+    try:
+        data = regular_file.read_small(path, SCRIPT_LIMIT, follow_symlinks=follow_symlinks)
     except OSError:
         return ""
+    return data.decode(errors="replace")
 
 
 def is_local_job(folder: str | Path, job_id: str) -> bool:
@@ -106,10 +120,7 @@ def is_local_job(folder: str | Path, job_id: str) -> bool:
     folder = Path(folder)
     if not (folder / f"{job_id}_submitted.pkl").is_file():
         return False
-    try:
-        return "#SBATCH" not in (folder / f"{job_id}_submission.sh").read_text()
-    except OSError:
-        return True
+    return "#SBATCH" not in _read_script(folder / f"{job_id}_submission.sh")
 
 
 def _submitit_job(
@@ -239,7 +250,8 @@ def _client(job: Job) -> SlurmClient | None:
 
 # --- logs -----------------------------------------------------------------------------------
 def log_paths(job: Job) -> list[Path]:
-    """The batch log and every rank's log, those that exist (submitit: every task's)."""
+    """The batch log and every rank's log, those that exist (submitit: every task's). What is
+    at such a name is only read if it is a regular file (``follow_logs``)."""
     folder = getattr(job, "folder", None)
     if folder is not None and job.executor != "sbatch":
         found = sorted(Path(folder).glob(f"{job.job_id}_*_log.out"))
@@ -248,7 +260,7 @@ def log_paths(job: Job) -> list[Path]:
         return []
     out = job.output
     ranks = sorted(out.parent.glob(f"{out.name}.rank*"), key=_rank_of)
-    return [p for p in [out, *ranks] if p.is_file()]
+    return [p for p in [out, *ranks] if p.exists()]
 
 
 def _rank_of(path: Path) -> int:
@@ -266,46 +278,69 @@ def follow_logs(
 ) -> None:
     """Write the job's logs to ``sink``, each under a ``==> path <==`` header; with ``follow``,
     keep writing what is appended (new rank logs included) until the job has ended or
-    ``timeout_s`` has passed. Raises HpcDdpError, after writing what the logs hold, once Slurm
-    has stopped knowing the job (``LostJobWatch``): following it would never end."""
+    ``timeout_s`` has passed. Each log is read in bounded chunks (``LogFollower``), its last
+    line at the end whether or not a line break ends it. Raises HpcDdpError, after writing what
+    the logs hold: for a log that is no regular file (a FIFO, a device, a link to one: not
+    read), and once Slurm has stopped knowing the job (``LostJobWatch``): following it would
+    never end."""
+    out = _Headers(sink)
     followers: dict[Path, LogFollower] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    last: Path | None = None
     lost = LostJobWatch(job.job_id)
     while True:
         state = job.status() if follow else ""
-        ended = not follow or state in TERMINAL
+        done = not follow or state in TERMINAL
+        done = done or (deadline is not None and time.monotonic() > deadline)
         for path in log_paths(job):
-            follower = followers.setdefault(path, LogFollower(path, _Chunk()))
-            follower.poll()
-            text = follower.sink.take()  # type: ignore[attr-defined]
-            if text:
-                if path != last:
-                    sink.write(f"==> {path} <==\n")
-                    last = path
-                sink.write(text)
-                sink.flush()
-        if ended or (deadline is not None and time.monotonic() > deadline):
-            return
+            if path not in followers:
+                followers[path] = LogFollower(path, out.under(path), say_refusal=False)
+            followers[path].poll(final=done)
+        if done:
+            break
         lost.answer(state)
         time.sleep(interval_s)
+    refused = [f.refusal() for f in followers.values() if f.refused is not None]
+    if refused:
+        raise HpcDdpError(
+            f"not shown, not a log the job wrote: {'; '.join(refused)}",
+            hint="a job's log is a regular file; something else was put at that name (in a "
+            "shared directory, by someone else?): remove it, then run `hpc-ddp logs` again",
+        )
 
 
-class _Chunk:
-    """A sink that keeps what a LogFollower wrote until it is taken."""
+class _Headers:
+    """``follow_logs``'s output: each log's text under a ``==> path <==`` header, written again
+    whenever the text before came from another log."""
 
-    def __init__(self) -> None:
-        self.parts: list[str] = []
+    def __init__(self, sink: TextIO) -> None:
+        self.sink = sink
+        self.last: Path | None = None
+        self.mid_line = False  # the last log's last line had no line break (yet)
+
+    def under(self, path: Path) -> _Under:
+        return _Under(self, path)
+
+
+class _Under:
+    """The sink of one log's ``LogFollower``."""
+
+    def __init__(self, headers: _Headers, path: Path) -> None:
+        self.headers, self.path = headers, path
 
     def write(self, text: str) -> None:
-        self.parts.append(text)
+        if not text:
+            return
+        out = self.headers
+        if out.last != self.path:
+            out.sink.write(
+                ("\n" if out.mid_line else "") + f"==> {comment_text(str(self.path))} <==\n"
+            )
+            out.last = self.path
+        out.sink.write(text)
+        out.mid_line = not text.endswith("\n")
 
     def flush(self) -> None:
-        pass
-
-    def take(self) -> str:
-        text, self.parts = "".join(self.parts), []
-        return text
+        self.headers.sink.flush()
 
 
 # --- cancel ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ they print is hpc_ddp.slurm_client's. Never imports torch.
 
 from __future__ import annotations
 
+import codecs
 import re
 import shlex
 import time
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from hpc_ddp import regular_file
 from hpc_ddp.deploy.backend import Finished
+from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm_client import (
@@ -89,23 +92,57 @@ def sbatch(
 
 
 class LogFollower:
-    """Prints what is appended to a file (the job log), from where it stood last time."""
+    """Prints what is appended to a file (the job log), from where it stood last time.
 
-    def __init__(self, path: Path | None, sink: TextIO | None) -> None:
+    Whole lines, so that a line being written is printed once it is complete; read in chunks
+    of at most ``CHUNK`` bytes (a line longer than that is printed in pieces), so memory stays
+    the same whatever the log's size. Only a regular file is read (``regular_file``): a FIFO
+    at the log's name would block the read, a link to /dev/zero never end it. Such a file is
+    refused once, kept in ``refused`` (and said in the sink if ``say_refusal``), never read.
+    """
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path | None, sink: TextIO | None, *, say_refusal: bool = True):
         self.path, self.sink, self.pos = path, sink, 0
+        self.say_refusal = say_refusal
+        self.refused: OSError | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def poll(self) -> None:
-        if self.sink is None or self.path is None or not self.path.exists():
+    def poll(self, *, final: bool = False) -> None:
+        """Write what was appended since the last poll; ``final``: the log is complete, a last
+        line without a line break included."""
+        if self.sink is None or self.path is None or self.refused is not None:
             return
-        with self.path.open("rb") as f:
-            f.seek(self.pos)
-            chunk = f.read()
-        # Only whole lines: a half-written line is printed when it is complete.
-        end = chunk.rfind(b"\n") + 1
-        if end:
-            self.sink.write(chunk[:end].decode(errors="replace"))
-            self.sink.flush()
-            self.pos += end
+        try:
+            f = regular_file.open_regular(self.path, follow_symlinks=True)
+        except FileNotFoundError:
+            return  # not written yet
+        except OSError as err:
+            self.refused = err
+            if self.say_refusal:
+                self.sink.write(f"hpc-ddp: not following {self.refusal()}\n")
+            return
+        with f:
+            while True:
+                f.seek(self.pos)
+                chunk = f.read(self.CHUNK)
+                end = chunk.rfind(b"\n") + 1
+                full = len(chunk) == self.CHUNK
+                if (full and not end) or (final and not full):
+                    end = len(chunk)  # a line longer than a chunk, or the log's last line
+                if not end:
+                    break
+                self.sink.write(self._decoder.decode(chunk[:end], final=False))
+                self.pos += end
+        if final:
+            self.sink.write(self._decoder.decode(b"", final=True))
+        self.sink.flush()
+
+    def refusal(self) -> str:
+        """``path: why`` of a refused log."""
+        why = self.refused.strerror if self.refused is not None else None
+        return comment_text(f"{self.path}: {why or self.refused}")
 
 
 def wait_job(
@@ -140,5 +177,5 @@ def wait_job(
             )
         time.sleep(0.2)
     time.sleep(0.1)
-    follower.poll()
+    follower.poll(final=True)
     return Finished(job_id, info["JobState"], shell_exit_code(info), restarts(info), output)

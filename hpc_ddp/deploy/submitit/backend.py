@@ -244,7 +244,7 @@ class SubmititJob(Job):
                     hint="raise submit --wait-timeout, or look at the job's logs in its folder",
                 )
             time.sleep(0.2)
-        follower.poll()
+        follower.poll(final=True)
         count = restarts(self._info())
         lag = RESULT_LAG_S if state in ("COMPLETED", "FAILED") else RESULT_LAG_UNSURE_S
         outcomes = self._outcomes(lag)
