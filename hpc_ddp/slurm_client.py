@@ -35,6 +35,9 @@ UNKNOWN = "UNKNOWN"
 # What hpc-ddp reports for a job that has ended with an outcome it did not read (a local
 # submitit job whose result pickle someone else could have written); no Slurm state.
 ENDED = "ENDED"
+
+# A job id as Slurm prints it (an array task's: 12_3).
+_JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
 # States after which a job never runs again (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset(
     {
@@ -211,6 +214,12 @@ def shell_exit_code(info: Mapping[str, str]) -> int:
 def restarts(info: Mapping[str, str]) -> int:
     """How often Slurm has requeued the job (0 for a first run)."""
     return int(info.get("Restarts", "0") or 0)
+
+
+def is_job_id(text: str) -> bool:
+    """Whether ``text`` names one job. Never 0: Slurm's tools read job 0 as every job
+    (``scontrol show job 0`` lists them all)."""
+    return bool(_JOB_ID.fullmatch(text)) and int(text.partition("_")[0]) != 0
 
 
 def parse_show_job(text: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ from hostile_files import evil_pickle, make_fifo, run_child, symlink_to
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
 from hpc_ddp.deploy.submitit.local_control import children
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
 
@@ -506,6 +507,25 @@ def test_logs_print_a_huge_log_in_bounded_memory_and_refuse_what_is_no_file(
     assert said["tail"].endswith("\0last line, no line break"), said["tail"]
     assert f"{out}.rank0: a FIFO, not a regular file" in said["error"], said
     assert f"{out}.rank1: a character device, not a regular file" in said["error"], said
+
+
+def test_job_id_0_which_slurm_reads_as_every_job_is_refused(tmp_path: Path) -> None:
+    """`scontrol show job 0` lists every job: `status 0` showed another user's. Refused in each
+    command before Slurm is asked, and a run dir's records naming job 0 name no job."""
+    env = {"HPC_DDP_LOCAL_SLURM_DIR": f"/tmp/hpcddp-none-{os.getpid()}"}  # no cluster there
+    for args in (["status", "0"], ["logs", "00"], ["logs", "-f", "0"], ["cancel", "0_1"]):
+        _, err = _run(args, env, timeout_s=60, rc=2)
+        assert "is job 0, which Slurm reads as every job" in err and "HINT:" in err, err
+    with pytest.raises(ConfigError, match="is job 0"):
+        hpc_ddp.attach_job("0")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    owner = {"pid": 1, "host": "h", "since": "2024-01-01T00:00:00Z", "job_id": "0"}
+    (run_dir / ".run.lock.owner").write_text(json.dumps(owner))
+    progress = {"status": "training", "slurm_job": {"id": "000", "restarts": 2}}
+    (run_dir / "progress.json").write_text(json.dumps(progress))
+    status, _ = _run(["status", str(run_dir)], env, timeout_s=60)
+    assert "job ? (run dir): UNKNOWN, restarts 0" in status, status
 
 
 @pytest.mark.slurm

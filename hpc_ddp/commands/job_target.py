@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hpc_ddp.deploy.backend import Job
-from hpc_ddp.deploy.control import attach_job, is_local_job
+from hpc_ddp.deploy.control import attach_job, check_job_id, is_local_job
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, what: str = "JOB") -> None:
@@ -33,6 +33,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, what: str = "JOB") -> Non
 
 def find_job(job_id: str, folder: Path | None) -> Job:
     """The handle of ``job_id``; a local submitit job needs no Slurm at all."""
+    check_job_id(job_id)  # before any file is named after it, or any Slurm asked
     if folder is not None and is_local_job(folder, job_id):
         return attach_job(job_id, folder=folder)
     from hpc_ddp.localslurm.embedded import running_slurm

@@ -33,10 +33,8 @@ from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, restarts
+from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, is_job_id, restarts
 
-# A Slurm job id (an array task: 12_3) or a local submitit job's id (its controller's pid).
-_JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
 # `#SBATCH --signal=[B:]SIG[@SECONDS]`: the warning the job's script asks Slurm for.
 _SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+--signal[= ](?:[BR]+:)?(?:SIG)?([A-Z0-9]+)", re.M)
 # The most of a batch script read back: sbatch refuses larger ones unless a site raises its
@@ -47,12 +45,14 @@ SCRIPT_LIMIT = 4 << 20
 STOP_TIMEOUT_S = 300.0
 
 
-def _check_id(job_id: str) -> str:
-    if not _JOB_ID.fullmatch(job_id):
-        raise ConfigError(
-            f"{job_id!r} is not a job id",
-            hint="give the number `hpc-ddp submit` printed (or squeue shows)",
-        )
+def check_job_id(job_id: str) -> str:
+    """``job_id`` if it names one job (a Slurm job, an array task: 12_3, or a local submitit
+    job: its controller's pid), else a ConfigError saying why."""
+    hint = "give the number `hpc-ddp submit` printed (or squeue shows)"
+    if set(job_id.partition("_")[0]) == {"0"}:
+        raise ConfigError(f"job id {job_id!r} is job 0, which Slurm reads as every job", hint=hint)
+    if not is_job_id(job_id):
+        raise ConfigError(f"{job_id!r} is not a job id", hint=hint)
     return job_id
 
 
@@ -65,8 +65,7 @@ def attach_job(
     """The handle of a submitted job. ``folder``: a submitit job's folder (needed for a local
     job, whose id is its controller's pid; found from Slurm's record otherwise). ``cluster_env``:
     the Slurm to ask (None: this environment's)."""
-    _check_id(str(job_id))
-    job_id = str(job_id)
+    job_id = check_job_id(str(job_id))
     if folder is not None and is_local_job(Path(folder), job_id):
         from hpc_ddp.deploy.submitit.local_control import controller_cwd
 
@@ -233,7 +232,7 @@ def run_dir_job(run_dir: Path) -> str | None:
     except (OSError, ValueError):
         return None
     job_id = owner.get("job_id") if isinstance(owner, dict) else None
-    return str(job_id) if job_id and _JOB_ID.fullmatch(str(job_id)) else None
+    return job_id if isinstance(job_id, str) and is_job_id(job_id) else None
 
 
 def _slurm_info(job: Job) -> dict[str, str]:
