@@ -528,6 +528,22 @@ def test_job_id_0_which_slurm_reads_as_every_job_is_refused(tmp_path: Path) -> N
     assert "job ? (run dir): UNKNOWN, restarts 0" in status, status
 
 
+def test_status_of_a_run_dir_shows_its_records_text_escaped(tmp_path: Path) -> None:
+    """progress.json and result.json are anyone's text in a shared run dir: a terminal escape
+    (clear the screen, set the window title) or a line break in a key or a value reaches the
+    terminal escaped, never as a control character."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    progress = {"status": "\x1b[2J\x1b]0;pwned\x07", "\x1b[31mstep": 3, "note": "a\nb\rc\x9b"}
+    (run_dir / "progress.json").write_text(json.dumps(progress))
+    (run_dir / "result.json").write_text(json.dumps({"status": "fin\x1b[8mished"}))
+    status, _ = _run(["status", str(run_dir)], {}, timeout_s=60)
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", status), repr(status)
+    assert "status \\x1b[2J\\x1b]0;pwned\\x07" in status, status
+    assert "\\x1b[31mstep 3, note a\\nb\\rc\\x9b" in status, status
+    assert "status: fin\\x1b[8mished" in status, status
+
+
 @pytest.mark.slurm
 def test_status_reads_no_fifo_or_device_as_a_jobs_command_file(
     slurm_cluster, tmp_path: Path

@@ -175,7 +175,9 @@ class JobReport:
         if self.result:
             out += ["  result:", *("  " + line for line in result_lines(self.result))]
         out += [f"  note: {note}" for note in self.notes]
-        return out
+        # The run dir's files, log names and Slurm's fields are anyone's text: a terminal escape
+        # or line break in them is shown escaped, never acted on.
+        return [comment_text(line) for line in out]
 
 
 def progress_text(progress: Mapping[str, Any]) -> str:

@@ -8,7 +8,9 @@ Every rule that keeps data from turning into code or from hiding from a reviewer
 - ``directive_problem``: a ``#SBATCH`` value cannot be shell-quoted (sbatch splits the line itself,
   with its own quotes, backslashes and ``#`` comments), so those characters are refused instead.
 - ``comment_text``: text that must stay inside one ``#`` comment line (the recorded command, a file
-  name) is escaped by construction, whatever it holds.
+  name) is escaped by construction, whatever it holds. The same holds for a line a command prints
+  of text anyone could have written (``hpc-ddp status``'s run dir records, log file names): no
+  terminal escape or line break in it reaches the terminal.
 
 Quoting of shell words is ``shlex.quote``, applied where the scripts are built.
 """
@@ -81,7 +83,8 @@ def directive_problem(field: str, value: str) -> str | None:
 
 
 def comment_text(text: str) -> str:
-    """``text`` as it may appear after ``#`` on one line: refused characters are escaped."""
+    """``text`` as it may appear after ``#`` on one line, or on a terminal: refused characters
+    (ESC and every other control character included) are escaped, ``\x1b`` for ESC."""
     return "".join(
         ch.encode("unicode_escape").decode("ascii") if is_refused(ch) else ch for ch in text
     )
