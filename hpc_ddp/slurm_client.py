@@ -38,6 +38,8 @@ ENDED = "ENDED"
 
 # A job id as Slurm prints it (an array task's: 12_3).
 _JOB_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?", re.ASCII)
+# Slurm counts a job's restarts in 16 bits.
+MAX_RESTARTS = 0xFFFF
 # States after which a job never runs again (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset(
     {

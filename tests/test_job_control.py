@@ -105,6 +105,9 @@ def test_status_logs_cancel_sbatch_jobs(slurm_cluster, tmp_path: Path) -> None:
     assert "restart 1" not in out.read_text()  # cancelled while pending: it never ran again
     ended, _ = _run(["status", job_id], env)
     assert f"job {job_id} (sbatch): CANCELLED, restarts 1" in ended, ended
+    # The run has ended and its lock's owner file is gone: progress.json names the job.
+    by_dir, _ = _run(["status", str(cwd / "run")], env)
+    assert f"job {job_id} (sbatch): CANCELLED, restarts 1" in by_dir, by_dir
 
     cwd, job_id, out = jobs["ctl-now"]
     _, said = _run(["cancel", "--now", job_id], env)

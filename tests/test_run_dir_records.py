@@ -74,3 +74,18 @@ def test_read_json_refuses_what_is_not_a_small_regular_file(tmp_path: Path) -> N
         regular_file.read_json(tmp_path / "deep.json")
     (tmp_path / "ok.json").write_text('{"step": 3}')
     assert regular_file.read_json(tmp_path / "ok.json") == {"step": 3}
+
+
+def test_progress_json_names_its_slurm_job_only_from_valid_variables() -> None:
+    """progress.json records the job and restart count from Slurm's variables (what `status
+    RUN_DIR` shows once the run ended), and nothing from values that are no job id or count."""
+    from hpc_ddp.train.report import slurm_attempt
+
+    ok = {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"}
+    assert slurm_attempt(ok) == {"id": "12", "restarts": 2}
+    task = {"SLURM_JOB_ID": "15", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "3"}
+    assert slurm_attempt(task) == {"id": "12_3", "restarts": 0}  # as squeue shows it
+    for bad in ({}, {"SLURM_JOB_ID": "0"}, {"SLURM_JOB_ID": "12\n"}, {"SLURM_JOB_ID": "１２"}):
+        assert slurm_attempt(bad) is None, bad
+    for count in ("³", "-1", "70000", "1 "):
+        assert slurm_attempt({"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": count}) is None

@@ -32,6 +32,7 @@ from deploy_support import (
 from slurm_support import late_reply_scontrol_path
 
 from hpc_ddp.deploy import JobSpec
+from hpc_ddp.deploy.control import run_dir_report
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
@@ -117,6 +118,10 @@ def test_preemption_checkpoints_requeues_resumes_same_weights(
         result = read_result(cwd / "run")
         assert (result["interruptions"], result["world_size"]) == (1, 4)
         assert result["params_sha256"] == reference, launcher
+        # What the run dir alone says (`hpc-ddp status RUN_DIR` once Slurm forgot the job):
+        # its job, and the restart that wrote progress.json last.
+        report = run_dir_report(cwd / "run")
+        assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
         if launcher == "torchrun":
             assert re.search(r"torchrun rendezvous at node1:\d+", log), log
             assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 4, log

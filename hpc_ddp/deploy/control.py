@@ -32,8 +32,15 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.runtime.run_paths import RunPaths
-from hpc_ddp.slurm_client import TERMINAL, LostJobWatch, SlurmClient, is_job_id, restarts
+from hpc_ddp.runtime.run_paths import PROGRESS_SLURM_JOB, RunPaths
+from hpc_ddp.slurm_client import (
+    MAX_RESTARTS,
+    TERMINAL,
+    LostJobWatch,
+    SlurmClient,
+    is_job_id,
+    restarts,
+)
 
 # `#SBATCH --signal=[B:]SIG[@SECONDS]`: the warning the job's script asks Slurm for.
 _SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+--signal[= ](?:[BR]+:)?(?:SIG)?([A-Z0-9]+)", re.M)
@@ -219,22 +226,50 @@ def job_report(job: Job) -> JobReport:
 
 def run_dir_report(run_dir: Path) -> JobReport:
     """What a run dir alone says, for a run whose job Slurm no longer knows (or never ran in
-    Slurm): ENDED once result.json exists, else UNKNOWN."""
+    Slurm): ENDED once result.json exists, else UNKNOWN; the job and its restarts as the run
+    recorded them."""
     paths = RunPaths(run_dir)
-    result = read_result(paths)
+    result, progress = read_result(paths), read_progress(paths)
+    job_id = _run_dir_job(paths, progress)
+    recorded = _recorded_job(progress)
+    # The restarts of the attempt that last wrote progress.json, if that was this job's.
+    count = recorded[1] if recorded is not None and recorded[0] == job_id else 0
     state = "ENDED" if result is not None else "UNKNOWN"
-    return JobReport(run_dir_job(run_dir) or "?", "run dir", state, run_dir=paths.root,
-                     progress=read_progress(paths), result=result)  # fmt: skip
+    return JobReport(job_id or "?", "run dir", state, count, run_dir=paths.root,
+                     progress=progress, result=result)  # fmt: skip
 
 
 def run_dir_job(run_dir: Path) -> str | None:
-    """The Slurm job id of the run that holds (or last held) ``run_dir``'s lock, if known."""
+    """The Slurm job id of the run that holds ``run_dir``'s lock, else of the last that wrote
+    its progress.json, if known."""
+    paths = RunPaths(run_dir)
+    return _run_dir_job(paths, read_progress(paths))
+
+
+def _run_dir_job(paths: RunPaths, progress: Mapping[str, Any] | None) -> str | None:
+    # The lock's owner file names the live run's job; it goes when the run ends.
     try:
-        owner = regular_file.read_json(RunPaths(run_dir).lock_owner)
+        owner = regular_file.read_json(paths.lock_owner)
     except (OSError, ValueError):
-        return None
+        owner = None
     job_id = owner.get("job_id") if isinstance(owner, dict) else None
-    return job_id if isinstance(job_id, str) and is_job_id(job_id) else None
+    if isinstance(job_id, str) and is_job_id(job_id):
+        return job_id
+    recorded = _recorded_job(progress)
+    return recorded[0] if recorded is not None else None
+
+
+def _recorded_job(progress: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """(job id, restarts) that progress.json records of the Slurm job that wrote it."""
+    record = progress.get(PROGRESS_SLURM_JOB) if progress else None
+    if not isinstance(record, dict):
+        return None
+    job_id, count = record.get("id"), record.get("restarts")
+    if not (isinstance(job_id, str) and is_job_id(job_id)):
+        return None
+    if type(count) is not int or not 0 <= count <= MAX_RESTARTS:
+        return None
+    return job_id, count
 
 
 def _slurm_info(job: Job) -> dict[str, str]:

@@ -9,7 +9,8 @@ Everything a run leaves in its directory, by name::
       .requeue-job-J-restart-R   checkpointed, requeue left to the batch shell (torchrun layout):
                           rank 0 writes it, the job's batch shell reads and removes it
       config.json         the resolved settings of the run
-      progress.json       where training stands, for monitors (rank 0, updated while it runs)
+      progress.json       where training stands, for monitors (rank 0, updated while it runs),
+                          and under Slurm the job and restart count that wrote it
       metrics.jsonl       one line per finished epoch
       metrics.csv         with --metrics csv: one row per progress line and per epoch
       tensorboard/        with --metrics tensorboard: TensorBoard event files, one per attempt
@@ -35,6 +36,9 @@ LOCK = ".run.lock"
 LOCK_OWNER = ".run.lock.owner"
 CONFIG = "config.json"
 PROGRESS = "progress.json"
+# progress.json's record of the Slurm job writing it: {"id": "12", "restarts": 1}. It outlives
+# the lock's owner file, so that a run dir still names its job (and requeues) once it ended.
+PROGRESS_SLURM_JOB = "slurm_job"
 NCCL_TRACE = "nccl_trace"
 # torch's variable naming the prefix of flight recorder dump files (<prefix><rank>). torch opens
 # the file without creating its directory, so the trainer makes nccl_trace/ when this points

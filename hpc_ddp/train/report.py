@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.runtime.preemption import slurm_job_to_requeue
+from hpc_ddp.runtime.run_paths import PROGRESS_SLURM_JOB, RunPaths
+from hpc_ddp.slurm_client import MAX_RESTARTS, is_job_id
 from hpc_ddp.train import results
 from hpc_ddp.train.fingerprint import params_sha256
 from hpc_ddp.train.progress import Progress
@@ -19,15 +23,28 @@ ProgressStatus = Literal["training", "holding", "preempted", "finished", "interr
 ROUTINE_INTERVAL_S = 0.5
 
 
+def slurm_attempt(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The Slurm job this process runs in and how often Slurm has requeued it (the id an array
+    task is known by, and SLURM_RESTART_COUNT), or None outside Slurm."""
+    job = slurm_job_to_requeue(environ)
+    restart = environ.get("SLURM_RESTART_COUNT") or "0"
+    counted = restart.isascii() and restart.isdigit() and int(restart) <= MAX_RESTARTS
+    if job is None or not is_job_id(job) or not counted:
+        return None
+    return {"id": job, "restarts": int(restart)}
+
+
 class ProgressFile:
     """progress.json, for monitors and tests (rank 0 writes, every rank calls). Routine updates
     at most every 0.5 s (a rename per step would load a parallel filesystem); status changes
-    always."""
+    always. Under Slurm it names the job and its restarts: ``hpc-ddp status RUN_DIR`` reads
+    them once the lock's owner file is gone."""
 
     def __init__(self, paths: RunPaths, rank: int, world_size: int) -> None:
         self.path = paths.progress
         self.rank, self.world_size = rank, world_size
         self.pids: list[int] = []  # every rank's, gathered when the run starts
+        self.slurm_job = slurm_attempt(os.environ)
         self._written_at = float("-inf")
 
     def write(self, progress: Progress, status: ProgressStatus, **extra: str) -> None:
@@ -38,6 +55,8 @@ class ProgressFile:
         if self.rank == 0:
             info = {"status": status, "epoch": progress.epoch, "step": progress.global_step}
             info.update(pids=self.pids, world_size=self.world_size, start=progress.start, **extra)
+            if self.slurm_job is not None:
+                info[PROGRESS_SLURM_JOB] = self.slurm_job
             results.write_json(self.path, info)
 
     def record_stop(self, progress: Progress, error: BaseException, *, ctrl_c: bool) -> None:
