@@ -175,6 +175,38 @@ def test_submitit_describe_shows_the_task_and_creates_nothing(tmp_path: Path) ->
     assert f"\n{sys.executable} -u -m pkg.train -v\n" in module.text and module.run_paths is None
 
 
+def test_an_sbatch_script_job_reports_the_run_dir_it_gives_its_program(tmp_path: Path) -> None:
+    """A spec's own program told ``--run-dir X`` or ``--run-dir=X``: submit shows that run
+    dir's result.json, or says truly that there is none; it said the job had no --run-dir."""
+    from hpc_ddp.commands.submit import _report
+    from hpc_ddp.deploy.backend import Finished
+    from hpc_ddp.deploy.sbatch.backend import SlurmJob
+
+    (tmp_path / "mine.py").write_text("")
+    spec = api.JobSpec(nodes=1, procs_per_node=1, time="5", module="", script="mine.py")
+    for args, run_dir in (
+        (["--seed", "1", "--run-dir", "out"], "out"),
+        (["--run-dir=first", "--run-dir=out/b"], "out/b"),  # the last one counts
+        (["--", "--run-dir", "x"], None),  # after `--`: an operand, not the option
+        (["--seed", "1"], None),
+    ):
+        plan = api.describe(spec.replace(args=args), cwd=tmp_path)
+        expected = api.RunPaths(tmp_path / run_dir) if run_dir else None
+        assert plan.run_paths == expected, args
+
+    done = Finished("7", "COMPLETED", 0)
+    plan = api.describe(spec.replace(args=["--run-dir", "out"]), cwd=tmp_path)
+    job = SlurmJob("7", {}, None, plan.run_paths)
+    said = _report("sbatch", spec, job, done)
+    assert f"{tmp_path / 'out' / 'result.json'} does not exist: the job wrote none" in said
+    result = {"status": "fine\x1b[2J", "steps": 3}
+    said = _report("sbatch", spec, job, Finished("7", "COMPLETED", 0, result=result))
+    assert f"result ({tmp_path / 'out' / 'result.json'}):" in said, said
+    assert "status: fine\\x1b[2J" in said and "steps: 3" in said, said  # shown escaped
+    none = _report("sbatch", spec, SlurmJob("7", {}, None, None), done)
+    assert "the spec gives its program (mine.py) no --run-dir: no result.json to show" in none
+
+
 def test_a_submitit_folder_with_a_line_break_is_refused_before_anything(tmp_path: Path) -> None:
     """submitit writes its folder into #SBATCH lines: a line break there would start a line of
     the batch shell. The CLI, describe/submit and Executor all refuse it, creating nothing."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
+from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.slurm_client import SlurmTarget
 from hpc_ddp.submission import choose_slurm_target
@@ -86,14 +87,16 @@ def run(args: argparse.Namespace) -> int:
         _still_running(slurm)
         return 0
     done = job.wait(args.wait_timeout)
-    print(_report(executor, job, done, followed=follow is not None))
+    print(_report(executor, spec, job, done, followed=follow is not None))
     _still_running(slurm)
     return done.exit_code
 
 
-def _report(executor: str, job: Job, done: Finished, *, followed: bool) -> str:
-    """How the job ended, and where the trainer's result.json and plot.png are. The result's
-    lines only where the job's log was not followed: the trainer prints them at its end."""
+def _report(
+    executor: str, spec: JobSpec | Path, job: Job, done: Finished, *, followed: bool
+) -> str:
+    """How the job ended, and where the run's result.json and plot.png are. The result's lines
+    only where the job's log was not followed: the trainer prints them at its end."""
     head = f"job {done.job_id}: {done.state}, exit code {done.exit_code}"
     if executor != "sbatch":  # submitit: rank 0's return value carries the result
         if done.error:
@@ -101,16 +104,18 @@ def _report(executor: str, job: Job, done: Finished, *, followed: bool) -> str:
     else:
         head += f", restarts {done.restarts}"
         if job.run_paths is None:
-            return f"{head}\nno --run-dir in the job: no result.json to show"
+            return f"{head}\n{_no_run_dir(spec)}: no result.json to show"
         if done.result is None:
-            return f"{head}\n{job.run_paths.result} was not written"
+            return f"{head}\n{job.run_paths.result} does not exist: the job wrote none"
     if job.run_paths is None or done.result is None:
         return head
     paths = job.run_paths
     if followed:
         lines = [head, f"result: {paths.result} (its lines are above, at the end of the log)"]
     else:
-        lines = [head, f"result ({paths.result}):", *result_lines(done.result)]
+        # A program of the user's writes result.json as it likes: its text is shown escaped.
+        result = [comment_text(line) for line in result_lines(done.result)]
+        lines = [head, f"result ({paths.result}):", *result]
     if paths.plot.is_file():
         lines.append(f"plot: {paths.plot} (loss and accuracy per epoch)")
     return "\n".join(lines)
@@ -124,3 +129,11 @@ def _still_running(slurm: SlurmTarget | None) -> None:
             f"the embedded local cluster in {slurm.local_root} keeps running (status, logs, "
             "cancel and the next submit use it): `hpc-ddp cluster down` stops it"
         )
+
+
+def _no_run_dir(spec: JobSpec | Path) -> str:
+    """Why a job has no run dir (a trainer always has one: its --run-dir or the default)."""
+    if isinstance(spec, JobSpec):
+        program = spec.script or f"-m {spec.module}"
+        return f"the spec gives its program ({program}) no --run-dir"
+    return f"{spec} has no `python -m hpc_ddp.train` line, so its run dir is unknown"

@@ -41,7 +41,7 @@ class DryRun:
     text: str  # the script itself (str(dry_run) is the same text)
     command: str  # the one command line that would start it
     request: Any = field(repr=False)  # what the backend's submit needs (its own business)
-    run_paths: RunPaths | None = None  # the trainer's run dir, if the job runs the trainer
+    run_paths: RunPaths | None = None  # the run dir whose result.json the job reports
 
     def __str__(self) -> str:
         return self.text
@@ -66,7 +66,7 @@ class Job(ABC):
     executor: str  # which backend started it
     job_id: str  # Slurm's job id, or the launch id of a pdsh/clush launch
     output: Path | None = None  # the log a person would read, if there is one file
-    run_paths: RunPaths | None = None  # the trainer's run dir, if the job runs the trainer
+    run_paths: RunPaths | None = None  # the run dir whose result.json the job reports
 
     @abstractmethod
     def status(self) -> str:

@@ -4,7 +4,8 @@ The deploy layer needs two answers from a trainer command line: which signals th
 checkpoints on (a JobSpec checks that Slurm's warning signal is one of them) and where its run
 directory is (submit reports the run's result.json). Both come from ``hpc_ddp.train.config``,
 the parser the trainer itself uses, so ``--run-dir=x``, an abbreviated flag or a ``--config``
-file mean here what they mean there. Torch-free, like that module.
+file mean here what they mean there. A program of the user's is only asked for its
+``--run-dir``, as written. Torch-free, like that module.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def trainer_run_paths(args: Sequence[str], workdir: str | Path) -> RunPaths:
     if getattr(flags, "config", None):
         flags.config = str(Path(workdir) / flags.config)  # an absolute path stays as it is
     return RunPaths(Path(workdir) / config.from_args(flags).run_dir)
+
+
+def program_run_dir(args: Sequence[str]) -> str | None:
+    """The run dir a program of the user's (not the trainer) is given: the last ``--run-dir X``
+    or ``--run-dir=X`` of ``args``, before any ``--``. Read as written: the program's own parser
+    is unknown, so neither an abbreviation nor a config file counts."""
+    found, words = None, iter(args)
+    for word in words:
+        if word == "--":
+            break
+        if word == "--run-dir":
+            found = next(words, None)
+        elif word.startswith("--run-dir="):
+            found = word.removeprefix("--run-dir=")
+    return found or None
 
 
 def trainer_args_in_script(text: str) -> list[str] | None:

@@ -1,8 +1,9 @@
 """``SbatchBackend``: a JobSpec (or an already rendered script) through real sbatch.
 
-describe: the batch script (``render``), with the trainer's run dir when the job runs the
-trainer. submit: sbatch from the submission directory, with an environment scrubbed of any
-enclosing job and this interpreter's bin directory first on PATH (the scripts run ``python``).
+describe: the batch script (``render``), with the run dir whose result.json the job reports:
+the trainer's, or the ``--run-dir`` a spec gives a program of the user's. submit: sbatch from
+the submission directory, with an environment scrubbed of any enclosing job and this
+interpreter's bin directory first on PATH (the scripts run ``python``).
 The ``SlurmJob`` handle reads ``scontrol show job``, so it needs no accounting (no sacct).
 """
 
@@ -22,7 +23,11 @@ from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import sbatch, script_workdir, wait_job
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import submission_env, with_this_python
-from hpc_ddp.deploy.trainer_args import trainer_args_in_script, trainer_run_paths
+from hpc_ddp.deploy.trainer_args import (
+    program_run_dir,
+    trainer_args_in_script,
+    trainer_run_paths,
+)
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.slurm_client import SlurmClient
@@ -68,13 +73,16 @@ class SbatchBackend(Backend):
             script = _Script(render(spec, command=self.produced_by), None, f"{spec.name}.sbatch")
             workdir = self._cwd() / spec.workdir
             args = spec.args if spec.runs_trainer else None
+            own = None if spec.runs_trainer else program_run_dir(spec.args)
         else:
             path = Path(spec)
             script = _Script(path.read_text(), path, path.name)
             workdir = script_workdir(script.text, self._cwd())
-            args = trainer_args_in_script(script.text)
+            args, own = trainer_args_in_script(script.text), None
         # Resolved now: arguments the trainer would refuse fail before anything is queued.
         run_paths = trainer_run_paths(args, workdir) if args is not None else None
+        if own is not None:  # a program of the user's, told where its run dir is
+            run_paths = RunPaths(workdir / own)
         if _ARRAY_DIRECTIVE.search(script.text):
             run_paths = None  # one run dir per task: <run dir>_<task id>
         return DryRun(
