@@ -122,16 +122,31 @@ def process_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+def _agent_hosts_store(env: DistEnv) -> bool:
+    """Whether torchrun's agent already serves the TCPStore at ``env``'s master address: then
+    every rank, rank 0 too, is a client of it. A second server there cannot bind the agent's
+    port; torch logs that as an error ("failed to bind") before it goes on as a client. The
+    rule is torch's own (torch.distributed.rendezvous._create_c10d_store): the agent's flag,
+    and the address being the one the agent exported with it."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == env.master_addr
+        and os.environ.get("MASTER_PORT") == str(env.master_port)
+    )
+
+
 def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
-    """Meet every rank on rank 0's TCPStore within ``connect_timeout_s``, or say who is missing."""
+    """Meet every rank on rank 0's TCPStore (torchrun's agent's, where it hosts one) within
+    ``connect_timeout_s``, or say who is missing."""
     where = f"{env.master_addr}:{env.master_port}"
     deadline = time.monotonic() + connect_timeout_s
+    hosting = env.rank == 0 and not _agent_hosts_store(env)
     try:
-        if env.rank != 0:
+        if not hosting:
             _wait_until_listening(env.master_addr, env.master_port, deadline)
-        store = _open_store(env, deadline)
+        store = _open_store(env, deadline, hosting=hosting)
     except (RuntimeError, OSError) as err:
-        if env.rank == 0:  # TCPStore's server fails at once (EADDRINUSE) when the port is taken
+        if hosting:  # TCPStore's server fails at once (EADDRINUSE) when the port is taken
             origin = env.master_port_origin or "MASTER_PORT"
             raise LaunchEnvError(
                 f"rank 0 could not listen on port {env.master_port} of {socket.gethostname()} "
@@ -161,8 +176,8 @@ def _rendezvous(env: DistEnv, connect_timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def _open_store(env: DistEnv, deadline: float) -> dist.TCPStore:
-    """Rank 0's TCPStore server, or a client of it, within the deadline.
+def _open_store(env: DistEnv, deadline: float, *, hosting: bool) -> dist.TCPStore:
+    """The TCPStore server (``hosting``: rank 0's), or a client of it, within the deadline.
 
     A client that reaches a process which accepts connections but is no TCPStore (rank 0
     could not bind the port because that process holds it) waits for an answer forever,
@@ -177,12 +192,12 @@ def _open_store(env: DistEnv, deadline: float) -> dist.TCPStore:
             env.master_addr,
             env.master_port,
             env.world_size,
-            is_master=env.rank == 0,
+            is_master=hosting,
             timeout=timeout,
             wait_for_workers=False,
         )
 
-    if env.rank == 0:
+    if hosting:
         return open_store()
     result: list[dist.TCPStore | BaseException] = []
     thread = threading.Thread(

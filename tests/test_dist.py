@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import job_env
+from trainer_helpers import job_env, torchrun_cmd
 
 from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port, free_port
 
@@ -71,6 +71,26 @@ def test_two_ranks_all_reduce_and_leave_without_running_exit_handlers() -> None:
             assert code == 0, out
             assert f"rank {rank} sum 3 backend gloo" in out, out
             assert "ATEXIT-RAN" not in out, out
+
+
+def test_under_torchrun_every_rank_uses_the_agents_store_and_nothing_fails_to_bind() -> None:
+    """torchrun's agent hosts the TCPStore at MASTER_ADDR:MASTER_PORT for its workers
+    (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 must be a client there too. A second server
+    made torch print "[E ...] TCPStore ... failed to bind" on every launch, an alarm about
+    nothing. Real torchrun, two real Gloo ranks."""
+    done = subprocess.run(
+        torchrun_cmd(2, [], script=str(WORKER)),
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} sum 3 backend gloo" in done.stdout, done.stdout
+    assert "failed to bind" not in done.stderr, done.stderr
+    assert "[E" not in done.stderr, done.stderr  # no error line of torch's at all
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_connect_deadline() -> None:
