@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -200,9 +201,30 @@ def test_unreachable_host(tool: str, tmp_path: Path, launches: list[Launch]) -> 
     assert res.returncode != 0
     assert res.seconds < BOUND_S
     assert "Connection refused" in res.stderr and "FAILED on node1" in res.stderr, res.stderr
+    assert "HINT: exit 255 is ssh's own: it could not connect or log in to node1" in res.stderr
+    assert "ssh -oBatchMode=yes HOST true" in res.stderr, res.stderr
     # node0 did start, and was stopped (its host script reports the payload's non-zero exit).
     assert re.search(r"host=node0 node_rank=0 exit=[1-9]", res.stderr), res.stderr
     assert_no_processes_left(launch.launch_id)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_ssh_to_this_machine_names_rcmd_exec(tool: str, tmp_path: Path) -> None:
+    """What a first try on one machine looks like: `--hosts localhost` with the default
+    `--rcmd ssh` and no sshd listening. The real ssh is refused (exit 255); the launch says that
+    the code is ssh's and that `--rcmd exec` runs a launch here without ssh."""
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        if probe.connect_ex(("127.0.0.1", 22)) == 0:
+            pytest.skip("an sshd listens on this machine: ssh to localhost may work here")
+    res = hpc_ddp(
+        ["launch", tool, "--hosts", "localhost", "--workdir", str(tmp_path), "--", "true"]
+    )
+    assert res.returncode == 255, res.stderr
+    assert res.seconds < BOUND_S
+    hint = next(line for line in res.stderr.splitlines() if "HINT:" in line)
+    assert "exit 255 is ssh's own" in hint and "localhost is this machine" in hint, hint
+    assert "pass --rcmd exec" in hint, hint
 
 
 def _sleepers(launch_id: str) -> int:

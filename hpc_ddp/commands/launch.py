@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rcmd",
         choices=RCMDS,
         default="ssh",
-        help="ssh to real hosts; exec runs every 'host' on this machine",
+        help="ssh to real hosts; exec runs every 'host' on this machine (a launch on "
+        "localhost needs exec unless an sshd there accepts your key)",
     )
     parser.add_argument("--master-addr", help="default: first host (127.0.0.1 with --rcmd exec)")
     parser.add_argument(

@@ -11,12 +11,14 @@ the host; ``cancel`` (the CLI's Ctrl-C / SIGTERM) does the same.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import queue
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +46,7 @@ _CLUSH = re.compile(
 )
 _SCRIPT = re.compile(r"^(?P<hosts>\S+): hpc-ddp-launch: host=\S+ node_rank=\d+ exit=(?P<code>\d+)")
 TIMEOUT_CODE = 124  # what timeout(1) returns
+SSH_FAILED_CODE = 255  # what ssh returns when it cannot connect or log in
 STOP_REPEAT_S = 3.0
 EOF_GRACE_S = 5.0
 
@@ -76,6 +79,38 @@ def parse_failure(line: str) -> HostFailure | None:
             hosts = (match.group("hosts"),)
         return HostFailure(hosts, code, line)
     return None
+
+
+def _is_this_machine(host: str) -> bool:
+    """``host`` names the machine the launch runs on: localhost, a loopback address, or this
+    host's own name (what a user types to try a launch on one machine)."""
+    own = socket.gethostname()
+    if host in ("localhost", "localhost.localdomain", own, own.split(".")[0]):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _ssh_failure_hint(hosts: list[str]) -> str:
+    """What to do about ``hosts`` whose ssh exited SSH_FAILED_CODE: a launch on this machine
+    needs no ssh at all (``--rcmd exec``); real hosts need ssh that works without a prompt."""
+    text = (
+        f"exit {SSH_FAILED_CODE} is ssh's own: it could not connect or log in to "
+        f"{', '.join(hosts)} (its message is above)"
+    )
+    local = [h for h in hosts if _is_this_machine(h)]
+    if local:
+        return (
+            f"{text}; {', '.join(local)} is this machine: pass --rcmd exec to run a launch here "
+            "without ssh (docs/no-scheduler.md)"
+        )
+    return (
+        f"{text}; check that `ssh -oBatchMode=yes HOST true` works without a prompt "
+        "(docs/no-scheduler.md#ssh-settings), or pass --rcmd exec to run every host's command "
+        "on this machine"
+    )
 
 
 def _pump(stream: IO[str], sink: IO[str], events: queue.Queue[HostFailure | None]) -> None:
@@ -328,6 +363,9 @@ class ShellJob(Job):
                     by_host.setdefault(host, failure.code)
             listing = ", ".join(f"{h} (exit {c})" for h, c in by_host.items())
             self._say(f"FAILED on {listing}; first: {self._failures[0].line}")
+            unreached = [h for h, c in by_host.items() if c == SSH_FAILED_CODE]
+            if unreached and self.spec.rcmd == "ssh":
+                self._say(f"HINT: {_ssh_failure_hint(unreached)}")
             first = self._failures[0].code
             return first if 0 < first < 256 else 1
         if tool_rc:
