@@ -65,8 +65,11 @@ def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:
     """The embedded local cluster `hpc-ddp submit` would use here, if it is running."""
     from hpc_ddp.localslurm import LocalCluster, default_state_dir
 
+    root = default_state_dir(environ, create=False)  # a doctor creates nothing
+    if not root.exists():
+        return None
     try:
-        cluster = LocalCluster(default_state_dir(environ))
+        cluster = LocalCluster(root)
     except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
         return None
     return EmbeddedCluster(cluster.root, cluster.config.nodes) if cluster.is_running() else None

@@ -49,6 +49,46 @@ def test_login_node_without_torch_is_fast_and_passes(tmp_path: Path) -> None:
     assert _line(proc.stdout, "slurm tools").startswith("OK")
 
 
+def test_the_doctor_creates_nothing(tmp_path: Path) -> None:
+    """Run where a user stands, with the default --run-dir: no `runs` appears there and no
+    state dir in HOME (the look for a running embedded cluster creates none)."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    env = {k: v for k, v in _env(HOME=str(home)).items() if not k.startswith("XDG_")}
+    env.pop("HPC_DDP_LOCAL_SLURM_DIR", None)
+    proc = subprocess.run(
+        [PY, "-m", "hpc_ddp.cli", "doctor", "--no-torch"],
+        capture_output=True, text=True, env=env, cwd=work, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = _line(proc.stdout, "checkpoint dir")
+    assert line.startswith("OK") and f"runs does not exist yet; {work}, where" in line, line
+    assert list(work.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_a_torch_that_fails_to_import_fails_naming_no_torch(tmp_path: Path) -> None:
+    """torch installed but broken (a missing shared library, say). No real install can be
+    broken here without breaking the suite's, so an import hook makes `import torch` raise
+    what a broken install raises; a torch that is absent altogether is tested for real
+    (tests/test_wheel.py: the core install)."""
+    code = (
+        "import sys\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise ImportError('libtorch_cpu.so: cannot open shared object file')\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "from hpc_ddp.cli import main\n"
+        f"sys.exit(main(['doctor', '--run-dir', {str(tmp_path)!r}]))\n"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert _line(proc.stdout, "torch").startswith("FAIL torch: import failed: libtorch_cpu.so")
+    hint = proc.stdout.split("FAIL torch:", 1)[1].splitlines()[1]
+    assert "HINT:" in hint and "--no-torch" in hint, hint
+
+
 def test_the_api_checks_what_the_cli_checks(tmp_path: Path) -> None:
     """hpc_ddp.doctor() gives the CLI's checks, line for line, without importing torch."""
     runs = str(tmp_path / "runs")

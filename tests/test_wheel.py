@@ -131,6 +131,27 @@ def test_core_install_has_no_torch_and_imports_lazily(wheel_venv: Path, tmp_path
     assert res.stdout.strip() == "True"  # the core install really lacks torch
 
 
+def test_doctor_on_a_login_node_without_torch_passes_and_creates_nothing(
+    wheel_venv: Path, tmp_path: Path
+) -> None:
+    """What the core install is for: `hpc-ddp doctor` on a login node, torch absent for real
+    (this venv never had it). The torch line says so and is skipped, nothing FAILs, and the
+    doctor leaves no `runs` in the directory it ran in and no state dir in HOME."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    env = _env(wheel_venv, HOME=str(home))
+    for name in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR"):
+        env.pop(name, None)
+    res = _run([str(wheel_venv / "hpc-ddp"), "doctor"], cwd=work, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    torch_line = next(line for line in res.stdout.splitlines() if line[5:].startswith("torch:"))
+    assert torch_line.startswith("OK") and "not installed here" in torch_line, torch_line
+    assert "--no-torch" in torch_line, torch_line
+    assert "runs does not exist yet" in res.stdout, res.stdout
+    assert list(work.iterdir()) == [] and list(home.iterdir()) == []
+
+
 def test_render_and_launch_script_from_another_directory(wheel_venv: Path, tmp_path: Path) -> None:
     env = _env(wheel_venv)
     cli = str(wheel_venv / "hpc-ddp")

@@ -14,10 +14,20 @@ from hpc_ddp.node_checks import doctor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="checkpoint directory")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("runs"),
+        help="checkpoint directory to check (one not created yet: the dir it would be created "
+        "in; nothing is created)",
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs per node the job will use")
     parser.add_argument("--port", type=int, default=None, help="master port to check")
-    parser.add_argument("--no-torch", action="store_true", help="skip importing torch")
+    parser.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="skip importing torch (without torch installed, its checks are skipped anyway)",
+    )
     parser.add_argument(
         "--job",
         type=Path,

@@ -233,14 +233,31 @@ def check_gpus(o: Options) -> Check:
     return Check(OK, "gpus", detail)
 
 
+_TORCH_HINT = (
+    "activate the job's environment (`hpc-ddp[train]` there), or pass --no-torch to check the "
+    "rest here without torch (a login node needs none)"
+)
+
+
 def check_torch(o: Options) -> Check:
     if not o.torch:
         return Check(OK, "torch", "skipped (--no-torch)")
     try:
         import torch
         import torch.distributed as dist
-    except Exception as err:  # any import failure is the finding
-        return Check(FAIL, "torch", f"import failed: {err}", "activate the job's environment")
+    except ModuleNotFoundError as err:
+        if err.name != "torch":  # torch is there but lacks a module it needs
+            return Check(FAIL, "torch", f"import failed: {err}", _TORCH_HINT)
+        # The core install, as on a login node: nothing here trains.
+        return Check(
+            OK,
+            "torch",
+            "not installed here: torch checks skipped (a login node's core install needs no "
+            "torch; run `hpc-ddp doctor` in the job's environment, or `--job FILE` in an "
+            "allocation, to check the torch a job uses; --no-torch skips this line)",
+        )
+    except Exception as err:  # any other import failure is the finding
+        return Check(FAIL, "torch", f"import failed: {err}", _TORCH_HINT)
     available = {
         "nccl": dist.is_nccl_available(),
         "gloo": dist.is_gloo_available(),
@@ -375,24 +392,31 @@ def check_reserved_ports(o: Options) -> Check:
 
 
 def check_run_dir(o: Options) -> Check:
-    path = o.run_dir
+    """Can the trainer write there? A doctor creates nothing: a run dir not made yet is judged
+    by the nearest dir above it that exists, where the trainer would create it; the write test
+    is a temporary file, removed at once."""
+    path, name = o.run_dir, "checkpoint dir"
+    hint = "checkpoints need a writable directory on storage every node shares"
+    existing = next(p for p in (path, *path.absolute().parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        return Check(FAIL, name, f"{path}: {existing} is not a directory", hint)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-") as f:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".doctor-") as f:
             f.write(b"x" * 4096)
             f.flush()
             os.fsync(f.fileno())
     except OSError as err:
-        return Check(
-            FAIL,
-            "checkpoint dir",
-            f"{path}: {err.strerror}",
-            "checkpoints need a writable directory on storage every node shares",
-        )
-    free = shutil.disk_usage(path).free / 2**30
+        return Check(FAIL, name, f"{path}: {existing} is not writable: {err.strerror}", hint)
+    free = shutil.disk_usage(existing).free / 2**30
     status = WARN if free < 1 else OK
     hint = "less than 1 GiB free: checkpoints may fail" if status == WARN else ""
-    return Check(status, "checkpoint dir", f"{path.resolve()} writable, {free:.1f} GiB free", hint)
+    where = (
+        f"{path.resolve()} writable"
+        if existing == path
+        else f"{path} does not exist yet; {existing.resolve()}, where the trainer creates it, "
+        "is writable"
+    )
+    return Check(status, name, f"{where}, {free:.1f} GiB free", hint)
 
 
 CHECKS: tuple[Callable[[Options], Check], ...] = (

@@ -20,14 +20,16 @@ from hpc_ddp.private_paths import ensure_private_dir, lasting_state_base
 from hpc_ddp.slurm_client import SlurmTarget, reachable_slurm
 
 
-def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+def default_state_dir(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Path:
     """$LOCAL_SLURM_DIR_VAR, else ``slurm`` in the toolkit's lasting per-user state dir
-    (~/.local/state/hpc-ddp), which is created 0700 or checked (hpc_ddp.private_paths). The
+    (~/.local/state/hpc-ddp), which is created 0700 or checked (hpc_ddp.private_paths); with
+    ``create=False`` only named (a look for a running cluster must leave no dir behind). The
     cluster dir itself is the cluster's to create, root's alone (private_dir.py)."""
     env = os.environ if environ is None else environ
     if env.get(LOCAL_SLURM_DIR_VAR):
         return Path(env[LOCAL_SLURM_DIR_VAR]).absolute()
-    return ensure_private_dir(lasting_state_base(env)) / "slurm"
+    base = lasting_state_base(env)
+    return (ensure_private_dir(base) if create else base) / "slurm"
 
 
 def dir_lock(root: Path, timeout_s: float = 60) -> FileLock:
