@@ -56,6 +56,10 @@ per host. The node agent is ``hpc_ddp.deploy.shell.node_agent``; spawn is ``hpc_
 | `HPC_DDP_TORCH_CPU_INDEX`  | scripts/install.sh               | the package index of PyTorch's |
 |                            |                                  | CPU-only build (a mirror of    |
 |                            |                                  | download.pytorch.org/whl/cpu)  |
+| `HPC_DDP_MAX_NPROC`        | hpc_ddp.spawn                    | the most workers               |
+|                            |                                  | `--nproc-per-node` forks       |
+|                            |                                  | without GPUs (default: 4 per   |
+|                            |                                  | usable CPU core)               |
 
 Pure standard library: the node agent imports it on hosts where nothing else is known to work.
 """
@@ -118,6 +122,7 @@ LOCAL_SLURM_DIR_VAR = "HPC_DDP_LOCAL_SLURM_DIR"
 GRAPH_FUSED_ADAM_VAR = "HPC_DDP_GRAPH_FUSED_ADAM"
 GRAPH_ALLREDUCE_VAR = "HPC_DDP_GRAPH_ALLREDUCE"
 TORCH_CPU_INDEX_VAR = "HPC_DDP_TORCH_CPU_INDEX"  # spelled again in scripts/install.sh
+MAX_NPROC_VAR = "HPC_DDP_MAX_NPROC"
 
 SETTINGS_VARS: tuple[str, ...] = (
     TEMPLATES_VAR,
@@ -126,6 +131,7 @@ SETTINGS_VARS: tuple[str, ...] = (
     GRAPH_FUSED_ADAM_VAR,
     GRAPH_ALLREDUCE_VAR,
     TORCH_CPU_INDEX_VAR,
+    MAX_NPROC_VAR,
 )
 
 

@@ -5,11 +5,16 @@ the GPU machines that was 2.4 s of torchrun and ~4 s of interpreter and imports 
 (benchmarks/NOTES.md). Forking once the parent has imported them, and before anything touched
 CUDA, hands every worker those modules for free. The parent then only supervises:
 
-* it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker;
+* it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker,
+  from the first fork on: a signal while the workers are being forked stops the forking;
 * when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
   rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
   when the worker left on a signal forwarded to all, only the grace period runs;
 * workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
+
+N is bounded before anything starts by what the machine can run: the visible GPUs, else
+CPU_WORKERS_PER_CORE per CPU core this process may use (``MAX_NPROC_VAR`` overrides that),
+and always the descriptors the parent may open (it watches each worker through one).
 
 Workers see the launch contract of the "spawn" launcher (hpc_ddp.env_vars, read back by
 hpc_ddp.cluster.launcher) plus the standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT,
@@ -21,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import select
+import resource
+import selectors
 import signal
 import sys
 import time
@@ -29,15 +35,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hpc_ddp.cluster import detect_env
+from hpc_ddp.cluster._vars import get_opt_int
 from hpc_ddp.cluster.devices import count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.master_port import free_port, parse_port
-from hpc_ddp.env_vars import launch_environ
+from hpc_ddp.env_vars import MAX_NPROC_VAR, launch_environ
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 GRACE_S = 10.0  # after a worker failed: how long the others get to leave before SIGKILL
 _PR_SET_PDEATHSIG = 1
+# Workers per CPU core on a machine without GPUs: enough to rehearse a distributed job on a
+# laptop, few enough that a typo (1000 for 10) is refused instead of forking until the machine
+# stalls.
+CPU_WORKERS_PER_CORE = 4
+# Descriptors the parent keeps for itself besides the one per worker it watches.
+_FD_RESERVE = 32
 
 
 def worker_environ(rank: int, nproc: int, port: int, gpus_per_process: int) -> dict[str, str]:
@@ -86,12 +99,61 @@ def check_can_spawn(nproc: int, gpus_per_process: int, environ: Mapping[str, str
             hint=f"use --nproc-per-node {max(gpus // gpus_per_process, 1)} or fewer "
             "(CUDA_VISIBLE_DEVICES decides which GPUs are visible)",
         )
+    if not gpus:
+        _check_cpu_workers(nproc, environ)
+    _check_descriptors(nproc)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         # A forked child cannot use a CUDA context its parent created.
         raise ConfigError(
             "CUDA was initialised before the workers were forked",
             hint="call hpc_ddp.spawn.launch before any torch.cuda call in this process",
+        )
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a Slurm step's or taskset's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def _check_cpu_workers(nproc: int, environ: Mapping[str, str]) -> None:
+    """Without GPUs, at most CPU_WORKERS_PER_CORE workers per usable core, or what
+    MAX_NPROC_VAR allows."""
+    allowed = get_opt_int(environ, MAX_NPROC_VAR, minimum=1)
+    if allowed is not None:
+        limit, why = allowed, f"{MAX_NPROC_VAR}={allowed}"
+    else:
+        cores = usable_cores()
+        limit = CPU_WORKERS_PER_CORE * cores
+        why = f"{CPU_WORKERS_PER_CORE} per CPU core, {cores} core(s) usable here"
+    if nproc > limit:
+        raise ConfigError(
+            f"--nproc-per-node {nproc}: more workers than this machine without GPUs runs "
+            f"(at most {limit}: {why})",
+            hint=f"use --nproc-per-node {limit} or fewer; to fork more, set {MAX_NPROC_VAR} to "
+            "the most this machine should run (each worker is a whole process)",
+        )
+
+
+def _check_descriptors(nproc: int) -> None:
+    """The parent watches each worker through a descriptor (a pidfd): they must fit under its
+    limit on open files, with the ones it holds already."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: count the reserve only
+        held = 0
+    if nproc + held + _FD_RESERVE > soft:
+        raise ConfigError(
+            f"--nproc-per-node {nproc}: the parent watches each worker through an open file, "
+            f"and this process may open only {soft} ({held} open already)",
+            hint=f"raise the limit (`ulimit -n {nproc + held + _FD_RESERVE}` or more) or start "
+            f"at most {max(soft - held - _FD_RESERVE, 1)} workers",
         )
 
 
@@ -206,42 +268,97 @@ def launch(
     sys.stdout.flush()
     sys.stderr.flush()  # or the children print the parent's buffered text again
     sup = _Supervisor({})
-    # Signals wait (blocked) while the workers are forked: none can kill the parent before its
-    # handlers are in, or reach a child that still has them.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # The handlers are in before the first fork: a signal that comes while the workers are
+    # forked (a time limit, `timeout`, Ctrl-C during a slow start) reaches the parent at once,
+    # goes to the workers forked so far, and no more are forked.
+    previous = {signum: signal.signal(signum, sup.forward) for signum in FORWARDED}
     try:
-        for rank in range(nproc):
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    # The children get their own process group: a terminal's Ctrl-C reaches the
-                    # parent only, which forwards it once.
-                    os.setpgid(0, 0)
-                    _become_worker(rank, nproc, port, gpp, parent, mask)
-                    worker()
-                finally:
-                    os._exit(1)  # the worker returned or raised instead of exiting: a bug
-            sup.pids[pid] = rank
-        previous = {signum: signal.signal(signum, sup.forward) for signum in FORWARDED}
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # pending signals are forwarded now
-    pidfds = {os.pidfd_open(pid): pid for pid in sup.pids}
-    try:
-        while len(sup.codes) < nproc:
-            timeout = (
-                None if sup.kill_at == float("inf") else max(sup.kill_at - time.monotonic(), 0)
+        cut_short_by = _fork_all(sup, worker, nproc, port, gpp, parent)
+        if cut_short_by is not None:
+            sup.kill_at = time.monotonic() + GRACE_S  # they wait for ranks that never come
+            print(
+                f"hpc-ddp spawn: got {cut_short_by.name} while starting the workers: started "
+                f"{len(sup.pids)} of {nproc}, which got it too; forking no more",
+                file=sys.stderr,
+                flush=True,
             )
-            ready, _, _ = select.select(list(pidfds), [], [], timeout)
-            for fd in ready:
-                sup.reap(pidfds.pop(fd))
-                os.close(fd)
-            if not ready and time.monotonic() >= sup.kill_at:
-                for pid in pidfds.values():
-                    _signal(pid, signal.SIGKILL)
-                sup.kill_at = float("inf")
+        code = _supervise(sup)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for fd in pidfds:
-            os.close(fd)
+    # A job whose start was cut short never ran: it ends as the signal ends a process.
+    return code if cut_short_by is None else 128 + cut_short_by
+
+
+def _fork_all(
+    sup: _Supervisor,
+    worker: Callable[[], object],
+    nproc: int,
+    port: int,
+    gpp: int,
+    parent: int,
+) -> signal.Signals | None:
+    """Fork the workers in rank order, unless a signal comes first: then the signal, with the
+    workers forked so far."""
+    for rank in range(nproc):
+        if sup.forwarded is not None:
+            return sup.forwarded
+        _fork_worker(sup, worker, rank, nproc, port, gpp, parent)
+    return None
+
+
+def _fork_worker(
+    sup: _Supervisor,
+    worker: Callable[[], object],
+    rank: int,
+    nproc: int,
+    port: int,
+    gpp: int,
+    parent: int,
+) -> None:
+    """Fork ``rank``'s worker and record it. Signals wait (blocked) across this one fork only:
+    the child must not run the parent's handlers before it has its own, and the parent's
+    handler must find the new worker recorded."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                # The children get their own process group: a terminal's Ctrl-C reaches the
+                # parent only, which forwards it once.
+                os.setpgid(0, 0)
+                _become_worker(rank, nproc, port, gpp, parent, mask)
+                worker()
+            finally:
+                os._exit(1)  # the worker returned or raised instead of exiting: a bug
+        sup.pids[pid] = rank
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal is handled now
+
+
+def _supervise(sup: _Supervisor) -> int:
+    """Reap the workers as they exit, SIGKILL those still running at ``sup.kill_at``; the
+    job's exit code. Each worker is watched through a pidfd, with epoll (selectors): select()
+    cannot watch a descriptor numbered above 1023, which a parent of ~1000 workers holds."""
+    with selectors.DefaultSelector() as watched:
+        try:
+            for pid in sup.pids:
+                watched.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+            while len(sup.codes) < len(sup.pids):
+                timeout = (
+                    None if sup.kill_at == float("inf") else max(sup.kill_at - time.monotonic(), 0)
+                )
+                ready = watched.select(timeout)
+                for key, _ in ready:
+                    watched.unregister(key.fd)
+                    os.close(key.fd)
+                    sup.reap(key.data)
+                if not ready and time.monotonic() >= sup.kill_at:
+                    for key in watched.get_map().values():
+                        _signal(key.data, signal.SIGKILL)
+                    sup.kill_at = float("inf")
+        finally:
+            for key in list(watched.get_map().values()):
+                watched.unregister(key.fd)
+                os.close(key.fd)
     return sup.exit_code()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -31,9 +33,10 @@ from trainer_helpers import (
     wait_for_progress,
 )
 
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.env_vars import MAX_NPROC_VAR
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.spawn import check_can_spawn
+from hpc_ddp.spawn import CPU_WORKERS_PER_CORE, check_can_spawn, usable_cores
 
 WORKER = Path(__file__).parent / "workers" / "spawn_worker.py"
 
@@ -47,10 +50,10 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_worker(mode: str, nproc: int, out: Path) -> subprocess.Popen[str]:
+def run_worker(mode: str, nproc: int, out: Path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(WORKER), mode, str(nproc), str(out)],
-        env=job_env(),
+        env=job_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -122,6 +125,79 @@ def test_refused_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="must be at least 1"):
         check_can_spawn(0, 1, {})
     check_can_spawn(2, 1, {"CUDA_VISIBLE_DEVICES": "0,1"})  # fits: no error
+
+
+def test_more_workers_than_the_machine_runs_are_refused_naming_limit_and_override() -> None:
+    """Without GPUs, N is bounded by the usable cores (CPU_WORKERS_PER_CORE each), which
+    HPC_DDP_MAX_NPROC overrides; always by the descriptors the parent may open."""
+    limit = CPU_WORKERS_PER_CORE * usable_cores()
+    with pytest.raises(ConfigError, match=rf"more workers .* \(at most {limit}: ") as refused:
+        check_can_spawn(limit + 1, 1, {})
+    assert MAX_NPROC_VAR in (refused.value.hint or ""), refused.value.hint
+    check_can_spawn(limit, 1, {})  # fits: no error
+    check_can_spawn(limit + 1, 1, {MAX_NPROC_VAR: str(limit + 1)})  # the override
+    with pytest.raises(ConfigError, match=rf"at most 3: {MAX_NPROC_VAR}=3"):
+        check_can_spawn(4, 1, {MAX_NPROC_VAR: "3"})
+    for bad in ("0", "x", "+8", "٣"):
+        with pytest.raises(HpcDdpError, match=MAX_NPROC_VAR):
+            check_can_spawn(2, 1, {MAX_NPROC_VAR: bad})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        with pytest.raises(ConfigError, match="may open only 256") as refused:
+            check_can_spawn(300, 1, {MAX_NPROC_VAR: "1000"})
+        assert "ulimit -n" in (refused.value.hint or "")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_cli_refuses_too_many_cpu_workers_before_any_starts(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    nproc = CPU_WORKERS_PER_CORE * usable_cores() + 1
+    run_dir = tmp_path / "r"
+    started = time.monotonic()
+    done = subprocess.run(
+        [HPC_DDP, "train", "--nproc-per-node", str(nproc), *train_args(run_dir, data_dir)],
+        env=job_env(CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--nproc-per-node {nproc}: more workers than this machine" in done.stderr
+    assert f"HINT: use --nproc-per-node {nproc - 1} or fewer" in done.stderr, done.stderr
+    assert MAX_NPROC_VAR in done.stderr and "Traceback" not in done.stderr
+    assert not run_dir.exists()  # no worker ever ran
+    assert time.monotonic() - started < 60
+
+
+def test_a_signal_while_forking_stops_the_forking_and_the_job(tmp_path: Path) -> None:
+    """SIGTERM (a time limit, `timeout`) while the parent forks 500 workers: it is not held
+    back until all are forked. Rank 0 sends it at once; the parent forwards it to the workers
+    forked so far, forks no more, and the job ends with 143 in seconds."""
+    proc = run_worker("term-parent", 500, tmp_path, **{MAX_NPROC_VAR: "500"})
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - started < 30
+    forked = re.search(r"got SIGTERM while starting the workers: started (\d+) of 500", err)
+    assert forked and int(forked[1]) < 500, err
+    pids = [json.loads(f.read_text())["pid"] for f in tmp_path.glob("rank*.json")]
+    assert len(pids) <= int(forked[1]) and all(gone(pid) for pid in pids)
+
+
+def test_more_than_1024_workers_are_supervised(tmp_path: Path) -> None:
+    """select() cannot watch a descriptor above 1023, and a parent of 1100 workers holds
+    pidfds past it (it crashed there); the workers exit at once."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files ({hard}) is below what 1100 workers need")
+    proc = run_worker("codes:" + ",".join(["0"] * 1100), 1100, tmp_path, **{MAX_NPROC_VAR: "1100"})
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    assert len(list(tmp_path.glob("rank*.json"))) == 1100
 
 
 def test_the_cli_refuses_with_exit_2_and_a_hint(tmp_path: Path) -> None:

@@ -9,19 +9,25 @@ Each worker writes OUT_DIR/rank<R>.json (its pid and the launcher variables it s
                        (bounded) to be stopped by the supervisor's SIGTERM
   usr1-then-hang-unless-term
                        each waits (bounded) for SIGUSR1 and goes on: then hang-unless-term
-The script exits with launch()'s return value.
+  term-parent          rank 0 sends the parent SIGTERM at once (as `timeout` would, while the
+                       parent is still forking the others); each waits (bounded) to get it
+The script exits with launch()'s return value. HPC_DDP_MAX_NPROC is passed on to launch(), and
+the soft limit on open files is raised to the hard one first (`ulimit -n`): the parent holds a
+descriptor per worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+from hpc_ddp.env_vars import MAX_NPROC_VAR as LIMIT
 from hpc_ddp.spawn import launch
 
 WAIT_S = 60.0  # every wait below ends by itself: a broken supervisor fails the test, not hangs
@@ -29,6 +35,8 @@ WAIT_S = 60.0  # every wait below ends by itself: a broken supervisor fails the 
 
 def main() -> None:
     mode, nproc, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     def worker() -> None:
         rank = int(os.environ["RANK"])
@@ -39,6 +47,11 @@ def main() -> None:
         tmp = out / f".rank{rank}.json"
         tmp.write_text(json.dumps({"pid": os.getpid(), "env": seen}))
         tmp.rename(out / f"rank{rank}.json")  # whole or absent: rank 1 polls for it
+        if mode == "term-parent":
+            if rank == 0:
+                os.kill(os.getppid(), signal.SIGTERM)
+            got.wait(WAIT_S)  # the forwarded SIGTERM exits 143 first
+            os._exit(1)
         if mode.startswith("codes:"):
             os._exit(int(mode.split(":")[1].split(",")[rank]))
         if mode == "signal":
@@ -60,7 +73,8 @@ def main() -> None:
             os._exit(0)
         os._exit(99)
 
-    sys.exit(launch(worker, nproc, environ={}))
+    # Not the test's own environment (it may hold launcher variables): the setting only.
+    sys.exit(launch(worker, nproc, environ={k: v for k, v in os.environ.items() if k == LIMIT}))
 
 
 VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
