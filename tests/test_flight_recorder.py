@@ -16,8 +16,10 @@ import mmap
 import os
 import pickle
 import re
+import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,12 +127,147 @@ def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
     assert not canary.exists()
     escape = _entry(1, "started", op="nccl:\x1b]0;owned\x07all_reduce")  # a terminal escape
     (tmp_path / "rank_2").write_bytes(_dump([escape]))
-    assert read_dump(tmp_path / "rank_2").entries[0].op == "nccl:?]0;owned?all_reduce"
+    shown = read_dump(tmp_path / "rank_2").groups["0 (default_pg)"].last.op
+    assert shown == "nccl:?]0;owned?all_reduce"
     (tmp_path / "rank_1").write_bytes(b"not a pickle")
     with pytest.raises(ConfigError, match="not a readable flight recorder dump"):
         read_dump(tmp_path / "rank_1")
     with pytest.raises(ConfigError, match="no flight recorder dump"):
         report(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------- hostile dumps
+# Each is written to rank_0 and read by the real CLI in a child whose address space is capped at
+# MEMORY_CAP: a reader that builds what a dump only claims fails there instead of taking the
+# machine. Every one used to end in a traceback, a crash, a hang, or 50-230 times the file's
+# size in memory.
+MEMORY_CAP = 1 << 30
+_LAUGHS = [0]
+for _ in range(6):  # 100**6 paths to one leaf: a few hundred bytes of pickle
+    _LAUGHS = [_LAUGHS] * 100
+
+
+def _dump_of(**entry: object) -> Callable[[], bytes]:
+    return lambda: _dump([{**_entry(1, "started"), **entry}])
+
+
+HOSTILE: dict[str, tuple[Callable[[], bytes], str]] = {
+    # 9 bytes of BINBYTES8: the C unpickler allocated all 4.2 GB before reading
+    "bytes8-claims-4.2GB": (
+        lambda: b"\x8e" + struct.pack("<Q", 4_200_000_000),
+        "expected 4200000000 bytes in a bytes8, but only 0 remain",
+    ),
+    "3M-empty-dicts": (lambda: b"(" + b"}" * 3_000_000 + b"l.", "times its size in memory"),
+    "1M-empty-sets": (lambda: b"\x80\x04(" + b"\x8f" * 1_000_000 + b"l.", "EMPTY_SET"),
+    # hash() of a tuple nested a million deep, as a dict key: the interpreter crashed
+    "deep-tuple-as-key": (
+        lambda: b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"K\x01s.",
+        "containers nested more than 32 deep",
+    ),
+    "seq-of-8M-bits": (
+        _dump_of(collective_seq_id=1 << 8_000_000),
+        "an integer of 8000001 bits, more than the 64",
+    ),
+    "seq-infinite": (_dump_of(collective_seq_id=float("inf")), "collective_seq_id inf is not a"),
+    "one-entry-300k-times": (
+        lambda: _dump([_entry(1, "started")] * 300_000),
+        "300000 entries, more than the 200000",
+    ),
+    "5000-process-groups": (
+        lambda: pickle.dumps({"entries": [{"pg_id": i} for i in range(5000)]}),
+        "more than 1024 process groups",
+    ),
+}
+
+
+def _read_capped(dump: Path) -> subprocess.CompletedProcess[str]:
+    """``hpc-ddp doctor --nccl-dump DUMP`` in a child with MEMORY_CAP of address space, which
+    prints its peak resident memory (KiB) last on stderr."""
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP}, {MEMORY_CAP}))\n"
+        "from hpc_ddp.cli import main\n"
+        "try:\n"
+        f"    rc = main(['doctor', '--nccl-dump', {str(dump)!r}])\n"
+        "finally:\n"
+        "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    print('PEAK_KB', peak, file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _peak_mb(done: subprocess.CompletedProcess[str]) -> float:
+    return int(re.findall(r"PEAK_KB (\d+)", done.stderr)[-1]) / 1024
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_dump_is_refused_by_name_in_bounded_memory(tmp_path: Path, name: str) -> None:
+    build, said = HOSTILE[name]
+    dump = tmp_path / "rank_0"
+    dump.write_bytes(build())
+    size_mb = dump.stat().st_size / 2**20
+    done = _read_capped(dump)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{dump}: " in done.stderr and said in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    # an interpreter, and at most 24 times the file (plain_pickle.Limits), not what it claims
+    assert _peak_mb(done) < 80 + 24 * size_mb, (_peak_mb(done), size_mb)
+
+
+def test_a_file_larger_than_any_dump_is_refused_unread(tmp_path: Path) -> None:
+    """A sparse 1.5 GB rank_0: its size is checked before a byte is read (it was read whole,
+    past the memory cap here, before the size check)."""
+    dump = tmp_path / "rank_0"
+    with dump.open("wb") as f:
+        f.truncate(1_500_000_000)
+    done = _read_capped(dump)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "1500000000 bytes, larger than the 33554432" in done.stderr, done.stderr
+    assert _peak_mb(done) < 80, _peak_mb(done)
+
+
+def test_shared_sizes_nested_without_end_are_shown_short(tmp_path: Path) -> None:
+    """input_sizes sharing one list 100 times per level, 6 levels: 10**12 leaves to str()
+    (which never ended), shown a few items and levels deep."""
+    dumps = tmp_path / "d"
+    dumps.mkdir()
+    for rank in range(2):
+        entries = [_entry(1, "completed"), {**_entry(2, "started"), "input_sizes": _LAUGHS}]
+        (dumps / f"rank_{rank}").write_bytes(_dump(entries))
+    done = _read_capped(dumps)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("rank 0: entered #2"))
+    assert "sizes=[[[[..., ..., " in line and len(line) < 400, line
+    assert _peak_mb(done) < 100, _peak_mb(done)
+
+
+def test_a_rank_that_recorded_nothing_is_named_as_the_one_behind(tmp_path: Path) -> None:
+    """A real hang leaves ``entries: []`` on a rank that never reached its first collective
+    (torch's own bytes, from a process without a process group); the others waited in #8. It
+    was an IndexError traceback."""
+    dumps = _hang(tmp_path / "run")
+    empty = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from torch._C._distributed_c10d import _dump_fr_trace; "
+            "sys.stdout.buffer.write(_dump_fr_trace(True, True, False))",
+        ],
+        capture_output=True,
+        env=process_env(TORCH_FR_BUFFER_SIZE="2000"),
+        timeout=120,
+        check=True,
+    ).stdout
+    assert pickle.loads(empty)["entries"] == []  # what torch writes then
+    (dumps / "rank_2").write_bytes(empty)
+    text = _doctor(dumps)
+    assert "rank 2: no collective recorded" in text, text
+    assert "ranks [2] recorded no collective while the others did" in text, text
+    assert "rank 0: entered #8 nccl:all_reduce" in text, text
+    assert "all ranks reached" not in text  # one did not
 
 
 def _doctor(dumps: Path) -> str:

@@ -24,23 +24,27 @@ Gloo itself never dumps on a timeout): the format, Gloo's states and ``retired``
 process groups, ``frames``. Only NCCL on GPUs writes ``started``/``completed`` states and a
 ``comm_lib_version``: those are tested on dumps the test builds.
 
-Data never becomes code: a dump is read with an unpickler that refuses every global, so only
-dicts, lists, tuples, strings, numbers and None can come out (torch's own reader,
-torch.distributed.flight_recorder, calls ``pickle.load``, which can run code), and its strings
-are printed without control characters. Torch-free.
+Data never becomes code: a dump is read as plain data only (hpc_ddp.deploy.plain_pickle: no
+global, so only dicts, lists, tuples, strings, numbers and None can come out; torch's own reader,
+torch.distributed.flight_recorder, calls ``pickle.load``, which can run code), from a regular file
+whose size is checked before it is read, and what it may build is bounded by its size (a few
+bytes of pickle can ask for gigabytes). Reading it is bounded too: each rank's entries are walked
+once, keeping per process group only the last collective entered and the last completed, and
+values are shown cut short, without control characters, whatever their nesting. Torch-free.
 """
 
 from __future__ import annotations
 
-import io
+import itertools
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp import regular_file
+from hpc_ddp.deploy import plain_pickle
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import FR_DUMP_FILE_VAR, NCCL_TRACE, RunPaths
 
@@ -48,7 +52,16 @@ DUMP_PREFIX = "rank_"
 # Entries kept per rank: enough to cover a few training steps of a DDP model (one all-reduce
 # per gradient bucket), small enough to cost nothing (torch's own suggestion is 2000).
 BUFFER_ENTRIES = 2000
-_MAX_DUMP_BYTES = 256 * 1024 * 1024
+# A dump of BUFFER_ENTRIES takes well under 1 MiB (torch memoizes repeated strings and frames).
+MAX_DUMP_BYTES = 32 << 20
+# Entries read from one dump: torch keeps TORCH_FR_BUFFER_SIZE (BUFFER_ENTRIES in rendered jobs).
+MAX_ENTRIES = 100 * BUFFER_ENTRIES
+# Process groups told apart in one dump: a job has a few, a model split many ways some hundreds.
+MAX_GROUPS = 1024
+# Frames looked through per entry for the program's own line: torch's own come first.
+_MAX_FRAMES = 256
+_SHOWN_ITEMS, _SHOWN_LEVELS = 8, 4  # of a container value: items per level, levels
+_HINT = "pass the files TORCH_FR_DUMP_TEMP_FILE names (<run_dir>/nccl_trace/rank_N)"
 _RANK = re.compile(r"(\d+)")
 # A frame inside torch (distributed_c10d.py, autograd ...), not the program's own code.
 _TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
@@ -77,18 +90,41 @@ def flight_recorder_env(
     }
 
 
-class _PlainData(pickle.Unpickler):
-    """Builds containers and scalars only: any class or function reference is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refused {module}.{name}: a dump holds plain data only")
-
-
 def _text(value: Any, limit: int = 200) -> str:
     """A value of the dump as one printable line: its control characters (a terminal escape
-    sequence in a hostile file) become '?', and it is cut at ``limit`` characters."""
-    text = "".join(ch if ch.isprintable() else "?" for ch in str(value))
+    sequence in a hostile file) become '?', and it is cut at ``limit`` characters. Containers
+    are shown a few items and levels deep, so a value nested or shared without end costs no
+    more than a short one."""
+    text = _shown(value, _SHOWN_LEVELS)[: limit + 1]
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown(value: Any, levels: int) -> str:
+    """``str(value)`` for scalars (a string cut short first), a bounded ``repr``-like text for
+    containers: at most _SHOWN_ITEMS items per level, ``levels`` levels."""
+    if isinstance(value, str):
+        return value[:1000]
+    if isinstance(value, list | tuple | Mapping):
+        if levels == 0:
+            return "..."
+        items: Iterable[Any] = value.items() if isinstance(value, Mapping) else value
+        head = list(itertools.islice(items, _SHOWN_ITEMS))
+        if isinstance(value, Mapping):
+            parts = [f"{_inner(k, levels)}: {_inner(v, levels)}" for k, v in head]
+        else:
+            parts = [_inner(v, levels) for v in head]
+        if len(value) > _SHOWN_ITEMS:
+            parts.append("...")
+        left, right = (
+            "{}" if isinstance(value, Mapping) else "()" if isinstance(value, tuple) else "[]"
+        )
+        return f"{left}{', '.join(parts)}{right}"
+    return repr(value)[:1000]  # numbers (within 64 bits), bytes, None, booleans
+
+
+def _inner(value: Any, levels: int) -> str:
+    return repr(value[:1000]) if isinstance(value, str) else _shown(value, levels - 1)
 
 
 @dataclass(frozen=True)
@@ -97,7 +133,7 @@ class Collective:
     op: str
     state: str
     completed: bool
-    sizes: list[Any]
+    sizes: str  # input_sizes, as shown
     group: str
     call_site: str
 
@@ -109,54 +145,98 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class GroupTrace:
+    """One rank's place in one process group: what a hang report compares."""
+
+    last: Collective  # the last collective it entered
+    done: Collective | None  # the last it completed
+
+
+@dataclass(frozen=True)
 class RankTrace:
     rank: int
     version: str
     comm_lib: str
-    entries: list[Collective]
-
-    def in_group(self, group: str) -> list[Collective]:
-        return [e for e in self.entries if e.group == group]
+    groups: dict[str, GroupTrace]  # by group label; empty: the rank recorded no collective
 
 
 def read_dump(path: Path) -> RankTrace:
     """One rank's dump; ConfigError naming the file if it is not a flight recorder dump."""
     match = _RANK.search(path.name[::-1])
     if match is None:
-        raise ConfigError(f"{path}: no rank number at the end of the file name")
+        raise ConfigError(f"{path}: no rank number at the end of the file name", hint=_HINT)
     rank = int(match.group(1)[::-1])
-    data = path.read_bytes()
-    if len(data) > _MAX_DUMP_BYTES:
-        raise ConfigError(f"{path}: {len(data)} bytes is too large for a flight recorder dump")
     try:
-        dump = _PlainData(io.BytesIO(data)).load()
-    except Exception as err:  # any malformed pickle: say which file and why
+        data = regular_file.read_small(path, MAX_DUMP_BYTES, follow_symlinks=True)
+    except OSError as err:  # a FIFO, a device, a file larger than any dump: not read
         raise ConfigError(
-            f"{path}: not a readable flight recorder dump ({err})",
-            hint="pass the files TORCH_FR_DUMP_TEMP_FILE names (<run_dir>/nccl_trace/rank_N)",
+            f"{path}: not a flight recorder dump: {err.strerror or err}", hint=_HINT
+        ) from None
+    try:
+        dump = plain_pickle.loads(data)
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError) as err:
+        raise ConfigError(
+            f"{path}: not a readable flight recorder dump ({_text(str(err), 300)})", hint=_HINT
         ) from None
     if not isinstance(dump, Mapping) or not isinstance(dump.get("entries"), list):
-        raise ConfigError(f"{path}: a flight recorder dump is a table with 'entries'")
+        raise ConfigError(f"{path}: a flight recorder dump is a table with 'entries'", hint=_HINT)
+    if len(dump["entries"]) > MAX_ENTRIES:
+        raise ConfigError(
+            f"{path}: {len(dump['entries'])} entries, more than the {MAX_ENTRIES} read from a "
+            "dump (torch keeps TORCH_FR_BUFFER_SIZE of them)",
+            hint=f"dump with a smaller TORCH_FR_BUFFER_SIZE ({BUFFER_ENTRIES} in rendered jobs)",
+        )
     try:
-        entries = [_collective(e) for e in dump["entries"] if isinstance(e, Mapping)]
-    except (TypeError, ValueError) as err:  # a sequence number that is no number, say
+        groups = _by_group(e for e in dump["entries"] if isinstance(e, Mapping))
+    except ValueError as err:  # a sequence number that is no number, say
         raise ConfigError(f"{path}: a flight recorder entry is malformed ({err})") from None
     # Older dump formats (2.7) name the library version "nccl_version"; Gloo's is "" (no version).
     comm_lib = dump.get("comm_lib_version", dump.get("nccl_version", ""))
-    return RankTrace(rank, _text(dump.get("version", "?")), _text(comm_lib or ""), entries)
+    return RankTrace(rank, _text(dump.get("version", "?")), _text(comm_lib or ""), groups)
 
 
-def _collective(e: Mapping[str, Any]) -> Collective:
-    state = _text(e.get("state", "?"))
+def _by_group(entries: Iterable[Mapping[str, Any]]) -> dict[str, GroupTrace]:
+    """Per process group, the last entry and the last completed one (torch lists entries
+    oldest first). Only those two become Collectives: the rest are looked at and dropped."""
+    last: dict[str, Mapping[str, Any]] = {}
+    done: dict[str, Mapping[str, Any]] = {}
+    for e in entries:
+        group = _group_label(e)
+        _seq(e)  # every entry's, not only the kept ones: a malformed one is said at once
+        if group not in last and len(last) == MAX_GROUPS:
+            raise ValueError(f"more than {MAX_GROUPS} process groups")
+        last[group] = e
+        if _completed(e):
+            done[group] = e
+    return {
+        group: GroupTrace(
+            _collective(e, group), _collective(done[group], group) if group in done else None
+        )
+        for group, e in last.items()
+    }
+
+
+def _seq(e: Mapping[str, Any]) -> int:
+    seq = e.get("collective_seq_id", -1)
+    if not isinstance(seq, int) or isinstance(seq, bool) or not -1 <= seq < 1 << 63:
+        raise ValueError(f"collective_seq_id {_text(seq, 60)} is not a sequence number")
+    return seq
+
+
+def _completed(e: Mapping[str, Any]) -> bool:
+    # Gloo never marks an entry started or completed (its state stays "scheduled"); torch sets
+    # "retired" when a collective of either backend finished.
+    return e.get("state") == "completed" or e.get("retired") is True
+
+
+def _collective(e: Mapping[str, Any], group: str) -> Collective:
     return Collective(
-        seq=int(e.get("collective_seq_id", -1)),
+        seq=_seq(e),
         op=_text(e.get("profiling_name", "?")),
-        state=state,
-        # Gloo never marks an entry started or completed (its state stays "scheduled"); torch
-        # sets "retired" when a collective of either backend finished.
-        completed=state == "completed" or e.get("retired") is True,
-        sizes=list(e.get("input_sizes", [])),
-        group=_group_label(e),
+        state=_text(e.get("state", "?")),
+        completed=_completed(e),
+        sizes=_text(e.get("input_sizes", [])),
+        group=group,
         call_site=_call_site(e.get("frames")),
     )
 
@@ -166,7 +246,7 @@ def _group_label(e: Mapping[str, Any]) -> str:
     its number (``pg_id``) in a dump without them."""
     group = e.get("process_group")
     if isinstance(group, list | tuple) and group:
-        name, desc = group[0], (group[1] if len(group) > 1 else "")
+        name, desc = _text(group[0]), (_text(group[1]) if len(group) > 1 else "")
         return _text(f"{name} ({desc})" if desc else name)
     return _text(e.get("pg_id", "?") if group is None else group)
 
@@ -175,10 +255,15 @@ def _call_site(frames: Any) -> str:
     """``train.py:120 in step``: the innermost frame outside torch's package, the line of the
     program that issued the collective (torch lists frames innermost first; NCCL's
     dump-on-timeout includes them, a dump without stack traces gives "")."""
-    for frame in frames if isinstance(frames, list) else []:
-        if isinstance(frame, Mapping) and not _TORCH_FILE.search(str(frame.get("filename"))):
-            where = f"{frame.get('filename')}:{frame.get('line', '?')} in {frame.get('name', '?')}"
-            return _text(where)
+    if not isinstance(frames, list):
+        return ""
+    for frame in itertools.islice(frames, _MAX_FRAMES):
+        if not isinstance(frame, Mapping):
+            continue
+        filename = _text(frame.get("filename"), 500)
+        if not _TORCH_FILE.search(filename):
+            line, name = _text(frame.get("line", "?")), _text(frame.get("name", "?"))
+            return _text(f"{filename}:{line} in {name}")
     return ""
 
 
@@ -199,7 +284,7 @@ def dump_files(path: Path) -> list[Path]:
 def _describe(c: Collective | None) -> str:
     if c is None:
         return "none"
-    return f"#{c.seq} {c.op} sizes={_text(c.sizes)}"
+    return f"#{c.seq} {c.op} sizes={c.sizes}"
 
 
 def _called_at(c: Collective) -> str:
@@ -209,20 +294,32 @@ def _called_at(c: Collective) -> str:
 def summarize(traces: list[RankTrace]) -> list[str]:
     """Per process group, per rank the last collective entered and completed; then which ranks
     lag and where. Sequence numbers count per process group, so groups are compared apart
-    (a trainer's side group, like the checkpointer's Gloo group, has its own #1, #2 ...)."""
-    groups = sorted({e.group for t in traces for e in t.entries}, key=_group_order)
-    if not groups:
-        return [f"rank {t.rank}: no collective recorded" for t in sorted(traces, key=_by_rank)] + [
+    (a trainer's side group, like the checkpointer's Gloo group, has its own #1, #2 ...).
+    A rank that recorded no collective at all (a crash or a hang before its first one) is named
+    first: it is behind every other."""
+    ranked = sorted(traces, key=_by_rank)
+    silent = [t.rank for t in ranked if not t.groups]
+    recording = [t for t in ranked if t.groups]
+    lines = [f"rank {rank}: no collective recorded" for rank in silent]
+    if not recording:
+        return [
+            *lines,
             "no rank recorded a collective: was TORCH_FR_BUFFER_SIZE 0, or did the hang come "
-            "before the first collective?"
+            "before the first collective?",
         ]
+    if silent:
+        lines.append(
+            f"ranks {silent} recorded no collective while the others did: they never entered "
+            "their first one; look at what those ranks did instead (a crash or a hang before "
+            "it, in their log; TORCH_FR_BUFFER_SIZE=0 in their environment)"
+        )
+    groups = sorted({g for t in recording for g in t.groups}, key=_group_order)
     if len(groups) == 1:
-        return _summarize_group(traces, groups[0])
-    lines = []
+        return lines + _summarize_group(recording, groups[0], bool(silent))
     for group in groups:
         lines.append(f"process group {group}:")
-        members = [t for t in traces if t.in_group(group)]
-        lines += [f"  {line}" for line in _summarize_group(members, group)]
+        members = [t for t in recording if group in t.groups]
+        lines += [f"  {line}" for line in _summarize_group(members, group, bool(silent))]
     return lines
 
 
@@ -232,34 +329,39 @@ def _by_rank(t: RankTrace) -> int:
 
 def _group_order(group: str) -> tuple[int, str]:
     head = group.split(" ", 1)[0]
-    return (int(head) if head.isdigit() else 1 << 62, group)
+    return (int(head) if head.isdecimal() and len(head) < 19 else 1 << 62, group)
 
 
-def _summarize_group(traces: list[RankTrace], group: str) -> list[str]:
+def _summarize_group(traces: list[RankTrace], group: str, some_silent: bool) -> list[str]:
     """In a hang every rank waits in the same collective except the ones that never reached
     it: the ranks whose last entered sequence number is the lowest are the ones to look at."""
     lines: list[str] = []
     reached: dict[int, Collective] = {}  # rank -> the last collective it entered
-    for t in sorted(traces, key=_by_rank):
-        entries = t.in_group(group)  # torch lists them oldest first
-        done = [e for e in entries if e.completed]
-        reached[t.rank] = last = entries[-1]
+    for t in traces:
+        place = t.groups[group]
+        reached[t.rank] = place.last
         lines.append(
-            f"rank {t.rank}: entered {_describe(last)} ({last.status}); "
-            f"completed {_describe(done[-1] if done else None)}"
+            f"rank {t.rank}: entered {_describe(place.last)} ({place.last.status}); "
+            f"completed {_describe(place.done)}"
         )
     front = max(c.seq for c in reached.values())
     back = min(c.seq for c in reached.values())
     if front == back:
         stuck = [c for c in reached.values() if not c.completed]
+        every = "every rank that recorded any" if some_silent else "all ranks"
         if stuck:
-            lines.append(
-                f"all ranks reached collective #{front} ({stuck[0].op}{_called_at(stuck[0])}) "
-                "and it did not complete: a network or NCCL problem, not a rank that fell behind "
+            cause = (
+                ""
+                if some_silent
+                else ": a network or NCCL problem, not a rank that fell behind "
                 "(docs/troubleshooting.md)"
             )
+            lines.append(
+                f"{every} reached collective #{front} ({stuck[0].op}{_called_at(stuck[0])}) "
+                f"and it did not complete{cause}"
+            )
         else:
-            lines.append(f"all ranks completed collective #{front}: no collective was pending")
+            lines.append(f"{every} completed collective #{front}: no collective was pending")
         return lines
     laggards = sorted(rank for rank, c in reached.items() if c.seq == back)
     ahead = next(c for c in reached.values() if c.seq == front)
