@@ -146,9 +146,10 @@ def test_the_run_dir_comes_from_the_trainers_own_parser(
     assert api.describe(script, cwd=tmp_path).run_paths == api.RunPaths(tmp_path / expected)
 
 
-def test_a_job_without_the_trainer_has_no_run_dir(tmp_path: Path) -> None:
+def test_a_job_without_the_trainer_has_the_run_dir_it_is_given(tmp_path: Path) -> None:
     spec = api.JobSpec(module="hpc_ddp.deploy.preflight", args=["--run-dir", "x"])
-    assert api.describe(spec, cwd=tmp_path).run_paths is None
+    assert api.describe(spec, cwd=tmp_path).run_paths == api.RunPaths(tmp_path / "x")
+    assert api.describe(spec.replace(args=[]), cwd=tmp_path).run_paths is None
 
 
 def test_trainer_arguments_the_trainer_would_refuse_fail_early(tmp_path: Path) -> None:
@@ -197,13 +198,15 @@ def test_an_sbatch_script_job_reports_the_run_dir_it_gives_its_program(tmp_path:
     done = Finished("7", "COMPLETED", 0)
     plan = api.describe(spec.replace(args=["--run-dir", "out"]), cwd=tmp_path)
     job = SlurmJob("7", {}, None, plan.run_paths)
-    said = _report("sbatch", spec, job, done)
+    said = _report("sbatch", spec, job, done, followed=False)
     assert f"{tmp_path / 'out' / 'result.json'} does not exist: the job wrote none" in said
     result = {"status": "fine\x1b[2J", "steps": 3}
-    said = _report("sbatch", spec, job, Finished("7", "COMPLETED", 0, result=result))
+    said = _report(
+        "sbatch", spec, job, Finished("7", "COMPLETED", 0, result=result), followed=False
+    )
     assert f"result ({tmp_path / 'out' / 'result.json'}):" in said, said
     assert "status: fine\\x1b[2J" in said and "steps: 3" in said, said  # shown escaped
-    none = _report("sbatch", spec, SlurmJob("7", {}, None, None), done)
+    none = _report("sbatch", spec, SlurmJob("7", {}, None, None), done, followed=False)
     assert "the spec gives its program (mine.py) no --run-dir: no result.json to show" in none
 
 
@@ -336,11 +339,11 @@ def test_submit_reports_the_result_once_and_names_the_plot(executor: str, tmp_pa
     done = api.Finished("7", "COMPLETED", 0, 0, None, result)
     restarts = ", restarts 0" if executor == "sbatch" else ""
     head = f"job 7: COMPLETED, exit code 0{restarts}"
-    followed = _report(executor, _Ended(paths), done, followed=True)
+    followed = _report(executor, api.JobSpec(), _Ended(paths), done, followed=True)
     assert (
         followed == f"{head}\nresult: {paths.result} (its lines are above, at the end of the log)"
     )
-    quiet = _report(executor, _Ended(paths), done, followed=False).splitlines()
+    quiet = _report(executor, api.JobSpec(), _Ended(paths), done, followed=False).splitlines()
     assert (
         quiet[:2] == [head, f"result ({paths.result}):"]
         and f"  params_sha256: {'ab' * 32}" in quiet
@@ -348,7 +351,7 @@ def test_submit_reports_the_result_once_and_names_the_plot(executor: str, tmp_pa
 
     paths.plot.write_bytes(b"\x89PNG")
     for follow in (True, False):
-        report = _report(executor, _Ended(paths), done, followed=follow).splitlines()
+        report = _report(executor, api.JobSpec(), _Ended(paths), done, followed=follow).splitlines()
         assert report[-1] == f"plot: {paths.plot} (loss and accuracy per epoch)"
         assert sum("params_sha256" in line for line in report) == (not follow)
 
