@@ -2,7 +2,9 @@
 a preemption (a real SIGUSR1), a resume and a hard kill (a real SIGKILL after steps logged past
 the last checkpoint), ending with the uninterrupted run's records: the same steps, none twice,
 none missing, the same values. Two real Gloo ranks forked by ``hpc-ddp train --nproc-per-node 2``;
-TensorBoard's files are read back with TensorBoard's own reader. Nothing is mocked.
+TensorBoard's files are read back with TensorBoard's own reader. What a user added to the files
+is carried through a resume, and what the trainer did not write stops a real run before its
+first step, left as it was. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_plugins import PLUGIN, plugin_settings
 from trainer_helpers import (
     finish,
     forked_cmd,
@@ -39,7 +44,8 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.free_ports import free_ports
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train.metric_records import Record
-from hpc_ddp.train.metrics_csv import CsvWriter
+from hpc_ddp.train.metrics_csv import COLUMNS, CsvWriter
+from hpc_ddp.train.run_marker import claim_run_dir
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 FORMATS = "csv,tensorboard" if HAVE_TENSORBOARD else "csv"
@@ -259,3 +265,103 @@ def test_tensorboard_itself_shows_one_series_after_a_resume(tmp_path: Path) -> N
         server.wait(timeout=30)
     steps = list(range(1, 13))
     assert points == [(s, 1.0 if s < 6 else 2.0) for s in steps]  # 6-10 logged again
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Path:
+    path = tmp_path / "my_plugin.py"
+    path.write_text(PLUGIN)
+    return path
+
+
+def plugin_cmd(run_dir: Path, plugin: Path, metrics: str) -> list[str]:
+    """One process training test_plugins' MLP for an epoch of 16 steps, a progress line every
+    2 (a fraction of the CIFAR model's time)."""
+    settings = {**plugin_settings(plugin), "epochs": 1, "log_every": 2, "metrics": metrics}
+    return single_cmd(train_args(run_dir, run_dir.parent / "no-data", **settings))
+
+
+def read_long_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """Header and rows of a file with fields past csv's default limit (restored after)."""
+    limit = csv.field_size_limit(1 << 30)
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            return list(reader.fieldnames or ()), list(reader)
+    finally:
+        csv.field_size_limit(limit)
+
+
+def test_a_column_added_to_metrics_csv_is_carried_through_a_resume(
+    tmp_path: Path, plugin: Path
+) -> None:
+    """A column the user added to metrics.csv, one of its values past csv's 128 KiB field limit,
+    survives a real preemption (SIGUSR1) and resume: its values stay in the rows kept, and the
+    rows logged after the resume leave it empty."""
+    run_dir = tmp_path / "run"
+    cmd = plugin_cmd(run_dir, plugin, "csv")
+    rc, log = interrupt_at([*cmd, "--debug-hold-at-step", "5"], run_dir, tmp_path / "1.log")
+    assert rc == 75 and "checkpointed at step 5" in log, log
+    path = RunPaths(run_dir).metrics_csv
+    header, rows = read_long_csv(path)
+    assert [row["step"] for row in rows] == ["2", "4"]
+    notes = {"2": "x" * (200 << 10), "4": 'lr too high?, see "run 3"'}
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, [*header, "notes"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({**row, "notes": notes[row["step"]]} for row in rows)
+
+    final = run(cmd)
+    assert final.returncode == 0, final.stderr
+    assert "resumed from" in final.stdout and "step 5)" in final.stdout, final.stdout
+    header, rows = read_long_csv(path)
+    assert header == [*COLUMNS, "notes"]
+    logged = [(row["record"], row["step"]) for row in rows]
+    assert logged == [("step", str(s)) for s in range(2, 17, 2)] + [("epoch", "16")]
+    assert [row["notes"] for row in rows] == [notes["2"], notes["4"]] + [""] * 7
+
+
+def _planted(path: Path) -> tuple[str, Any]:
+    """What is at ``path``, to compare before and after: a link's target, a directory's names,
+    a file's bytes."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "link", os.readlink(path)
+    if stat.S_ISDIR(mode):
+        return "dir", sorted(os.listdir(path))
+    return "file", path.read_bytes()
+
+
+def _text(data: str | bytes) -> Callable[[Path], None]:
+    return lambda path: path.write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
+PLANTED = [
+    # (name in the run dir, what is put there, what the error says)
+    ("metrics.csv", _text("record,step,notes,notes\n"), "names the column(s) 'notes' twice"),
+    ("metrics.csv", _text("record,step\nstep,1,surplus\n"),
+     "line 2 has 3 fields, more than the header's 2"),
+    ("metrics.csv", _text("record,step,notes\nstep,3,look at this\n"),
+     "line 2 (step 3) has a value in the column(s) 'notes'"),
+    ("metrics.csv", _text("record,step\nstep,1\rx\n"), "line 2 is not CSV (new-line character"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "plant", "expected"), PLANTED)
+def test_a_metrics_file_that_is_not_ours_stops_the_run_before_training(
+    tmp_path: Path, plugin: Path, name: str, plant: Callable[[Path], None], expected: str
+) -> None:
+    """A run dir of ours (its marker) holding at a metrics name something the trainer did not
+    write, or could not rewrite without losing what it holds: a real run exits 2 before its
+    first step, naming the file and the fix, and leaves it as it was."""
+    run_dir = tmp_path / "run"
+    claim_run_dir(run_dir)
+    plant(run_dir / name)
+    before = _planted(run_dir / name)
+    done = run(plugin_cmd(run_dir, plugin, FORMATS))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"{run_dir / name} " in done.stderr and expected in done.stderr, done.stderr
+    assert "HINT: " in done.stderr and "move " in done.stderr and "Traceback" not in done.stderr
+    assert _planted(run_dir / name) == before
+    assert not (run_dir / "result.json").exists()
+    assert not list(RunPaths(run_dir).checkpoints.glob("step-*"))  # no step was trained
