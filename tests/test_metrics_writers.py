@@ -332,12 +332,22 @@ def _planted(path: Path) -> tuple[str, Any]:
     return "file", path.read_bytes()
 
 
+def _directory(path: Path) -> None:
+    path.mkdir()
+    (path / "mine.txt").write_text("not the trainer's\n")
+
+
 def _text(data: str | bytes) -> Callable[[Path], None]:
     return lambda path: path.write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
 PLANTED = [
     # (name in the run dir, what is put there, what the error says)
+    ("tensorboard", _text("my notes\n"), "tensorboard is a file, not a directory"),
+    ("tensorboard", lambda path: path.symlink_to(path.parent / "gone"),
+     "tensorboard is a symbolic link to nothing, not a directory"),
+    ("metrics.jsonl", _directory, "metrics.jsonl is a directory"),
+    ("metrics.jsonl", _text("my own notes\n"), "metrics.jsonl line 1 is not JSON"),
     ("metrics.csv", _text("record,step,notes,notes\n"), "names the column(s) 'notes' twice"),
     ("metrics.csv", _text("record,step\nstep,1,surplus\n"),
      "line 2 has 3 fields, more than the header's 2"),
@@ -354,6 +364,8 @@ def test_a_metrics_file_that_is_not_ours_stops_the_run_before_training(
     """A run dir of ours (its marker) holding at a metrics name something the trainer did not
     write, or could not rewrite without losing what it holds: a real run exits 2 before its
     first step, naming the file and the fix, and leaves it as it was."""
+    if name == "tensorboard" and not HAVE_TENSORBOARD:
+        pytest.skip("tensorboard is not installed (pip install 'hpc-ddp[tensorboard]')")
     run_dir = tmp_path / "run"
     claim_run_dir(run_dir)
     plant(run_dir / name)

@@ -19,10 +19,15 @@ only rank 0 opens any.
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hpc_ddp import extras
+from hpc_ddp import extras, regular_file
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.metric_records import Record, records_at
@@ -44,7 +49,7 @@ class JsonlWriter:
     def __init__(self, paths: RunPaths, history: Iterable[Mapping[str, Any]]) -> None:
         self.root = paths.root
         self.rows = [dict(row) for row in history]
-        if paths.metrics.exists():  # it may hold an epoch past the checkpoint: rewrite it now
+        if _check_ours(paths.metrics):  # it may hold an epoch past the checkpoint: rewrite it now
             results.write_metrics(self.root, self.rows)
 
     def write(self, record: Record) -> None:
@@ -57,6 +62,50 @@ class JsonlWriter:
 
     def close(self) -> None:
         pass
+
+
+# metrics.jsonl holds a line of a few hundred bytes per epoch; the bound only stops a planted
+# file from making rank 0 load without end.
+JSONL_LIMIT = 64 << 20
+
+
+def _check_ours(path: Path) -> bool:
+    """Whether metrics.jsonl exists; ConfigError if what is there is not one the trainer wrote
+    (a directory, or lines that are not its epochs), which the rewrite would replace."""
+    try:
+        text = regular_file.read_small(path, JSONL_LIMIT)
+    except FileNotFoundError:
+        return False
+    except regular_file.NotRegularFileError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return True  # a link, a FIFO: replaced, never written through nor read
+        why = "is a directory"
+    except OSError as err:
+        why = f"cannot be read back ({err})"
+    else:
+        why = _not_epochs(text)
+        if not why:
+            return True
+    raise ConfigError(
+        f"{path} {why}: it is not a metrics.jsonl that the trainer wrote, and the trainer "
+        "writes its own there",
+        hint="move it out of the run dir (the trainer then writes a new one)",
+    )
+
+
+def _not_epochs(text: bytes) -> str:
+    """Why ``text`` is not metrics.jsonl's lines, "" if it is (the file is always replaced
+    whole: no line of ours is torn)."""
+    for number, line in enumerate(text.split(b"\n"), start=1):
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            return f"line {number} is not JSON"
+        if not (isinstance(row, dict) and "epoch" in row and "step" in row):
+            return f"line {number} is not an epoch's record (an object with epoch and step)"
+    return ""
 
 
 class MetricWriters:

@@ -42,13 +42,28 @@ def scalars(record: Record) -> dict[str, float]:
 
 
 def _log_dir(path: Path) -> Path:
-    """``path`` as a directory of our own making: never through a link planted there."""
-    path.mkdir(exist_ok=True)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
+    """``path`` as a directory of our own making: never through a link planted there, never in
+    place of a file."""
+    hint = (
+        "move it out of the run dir (the trainer then creates the directory), or leave "
+        "tensorboard out of --metrics"
+    )
+    try:
+        path.mkdir()
+    except FileExistsError:
+        pass  # a directory of an earlier attempt, or something else: lstat says which
+    except OSError as err:
         raise ConfigError(
-            f"{path} is not a directory (a symbolic link?): TensorBoard's files go there",
-            hint="remove it (the trainer creates the directory), or leave tensorboard out of "
-            "--metrics",
+            f"cannot create {path} for TensorBoard's files: {err.strerror}", hint=hint
+        ) from None
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISDIR(mode):
+        if stat.S_ISLNK(mode):
+            what = "a symbolic link" if path.exists() else "a symbolic link to nothing"
+        else:
+            what = "a file" if stat.S_ISREG(mode) else "a FIFO, socket or device"
+        raise ConfigError(
+            f"{path} is {what}, not a directory: TensorBoard's files go there", hint=hint
         )
     return path
 
