@@ -27,6 +27,7 @@ from trainer_helpers import (
 )
 
 PLUGIN = '''
+import numpy as np
 import torch
 from torch import nn
 
@@ -114,6 +115,31 @@ class WithSpare(nn.Module):
 
 def with_spare(num_classes):
     return WithSpare(num_classes)
+
+
+class FloatTensorLabels(Blobs):
+    def __getitem__(self, i):
+        return self.x[i], self.y[i].float()
+
+
+def float_tensor_labels(split):
+    return FloatTensorLabels(split)
+
+
+class NumpyLabels(Blobs):
+    def __getitem__(self, i):
+        return self.x[i], np.int64(self.y[i])
+
+
+def tensors(split):
+    """Blobs' samples as a plain TensorDataset (0-d LongTensor labels) for training, and with
+    numpy integer labels for testing."""
+    if split == "test":
+        return NumpyLabels(split)
+    blobs = Blobs(split)
+    data = torch.utils.data.TensorDataset(blobs.x, blobs.y)
+    data.classes = Blobs.classes
+    return data
 '''
 
 
@@ -182,7 +208,9 @@ BAD = [
     ("{p}:mlp", "{p}:str_labels", "label is a str, not an int"),
     ("{p}:mlp", "{p}:list_inputs", "input is a list, not a tensor"),
     ("{p}:mlp", "my plugin:x;rm", "is not a registered dataset nor MODULE:FUNCTION"),
-]
+    ("{p}:mlp", "{p}:float_tensor_labels",
+     "label is a torch.float32 tensor of shape (), not an int, a numpy integer or a 0-d integer"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("model", "dataset", "expected"), BAD)
@@ -201,6 +229,22 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
     assert "plug-in is" in done.stderr or "MODULE:FUNCTION" in done.stderr  # the contract
     assert not (run_dir / "result.json").exists()
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_tensor_dataset_trains_as_the_same_samples_with_int_labels(
+    tmp_path: Path, plugin: Path
+) -> None:
+    """A plain TensorDataset(x, y), y a LongTensor (0-d tensor labels), for training and numpy
+    integer labels for testing: trained end to end, bit for bit as Blobs' int labels."""
+    done = {}
+    for dataset in ("blobs", "tensors"):
+        args = plugin_args(tmp_path / dataset, plugin, dataset=f"{plugin}:{dataset}", epochs=2)
+        done[dataset] = run(single_cmd(args))
+        assert done[dataset].returncode == 0, done[dataset].stderr
+    ints, tensors = read_result(tmp_path / "blobs"), read_result(tmp_path / "tensors")
+    assert tensors["status"] == "finished" and tensors["test_accuracy"] >= 0.9, tensors
+    assert tensors["params_sha256"] == ints["params_sha256"]
+    assert tensors["test_accuracy"] == ints["test_accuracy"]
 
 
 def test_a_parameter_without_gradient_fails_the_job_naming_it(tmp_path: Path, plugin: Path) -> None:

@@ -22,7 +22,8 @@ _PY_PATH = re.compile(r"[^\x00-\x1f\x7f]+\.py")
 CONTRACTS = {
     "model": "FUNCTION(num_classes: int) returning a torch.nn.Module",
     "dataset": 'FUNCTION(split) with split "train" or "test", returning a map-style dataset of '
-    "(input tensor, int label) pairs with a `classes` sequence attribute",
+    "(input tensor, label) pairs with a `classes` sequence attribute, each label an int, a "
+    "numpy integer or a 0-d integer tensor below len(classes)",
 }
 
 

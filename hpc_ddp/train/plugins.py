@@ -3,8 +3,9 @@ where training happens and held to their contract (plugin_spec.CONTRACTS):
 
 - model: ``FUNCTION(num_classes: int)`` returns a ``torch.nn.Module``;
 - dataset: ``FUNCTION(split)``, split ``"train"`` or ``"test"``, returns a map-style dataset
-  (``len`` and ``[i]``) of ``(input tensor, int label)`` pairs with a ``classes`` sequence,
-  whose length is the number of classes.
+  (``len`` and ``[i]``) of ``(input tensor, label)`` pairs with a ``classes`` sequence, whose
+  length is the number of classes; a label is an int, a numpy integer or a 0-d integer tensor
+  (a ``TensorDataset(x, y)`` with ``y`` a LongTensor, given a ``classes`` attribute, is one).
 
 A plug-in dataset takes the generic loader path (loader_data.py): none of the CIFAR demo's
 transforms (crop, flip, normalization) touch it. Each broken promise is a ConfigError (exit 2)
@@ -108,6 +109,22 @@ def _model_builder(spec: PluginSpec) -> Callable[[int], torch.nn.Module]:
     return build
 
 
+def _label(y: Any) -> int | None:
+    """The class index of a label: an int, a numpy integer or a 0-d integer tensor."""
+    if isinstance(y, torch.Tensor):
+        integer = not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
+        return int(y) if integer and y.dim() == 0 else None
+    if isinstance(y, numbers.Integral) and not isinstance(y, bool):
+        return int(y)
+    return None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
 class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
     """A plug-in split whose items are checked as they are read: (tensor, int in range)."""
 
@@ -125,21 +142,23 @@ class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
             raise _error("dataset", self.spec, f"{where} is a {shown}, not an (input, label) pair")
         x, y = item
         if not isinstance(x, torch.Tensor):
-            raise _error(
-                "dataset", self.spec, f"{where}: input is a {type(x).__name__}, not a tensor"
-            )
-        if isinstance(y, bool) or not isinstance(y, numbers.Integral):
-            raise _error(
-                "dataset", self.spec, f"{where}: label is a {type(y).__name__}, not an int"
-            )
-        if not 0 <= int(y) < self.num_classes:
+            raise _error("dataset", self.spec, f"{where}: input is a {_shown(x)}, not a tensor")
+        label = _label(y)
+        if label is None:
             raise _error(
                 "dataset",
                 self.spec,
-                f"{where}: label {int(y)} is outside 0..{self.num_classes - 1} "
+                f"{where}: label is a {_shown(y)}, not an int, a numpy integer or a 0-d "
+                "integer tensor",
+            )
+        if not 0 <= label < self.num_classes:
+            raise _error(
+                "dataset",
+                self.spec,
+                f"{where}: label {label} is outside 0..{self.num_classes - 1} "
                 f"(len(classes) is {self.num_classes})",
             )
-        return x, int(y)
+        return x, label
 
 
 def _checked_split(spec: PluginSpec, split: str, data: Any) -> CheckedDataset:
