@@ -27,6 +27,8 @@ from trainer_helpers import (
 )
 
 PLUGIN = '''
+import sys
+
 import numpy as np
 import torch
 from torch import nn
@@ -117,6 +119,48 @@ def with_spare(num_classes):
     return WithSpare(num_classes)
 
 
+def exits(num_classes):
+    sys.exit(0)  # in the model function
+
+
+def exits_in_dataset(split):
+    raise SystemExit(0)
+
+
+class HugeLen(Blobs):
+    def __len__(self):
+        return 10**20
+
+
+def huge_len(split):
+    return HugeLen(split)
+
+
+class NegativeLen(Blobs):
+    def __len__(self):
+        return -1
+
+
+def negative_len(split):
+    return NegativeLen(split)
+
+
+class ManyClasses(Blobs):
+    classes = range(10**12)
+
+
+def many_classes(split):
+    return ManyClasses(split)
+
+
+class EvenMoreClasses(Blobs):
+    classes = range(10**20)  # len() of it raises OverflowError
+
+
+def even_more_classes(split):
+    return EvenMoreClasses(split)
+
+
 class FloatTensorLabels(Blobs):
     def __getitem__(self, i):
         return self.x[i], self.y[i].float()
@@ -143,10 +187,16 @@ def tensors(split):
 '''
 
 
+def line_of(text: str, source: str = PLUGIN) -> int:
+    """The line number of ``text`` in ``source`` (a plug-in's error names where it raised)."""
+    return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
+
+
 @pytest.fixture
 def plugin(tmp_path: Path) -> Path:
     path = tmp_path / "my_plugin.py"
     path.write_text(PLUGIN)
+    (tmp_path / "quits_on_import.py").write_text("import sys\nsys.exit(0)\n")
     return path
 
 
@@ -208,6 +258,20 @@ BAD = [
     ("{p}:mlp", "{p}:str_labels", "label is a str, not an int"),
     ("{p}:mlp", "{p}:list_inputs", "input is a list, not a tensor"),
     ("{p}:mlp", "my plugin:x;rm", "is not a registered dataset nor MODULE:FUNCTION"),
+    # SystemExit from the plug-in's code: a failure naming it, never exit 0 having trained nothing.
+    ("{p}:exits", "{p}:blobs", "exits(4) raised SystemExit(0) (at {p}, line {line}, in exits)"),
+    ("{p}:mlp", "{p}:exits_in_dataset", "exits_in_dataset('train') raised SystemExit(0) (at {p}"),
+    ("{d}/quits_on_import.py:mlp", "{p}:blobs",
+     "cannot import {d}/quits_on_import.py (SystemExit(0) (at {d}/quits_on_import.py, line 2"),
+    # Sizes out of range: named, with the range allowed (len() itself raised a traceback).
+    ("{p}:mlp", "{p}:huge_len",
+     'split "train": __len__ returned 100000000000000000000: a split may have 1 to 2147483648 '
+     "samples"),
+    ("{p}:mlp", "{p}:negative_len", "__len__ returned -1: a split may have 1 to 2147483648"),
+    ("{p}:mlp", "{p}:many_classes",
+     "len(classes) is 1000000000000: a split may have 1 to 1048576 classes"),
+    ("{p}:mlp", "{p}:even_more_classes",
+     "len(classes) is more than 9223372036854775807: a split may have 1 to 1048576 classes"),
     ("{p}:mlp", "{p}:float_tensor_labels",
      "label is a torch.float32 tensor of shape (), not an int, a numpy integer or a 0-d integer"),
 ]  # fmt: skip
@@ -217,7 +281,7 @@ BAD = [
 def test_a_bad_plugin_is_refused_naming_the_contract(
     tmp_path: Path, plugin: Path, model: str, dataset: str, expected: str
 ) -> None:
-    names = {"p": str(plugin), "d": str(tmp_path)}
+    names = {"p": str(plugin), "d": str(tmp_path), "line": line_of("in the model function")}
     run_dir = tmp_path / "run"
     args = [*plugin_args(run_dir, plugin), "--epochs", "1"]
     args += ["--model", model.format(**names), "--dataset", dataset.format(**names)]
@@ -225,8 +289,9 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
         [HPC_DDP, "train", *args], env=job_env(), capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert expected in done.stderr, done.stderr
+    assert expected.format(**names) in done.stderr, done.stderr
     assert "plug-in is" in done.stderr or "MODULE:FUNCTION" in done.stderr  # the contract
+    assert "Traceback" not in done.stderr, done.stderr
     assert not (run_dir / "result.json").exists()
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 

@@ -9,7 +9,8 @@ where training happens and held to their contract (plugin_spec.CONTRACTS):
 
 A plug-in dataset takes the generic loader path (loader_data.py): none of the CIFAR demo's
 transforms (crop, flip, normalization) touch it. Each broken promise is a ConfigError (exit 2)
-naming the plug-in and the contract.
+naming the plug-in and the contract, and so is whatever the plug-in's own code raises where
+this module calls it (``_call``), with the exception's message and where it was raised.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import hashlib
 import importlib
 import importlib.util
 import numbers
+import operator
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
+import hpc_ddp
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.shard_plan import ShardPlan
@@ -41,12 +45,49 @@ if TYPE_CHECKING:  # annotations only: config -> registry -> plugins must not lo
     from hpc_ddp.train.config import TrainConfig
 
 SPLITS = ("train", "test")
+# A split's samples: the sampler permutes a split's indices every epoch, as 8-byte integers on
+# every rank (16 GiB at this bound).
+MAX_SAMPLES = 1 << 31
+# Classes: the model's output layer has a row of weights per class, and the loss a term.
+MAX_CLASSES = 1 << 20
+# Frames that are not the plug-in's: where its exception was raised is the innermost other one.
+_OURS = tuple(str(Path(m.__file__).parent) + os.sep for m in (hpc_ddp, importlib))
 
 
 def _error(kind: str, spec: PluginSpec, problem: str) -> ConfigError:
     return ConfigError(
         f"{kind} plug-in {spec}: {problem}", hint=f"a {kind} plug-in is {CONTRACTS[kind]}"
     )
+
+
+def _raised(err: BaseException) -> str:
+    """What the plug-in raised and where: ``ValueError: bad row (at /a/p.py, line 9, in f)``."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(err.__traceback__)
+        if not frame.filename.startswith(("<", *_OURS))
+    ]
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f" (at {frame.filename}, line {frame.lineno}, in {frame.name})"
+    if isinstance(err, SystemExit):
+        return (
+            f"SystemExit({err.code!r}){where}: a plug-in returns or raises an exception, "
+            "it never ends the process"
+        )
+    return f"{type(err).__name__}: {err}{where}"
+
+
+def _call(kind: str, spec: PluginSpec, doing: str, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, where the plug-in's code runs. What it raises becomes a ConfigError
+    naming the plug-in, ``doing`` and the exception; SystemExit too, which would otherwise end
+    the process with its code (0: a run that trained nothing, reported as a success).
+    KeyboardInterrupt passes: Ctrl-C stops the run as anywhere else."""
+    try:
+        return function(*args)
+    except (Exception, SystemExit) as err:
+        raise _error(kind, spec, f"{doing} raised {_raised(err)}") from err
 
 
 def _import(kind: str, spec: PluginSpec) -> ModuleType:
@@ -75,10 +116,8 @@ def _import(kind: str, spec: PluginSpec) -> ModuleType:
             del sys.modules[name]
             raise
         return module
-    except Exception as err:
-        raise _error(
-            kind, spec, f"cannot import {spec.module} ({type(err).__name__}: {err})"
-        ) from err
+    except (Exception, SystemExit) as err:  # SystemExit: _call says why
+        raise _error(kind, spec, f"cannot import {spec.module} ({_raised(err)})") from err
 
 
 def load_function(kind: str, spec: PluginSpec) -> Callable[..., Any]:
@@ -101,7 +140,7 @@ def _model_builder(spec: PluginSpec) -> Callable[[int], torch.nn.Module]:
     function = load_function("model", spec)
 
     def build(num_classes: int) -> torch.nn.Module:
-        net = function(num_classes)
+        net = _call("model", spec, f"{spec.function}({num_classes})", function, num_classes)
         if not isinstance(net, torch.nn.Module):
             raise _error("model", spec, f"returned a {type(net).__name__}, not a torch.nn.Module")
         return net
@@ -128,15 +167,21 @@ def _shown(value: Any) -> str:
 class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
     """A plug-in split whose items are checked as they are read: (tensor, int in range)."""
 
-    def __init__(self, spec: PluginSpec, split: str, data: Any, num_classes: int) -> None:
-        self.spec, self.split, self.data, self.num_classes = spec, split, data, num_classes
+    def __init__(
+        self, spec: PluginSpec, split: str, data: Any, size: int, num_classes: int
+    ) -> None:
+        self.spec, self.split, self.data = spec, split, data
+        self.size, self.num_classes = size, num_classes
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.size  # checked once: the plug-in's __len__ may not answer the same again
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        item = self.data[index]
+        return self.item(index)
+
+    def item(self, index: int) -> tuple[torch.Tensor, int]:
         where = f'item {index} of split "{self.split}"'
+        item = _call("dataset", self.spec, where, operator.getitem, self.data, index)
         if not isinstance(item, tuple | list) or len(item) != 2:
             shown = type(item).__name__
             raise _error("dataset", self.spec, f"{where} is a {shown}, not an (input, label) pair")
@@ -161,21 +206,50 @@ class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
         return x, label
 
 
+def _count(spec: PluginSpec, split: str, of: str, value: Any, limit: int, unit: str) -> int:
+    """``len(value)`` checked against ``1..limit``, naming ``of`` (what was measured).
+
+    The length as ``__len__`` returned it: ``len()`` itself refuses one below 0 or past
+    ``sys.maxsize`` with an error that names neither the plug-in nor the attribute."""
+    where = f'split "{split}": {of}'  # "__len__ returned", "len(classes) is"
+    try:
+        raw: Any = type(value).__len__(value)
+    except OverflowError:  # a length of C code's own (range), past sys.maxsize
+        raw = None
+    except (Exception, SystemExit) as err:
+        raise _error("dataset", spec, f"{where} raised {_raised(err)}") from err
+    allowed = f"a split may have 1 to {limit} {unit}"
+    if raw is None:
+        raise _error("dataset", spec, f"{where} more than {sys.maxsize}: {allowed}")
+    try:
+        n = operator.index(raw)
+    except TypeError:
+        raise _error("dataset", spec, f"{where} a {_shown(raw)}, not an int") from None
+    if not 1 <= n <= limit:
+        raise _error("dataset", spec, f"{where} {n}: {allowed}")
+    return n
+
+
 def _checked_split(spec: PluginSpec, split: str, data: Any) -> CheckedDataset:
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+    if not (hasattr(type(data), "__len__") and hasattr(type(data), "__getitem__")):
         shown = type(data).__name__
         raise _error(
             "dataset", spec, f'split "{split}" returned a {shown}, not a map-style dataset'
         )
-    classes = getattr(data, "classes", None)
+    reading = f'split "{split}": reading `classes`'
+    classes = _call("dataset", spec, reading, getattr, data, "classes", None)
     if classes is None:
         raise _error("dataset", spec, f'split "{split}" has no `classes` attribute')
-    if not isinstance(classes, Sequence) or isinstance(classes, str) or not classes:
-        raise _error("dataset", spec, f'split "{split}": `classes` is not a non-empty sequence')
-    if len(data) < 1:
-        raise _error("dataset", spec, f'split "{split}" is empty')
-    checked = CheckedDataset(spec, split, data, len(classes))
-    checked[0]  # the first item now, before any process group waits on a broken dataset
+    if not isinstance(classes, Sequence) or isinstance(classes, str):
+        raise _error(
+            "dataset",
+            spec,
+            f'split "{split}": `classes` is a {type(classes).__name__}, not a sequence',
+        )
+    num_classes = _count(spec, split, "len(classes) is", classes, MAX_CLASSES, "classes")
+    size = _count(spec, split, "__len__ returned", data, MAX_SAMPLES, "samples")
+    checked = CheckedDataset(spec, split, data, size, num_classes)
+    checked.item(0)  # the first item now, before any process group waits on a broken dataset
     return checked
 
 
@@ -210,7 +284,10 @@ def _read(spec: PluginSpec, cfg: TrainConfig) -> PluginSplits:
             hint="use --data-path auto (or torchvision) with a plug-in dataset",
         )
     function = load_function("dataset", spec)
-    train, test = (_checked_split(spec, s, function(s)) for s in SPLITS)
+    train, test = (
+        _checked_split(spec, s, _call("dataset", spec, f"{spec.function}({s!r})", function, s))
+        for s in SPLITS
+    )
     if train.num_classes != test.num_classes:
         raise _error(
             "dataset",
