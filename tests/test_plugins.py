@@ -170,6 +170,28 @@ def float_tensor_labels(split):
     return FloatTensorLabels(split)
 
 
+class Corrupt(Blobs):
+    def __getitem__(self, i):
+        if i == 37:
+            raise ValueError(f"corrupt record {i}")  # the user's own error
+        return super().__getitem__(i)
+
+
+def corrupt(split):
+    return Corrupt(split)
+
+
+class Quits(Blobs):
+    def __getitem__(self, i):
+        if i == 37:
+            sys.exit(0)  # in an item
+        return super().__getitem__(i)
+
+
+def quits(split):
+    return Quits(split)
+
+
 class NumpyLabels(Blobs):
     def __getitem__(self, i):
         return self.x[i], np.int64(self.y[i])
@@ -294,6 +316,32 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
     assert "Traceback" not in done.stderr, done.stderr
     assert not (run_dir / "result.json").exists()
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize(
+    ("dataset", "raised", "at"),
+    [("corrupt", "ValueError: corrupt record 37", "the user's own error"),
+     ("quits", "SystemExit(0)", "in an item")],
+)  # fmt: skip
+def test_an_item_that_raises_is_one_error_naming_the_plugin_and_the_item(
+    tmp_path: Path, plugin: Path, dataset: str, raised: str, at: str, workers: int
+) -> None:
+    """Item 37 raises (in a DataLoader worker with --num-workers 1): one error naming the
+    plug-in, the item, the user's own message and the line that raised it; no traceback, the
+    worker's included, and a SystemExit there is a failure, not an exit 0 or a dead worker."""
+    run_dir = tmp_path / "run"
+    args = plugin_args(run_dir, plugin, dataset=f"{plugin}:{dataset}", epochs=1)
+    done = run(single_cmd([*args, "--num-workers", str(workers)]))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    expected = (
+        f'dataset plug-in {plugin}:{dataset}: item 37 of split "train" raised {raised} '
+        f"(at {plugin}, line {line_of(at)}, in __getitem__)"
+    )
+    assert expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "DataLoader worker" not in done.stderr
+    assert done.stderr.count("error:") == 1, done.stderr
+    assert not (run_dir / "result.json").exists()
 
 
 def test_a_tensor_dataset_trains_as_the_same_samples_with_int_labels(

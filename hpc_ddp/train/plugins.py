@@ -33,11 +33,11 @@ import torch
 from torch.utils.data import Dataset
 
 import hpc_ddp
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train.data_source import EvalData, TrainData
-from hpc_ddp.train.loader_data import LoaderEvalData, LoaderTrainData
+from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
 from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec
 
 if TYPE_CHECKING:  # annotations only: config -> registry -> plugins must not loop back
@@ -164,8 +164,11 @@ def _shown(value: Any) -> str:
     return type(value).__name__
 
 
-class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
-    """A plug-in split whose items are checked as they are read: (tensor, int in range)."""
+class CheckedDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
+    """A plug-in split whose items are checked as they are read: (tensor, int in range).
+
+    ``item`` raises; ``[i]``, what the DataLoader reads (in its worker processes too), gives a
+    ``FailedItem`` instead, which the loader raises where the batches are used (loader_data)."""
 
     def __init__(
         self, spec: PluginSpec, split: str, data: Any, size: int, num_classes: int
@@ -176,8 +179,11 @@ class CheckedDataset(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return self.size  # checked once: the plug-in's __len__ may not answer the same again
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.item(index)
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | FailedItem:
+        try:
+            return self.item(index)
+        except HpcDdpError as err:
+            return FailedItem(err.message, err.hint)
 
     def item(self, index: int) -> tuple[torch.Tensor, int]:
         where = f'item {index} of split "{self.split}"'
