@@ -14,6 +14,12 @@ of its problems are reported together, with its own field names). A field whose 
 settings dataclass is a nested table (``[container]`` in TOML) checked by the same rules; its
 flags carry the field's name as a prefix (``--container-image``), and ``merge`` lays flags over a
 file's table key by key.
+
+Every number has a range: an int or float field declares its ``Range`` in its metadata
+(``range=``), and that one declaration is checked wherever a value comes in: its flag (parsed by
+``number_type``), a file's value (``coerce``), the API (the class calls ``number_problems``).
+A value that is not finite (NaN, infinity) or lies outside the range is refused naming the field,
+the value and the range.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
+import re
 import sys
 import types
 import typing
@@ -30,9 +38,150 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.cluster._vars import ascii_int
 from hpc_ddp.errors import ConfigError
 
 MISSING = dataclasses.MISSING
+
+# The longest wait or timeout a setting takes: beyond it a value is a typo, not a plan.
+YEAR_S = 365 * 86_400
+# GPUs or processes on one node: more than any machine has, few enough that a layout's
+# arithmetic (and what a script spells out) stays small.
+MAX_PER_NODE = 1024
+# An integer flag of more digits than ascii_int reads (18): out of every range, not "no integer".
+_LONG_INT = re.compile(r"-?[0-9]+", re.ASCII)
+# Plain ASCII decimal numbers (float() alone also takes '1_0', ' 1' and other scripts' digits),
+# and the words for infinity and NaN, so that they are refused as such rather than as text.
+_FLOAT_TEXT = re.compile(
+    r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|infinity|nan)", re.I | re.A
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: finite, from ``lo`` to ``hi`` (``lo`` excluded
+    when ``above``). ``why``: a reason worth showing with a refusal."""
+
+    lo: float
+    hi: float
+    above: bool = False
+    why: str = ""
+
+    def bounds(self) -> str:
+        """'from 1 to 65536', 'above 0, at most 100'."""
+        lo, hi = _number_text(self.lo), _number_text(self.hi)
+        return f"above {lo}, at most {hi}" if self.above else f"from {lo} to {hi}"
+
+    def describe(self, kind: Any) -> str:
+        """'an integer from 1 to 65536', 'a number above 0, at most 100', with the why."""
+        text = f"{'an integer' if kind is int else 'a number'} {self.bounds()}"
+        return f"{text} ({self.why})" if self.why else text
+
+    def fault(self, value: Any, kind: Any) -> str | None:
+        """None if ``value`` is a ``kind`` (int or float) in range, else what is wrong with it."""
+        what = "an integer" if kind is int else "a number"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"is not {what}"
+        if kind is int and not isinstance(value, int):
+            return "is not an integer"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "is not a finite number"
+        low_ok = value > self.lo if self.above else value >= self.lo
+        return None if low_ok and value <= self.hi else "is out of range"
+
+    def problem(self, label: str, value: Any, kind: Any) -> str | None:
+        """None if ``value`` is fine, else a message naming ``label``, the value and the range."""
+        fault = self.fault(value, kind)
+        return f"{label}={_shown(value)} {fault}: expected {self.describe(kind)}" if fault else None
+
+
+PORT = Range(1, 65535, why="a TCP port")
+# How long a command waits for something (a job, a log, a cluster) before it gives up.
+WAIT_S = Range(0, YEAR_S, above=True)
+
+
+def _number_text(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: repr, cut short (a 5000-digit number says nothing more)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def range_of(f: dataclasses.Field[Any]) -> Range | None:
+    return f.metadata.get("range")
+
+
+def numeric_kind(kind: Any) -> Any:
+    """int or float for a numeric annotation (``int | None`` included), else None."""
+    base, _ = _optional(kind)
+    return base if base in (int, float) else None
+
+
+def number_problems(obj: Any, label: Any = None) -> list[str]:
+    """Every numeric field of the settings object ``obj`` checked against its declared Range
+    (None passes where the field allows it); ``label(name)`` names a field as its user wrote it.
+    A numeric field without a Range is a bug of the class, raised as such."""
+    kinds = field_types(type(obj))
+    problems = []
+    for f in dataclasses.fields(obj):
+        kind = numeric_kind(kinds[f.name])
+        if kind is None:
+            continue
+        rng = range_of(f)
+        if rng is None:  # pragma: no cover - a schema bug, caught by the tests
+            raise TypeError(f"{type(obj).__name__}.{f.name} is a number without a Range")
+        value = getattr(obj, f.name)
+        if value is None and _optional(kinds[f.name])[1]:
+            continue
+        if problem := rng.problem(label(f.name) if label else f.name, value, kind):
+            problems.append(problem)
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberArg:
+    """An argparse ``type`` for a number flag: ASCII digits only, checked against ``range``, so
+    a bad value is refused by argparse (exit 2) naming the flag, the value and the range."""
+
+    kind: type
+    range: Range
+
+    def __call__(self, text: str) -> int | float:
+        if self.kind is int:
+            value: Any = ascii_int(text)
+        else:
+            value = float(text) if _FLOAT_TEXT.fullmatch(text) else None
+        what = "an integer" if self.kind is int else "a number"
+        if value is not None:
+            fault = self.range.fault(value, self.kind)
+        elif self.kind is int and _LONG_INT.fullmatch(text):
+            fault = "is out of range"
+        else:
+            fault = f"is not {what}"
+        if fault:
+            raise argparse.ArgumentTypeError(
+                f"{_shown(text)} {fault}: expected {self.range.describe(self.kind)}"
+            )
+        return value
+
+
+def number_type(kind: type, rng: Range) -> NumberArg:
+    """The argparse ``type`` of a number flag with the range ``rng``."""
+    return NumberArg(kind, rng)
+
+
+def flag_type(cls: type, name: str) -> NumberArg:
+    """``number_type`` of the numeric field ``name`` of ``cls``: a flag declared by hand (not
+    by ``add_arguments``) still takes its range from the field."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    kind = numeric_kind(field_types(cls)[name])
+    rng = range_of(f)
+    if kind is None or rng is None:  # pragma: no cover - a schema bug
+        raise TypeError(f"{cls.__name__}.{name} is not a number with a Range")
+    return number_type(kind, rng)
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta: Any) -> Any:
@@ -92,10 +241,13 @@ def coerce(
     *,
     split: str | None = None,
     bool_alias: tuple[str, str] | None = None,
+    rng: Range | None = None,
 ) -> Any:
     """``value`` checked against ``kind``; raises TypeError saying what was expected.
 
-    ``bool_alias`` (on, off) lets a str field that used to be a switch take true/false.
+    ``bool_alias`` (on, off) lets a str field that used to be a switch take true/false; ``rng``
+    (a number field's Range) is named in a refusal of a value of the wrong type (the class
+    checks the range itself, with its other rules).
     """
     if bool_alias and isinstance(value, bool):
         return bool_alias[0] if value else bool_alias[1]
@@ -122,11 +274,15 @@ def coerce(
     if kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise TypeError(f"expected an integer, got {value!r}")
+        raise TypeError(
+            f"expected {rng.describe(int) if rng else 'an integer'}, got {_shown(value)}"
+        )
     if kind is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        raise TypeError(f"expected a number, got {value!r}")
+        raise TypeError(
+            f"expected {rng.describe(float) if rng else 'a number'}, got {_shown(value)}"
+        )
     if kind is str:
         if isinstance(value, str):
             return value
@@ -176,6 +332,7 @@ def from_mapping(
                 value,
                 split=meta[key].get("split"),
                 bool_alias=meta[key].get("bool_alias"),
+                rng=meta[key].get("range"),
             )
         except TypeError as err:
             problems.append(f"{key}: {err}")
@@ -260,11 +417,10 @@ def add_arguments(
         if dataclasses.is_dataclass(kind):
             add_table_arguments(parser, f.name, kind)
             continue
-        help_text = f.metadata.get("help", "")
-        if show_defaults:
-            help_text = f"{help_text} (default: {default_of(f)!r})".replace("%", "%%")
-        else:
-            help_text = help_text.replace("%", "%%")
+        notes = [rng.bounds()] if (rng := range_of(f)) else []
+        notes += [f"default: {default_of(f)!r}"] if show_defaults else []
+        help_text = f.metadata.get("help", "") + (f" ({'; '.join(notes)})" if notes else "")
+        help_text = help_text.replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         origin = typing.get_origin(kind)
         if f.metadata.get("bool_alias"):  # --flag [CHOICE] (bare: on) and --no-flag (off)
@@ -293,9 +449,11 @@ def add_arguments(
         elif (choices := literal_choices(kind)) is not None:
             # No argparse choices: the class reports a wrong value with its other problems.
             parser.add_argument(*flags_of(f), metavar="{" + ",".join(choices) + "}", **kw)
+        elif kind in (int, float):
+            metavar = "N" if kind is int else "X"
+            parser.add_argument(*flags_of(f), type=flag_type(cls, f.name), metavar=metavar, **kw)
         else:
-            metavar = {int: "N", float: "X"}.get(kind, "VALUE")
-            parser.add_argument(*flags_of(f), type=kind, metavar=metavar, **kw)
+            parser.add_argument(*flags_of(f), type=kind, metavar="VALUE", **kw)
 
 
 def add_table_arguments(

@@ -77,7 +77,7 @@ def test_trainer_arguments_become_the_trainer_command() -> None:
     ("kw", "needle"),
     [
         ({"gpus_per_node": 8, "gpus_per_process": 3}, "not a multiple"),
-        ({"gpus_per_node": 0}, ">= 1"),
+        ({"gpus_per_node": 0}, "counts process slots"),
         ({"mode": "mpirun"}, "mode"),
         ({"tool": "srun"}, "tool"),
         ({"rcmd": "rsh"}, "rcmd"),

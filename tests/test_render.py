@@ -65,7 +65,7 @@ def test_all_problems_are_reported_at_once() -> None:
     with pytest.raises(ConfigError) as err:
         JobSpec(nodes=0, time="soon", mem="lots")
     text = str(err.value)
-    assert "nodes must be >= 1" in text and "time 'soon'" in text and "mem 'lots'" in text
+    assert "nodes=0 is out of range" in text and "time 'soon'" in text and "mem 'lots'" in text
 
 
 def test_unknown_keys_and_wrong_types_name_the_valid_keys() -> None:
@@ -276,7 +276,7 @@ def test_gpus_per_process_not_given_follows_the_one_rule() -> None:
     from_env = JobSpec(gpus_per_node=8, env={"HPC_DDP_GPUS_PER_PROCESS": "4"})
     assert (from_env.gpus_per_process, from_env.layout, from_env.ppn) == (4, "per-node", 2)
     assert build_spec(overrides={"gpus_per_node": 8, "gpus_per_process": 0}).gpus_per_process == 1
-    with pytest.raises(ConfigError, match="gpus_per_process=-1 is negative"):
+    with pytest.raises(ConfigError, match="gpus_per_process=-1 is out of range"):
         JobSpec(gpus_per_node=8, gpus_per_process=-1)
 
 
@@ -361,3 +361,16 @@ def test_an_array_of_trainer_runs_needs_a_run_dir_and_is_not_followed_by_submit(
     assert describe(spec).run_paths is None  # one run dir per task
     with pytest.raises(ConfigError, match="an array's tasks are separate jobs"):
         submit(spec, wait=False)
+
+
+# --- numbers and spec files (docs/security.md: "Numbers and spec files") -------------------
+def test_a_huge_gpu_count_is_refused_before_the_layout_is_worked_out() -> None:
+    """The layout's rules list the valid GPUs per process for a GPU count (its divisors): run
+    on an unchecked count they never ended. A child, so that such a loop fails the test."""
+    code = (
+        "from hpc_ddp.deploy import JobSpec\nfrom hpc_ddp.errors import ConfigError\n"
+        "try:\n    JobSpec(gpus_per_node=2**40 + 1, gpus_per_process=2)\n"
+        "except ConfigError as err:\n    print(err)"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=30)
+    assert "gpus_per_node=1099511627777 is out of range" in proc.stdout, proc.stderr

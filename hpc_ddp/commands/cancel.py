@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpc_ddp import schema
 from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
 from hpc_ddp.deploy.control import STOP_TIMEOUT_S, cancel_job
 
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=schema.number_type(float, schema.Range(0, schema.YEAR_S)),
         default=STOP_TIMEOUT_S,
         help="seconds to wait for the checkpoint before cancelling anyway",
     )

@@ -7,20 +7,25 @@ import argparse
 import shlex
 from pathlib import Path
 
+from hpc_ddp import schema
 from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
 from hpc_ddp.localslurm import LocalCluster, control
-from hpc_ddp.localslurm.config import NODE_ADDR
+from hpc_ddp.localslurm.config import NODE_ADDR, ClusterConfig
 from hpc_ddp.localslurm.gpus import AUTO
+
+START_TIMEOUT_S = schema.Range(0, 3600, above=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="start the cluster (or keep the one already running)")
-    up.add_argument("--nodes", type=int, default=2, help="slurmd 'nodes' (default 2)")
-    up.add_argument("--cpus-per-node", type=int, default=4, help="CPUs declared per node")
+    up.add_argument("--nodes", type=_shape("nodes"), default=2, help="slurmd 'nodes' (default 2)")
+    up.add_argument(
+        "--cpus-per-node", type=_shape("cpus_per_node"), default=4, help="CPUs declared per node"
+    )
     up.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=_shape("gpus_per_node"),
         default=None,
         help="GPUs per node (gres): fake ones (default 0), or with --gpu-devices the real "
         "devices' share of each node (default: all of them, split equally)",
@@ -45,8 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="cgroup plugins: each task confined to its GPUs and bound to its CPUs",
     )
-    up.add_argument("--port", type=int, default=None, help="slurmctld port (default: a free one)")
-    up.add_argument("--timeout", type=float, default=30, help="seconds to wait for idle nodes")
+    up.add_argument(
+        "--port",
+        type=_shape("ctld_port"),
+        default=None,
+        help="slurmctld port (default: a free one)",
+    )
+    up.add_argument(
+        "--timeout",
+        type=schema.number_type(float, START_TIMEOUT_S),
+        default=30,
+        help="seconds to wait for idle nodes",
+    )
     down = sub.add_parser("down", help="cancel jobs, stop the daemons, remove the cluster dir")
     status = sub.add_parser("status", help="is it running? (exit 0 yes, 1 no)")
     env = sub.add_parser("env", help="print `export SLURM_CONF=...` for eval")
@@ -57,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"cluster dir (default: ${LOCAL_SLURM_DIR_VAR} or ~/.local/state/hpc-ddp/slurm)",
         )
+
+
+def _shape(name: str) -> schema.NumberArg:
+    """The argparse type of a cluster's number: its ClusterConfig field's Range."""
+    return schema.flag_type(ClusterConfig, name)
 
 
 def run(args: argparse.Namespace) -> int:

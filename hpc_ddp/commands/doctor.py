@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hpc_ddp import schema
+from hpc_ddp.deploy.core import ProcessSpec
 from hpc_ddp.deploy.doctor import FAIL, WARN
 from hpc_ddp.node_checks import doctor
 
@@ -21,8 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory to check (one not created yet: the dir it would be created "
         "in; nothing is created)",
     )
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs per node the job will use")
-    parser.add_argument("--port", type=int, default=None, help="master port to check")
+    parser.add_argument(
+        "--gpus",
+        type=schema.flag_type(ProcessSpec, "gpus_per_node"),
+        default=None,
+        help="GPUs per node the job will use",
+    )
+    parser.add_argument(
+        "--port",
+        type=schema.number_type(int, schema.PORT),
+        default=None,
+        help="master port to check",
+    )
     parser.add_argument(
         "--no-torch",
         action="store_true",

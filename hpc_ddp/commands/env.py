@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import Any
 
+from hpc_ddp import schema
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.cluster.devices import gpus_per_process_setting, has_nvidia_driver
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--gpus-per-process",
-        type=int,
+        type=schema.number_type(int, schema.Range(0, schema.MAX_PER_NODE)),
         default=None,
         metavar="N",
         help=f"GPUs each process drives (default or 0: ${GPUS_PER_PROCESS_VAR}, else 1)",

@@ -36,13 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", required=True, help="host list, e.g. 'node[01-04],gpu7'")
     parser.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=schema.flag_type(LaunchSpec, "gpus_per_node"),
         default=1,
         help="GPUs per host (process slots on CPU-only hosts)",
     )
     parser.add_argument(
         "--gpus-per-process",
-        type=int,
+        type=schema.flag_type(LaunchSpec, "gpus_per_process"),
         default=None,
         help="1: one process per GPU; G: one process drives G GPUs (default or 0: what --env "
         "sets, else 1)",
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", help="default: first host (127.0.0.1 with --rcmd exec)")
     parser.add_argument(
         "--master-port",
-        type=int,
+        type=schema.flag_type(LaunchSpec, "master_port"),
         help="default: derived from the launch id (hpc_ddp.cluster.master_port)",
     )
     parser.add_argument("--launch-id", help="name of this launch (pid files, port); default: new")
@@ -96,15 +96,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "$XDG_RUNTIME_DIR/hpc-ddp/launch, else ~/.local/state/hpc-ddp/launch)",
     )
     parser.add_argument(
-        "--timeout", type=int, help="pdsh/clush -u: kill a host's command after N s"
+        "--timeout",
+        type=schema.flag_type(LaunchSpec, "timeout_s"),
+        help="pdsh/clush -u: kill a host's command after N s",
     )
     parser.add_argument(
         "--rendezvous-timeout",
-        type=int,
+        type=schema.flag_type(LaunchSpec, "rendezvous_timeout_s"),
         default=120,
         help="seconds a node waits for the master's store (torchrun mode)",
     )
-    parser.add_argument("--stop-grace", type=int, default=10, help="SIGTERM -> SIGKILL seconds")
+    parser.add_argument(
+        "--stop-grace",
+        type=schema.flag_type(LaunchSpec, "stop_grace_s"),
+        default=10,
+        help="SIGTERM -> SIGKILL seconds",
+    )
     parser.add_argument("--tool-path", help="pdsh/clush executable (default: from PATH)")
     parser.add_argument("--via", choices=TOOLS, default="pdsh", help="tool that runs `stop`")
     parser.add_argument(

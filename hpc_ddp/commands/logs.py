@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpc_ddp import schema
 from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
 from hpc_ddp.deploy.control import follow_logs, log_paths
 from hpc_ddp.errors import HpcDdpError
@@ -17,7 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-f", "--follow", action="store_true", help="keep printing until the job ends"
     )
     parser.add_argument(
-        "--timeout", type=float, default=None, help="with -f: stop following after this many s"
+        "--timeout",
+        type=schema.number_type(float, schema.WAIT_S),
+        default=None,
+        help="with -f: stop following after this many s",
     )
     parser.add_argument("--list", action="store_true", help="only print the log files' paths")
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from hpc_ddp import schema
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.extras import require
 from hpc_ddp.train import config
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser)
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=schema.number_type(int, schema.Range(1, schema.MAX_PER_NODE)),
         default=1,
         metavar="N",
         help="fork N worker processes on this machine (one per GPU) after the imports, and wait "

@@ -17,6 +17,7 @@ from typing import Any
 
 from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
+from hpc_ddp.cluster.hostlist import MAX_HOSTS
 from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
@@ -24,49 +25,67 @@ from hpc_ddp.errors import HpcDdpError
 
 TRAIN_MODULE = "hpc_ddp.train"
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+NODES = schema.Range(1, MAX_HOSTS)
+PER_NODE = schema.Range(0, schema.MAX_PER_NODE)
 
 
-def _doc(text: str, *aliases: str) -> dict[str, Any]:
-    """A field's help, and sbatch's spellings of its flag (``hpc-ddp render -N 2``)."""
-    return {"help": text, "aliases": aliases} if aliases else {"help": text}
+def field_doc(
+    text: str, *aliases: str, range: schema.Range | None = None, **meta: Any
+) -> dict[str, Any]:
+    """A spec field's metadata: its help, sbatch's spellings of its flag (``hpc-ddp render -N
+    2``), for a number its Range, and any other key of ``hpc_ddp.schema.setting`` (``flag``)."""
+    meta = {"help": text, **meta}
+    if aliases:
+        meta["aliases"] = aliases
+    if range is not None:
+        meta["range"] = range
+    return meta
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessSpec:
     """Nodes, GPUs and processes of a job; the environment, setup and program of each process."""
 
-    nodes: int = field(default=1, metadata=_doc("number of nodes", "-N"))
-    gpus_per_node: int = field(default=0, metadata=_doc("GPUs per node; 0 = CPU job with Gloo"))
+    nodes: int = field(default=1, metadata=field_doc("number of nodes", "-N", range=NODES))
+    gpus_per_node: int = field(
+        default=0,
+        metadata=field_doc("GPUs per node; 0 = CPU job with Gloo", range=PER_NODE),
+    )
     # None (0 in a file or flag) = not given: settled in core_problems by the one rule
     # (hpc_ddp.cluster.devices) from ``env``, the variables every process gets; an int after.
     gpus_per_process: int | None = field(
         default=None,
-        metadata=_doc(
+        metadata=field_doc(
             "GPUs each process drives: 1 = one process per GPU; 0 = not given: "
-            f"{GPUS_PER_PROCESS_VAR} in env, else 1"
+            f"{GPUS_PER_PROCESS_VAR} in env, else 1",
+            range=PER_NODE,
         ),
     )
     procs_per_node: int = field(
         default=0,
-        metadata=_doc("processes per node; 0 = derived (GPUs/GPUs per process, or 1 on CPU)"),
+        metadata=field_doc(
+            "processes per node; 0 = derived (GPUs/GPUs per process, or 1 on CPU)",
+            range=PER_NODE,
+        ),
     )
     workdir: str = field(
         default="",
-        metadata=_doc("working directory; empty = where submitted", "--chdir", "-D"),
+        metadata=field_doc("working directory; empty = where submitted", "--chdir", "-D"),
     )
     env: dict[str, str] = field(
-        default_factory=dict, metadata=_doc("environment for every process (KEY=VALUE)")
+        default_factory=dict, metadata=field_doc("environment for every process (KEY=VALUE)")
     )
     setup: list[str] = field(
-        default_factory=list, metadata=_doc("shell lines run first (module load, venv activation)")
+        default_factory=list,
+        metadata=field_doc("shell lines run first (module load, venv activation)"),
     )
-    python: str = field(default="python", metadata=_doc("Python interpreter of every process"))
-    module: str = field(default=TRAIN_MODULE, metadata=_doc("module to run (python -m)"))
-    script: str = field(default="", metadata=_doc("script to run instead of a module"))
-    args: list[str] = field(default_factory=list, metadata=_doc("arguments of the program"))
+    python: str = field(default="python", metadata=field_doc("Python interpreter of every process"))
+    module: str = field(default=TRAIN_MODULE, metadata=field_doc("module to run (python -m)"))
+    script: str = field(default="", metadata=field_doc("script to run instead of a module"))
+    args: list[str] = field(default_factory=list, metadata=field_doc("arguments of the program"))
     container: ContainerSpec | None = field(
         default=None,
-        metadata=_doc("run every process in this image ([container] table; docs/layouts.md)"),
+        metadata=field_doc("run every process in this image ([container] table; docs/layouts.md)"),
     )
 
     # --- derived layout ------------------------------------------------------------------
@@ -119,13 +138,26 @@ class ProcessSpec:
         return f"{name}[{item!r}]" if isinstance(item, str) else f"{name}[{item}]"
 
     def core_problems(self) -> list[str]:
-        """Every broken rule of the shared fields; each message names the valid choices."""
+        """Every broken rule of the shared fields; each message names the valid choices. The
+        numbers are checked first (every field's declared Range, the backend's fields too); the
+        layout's rules, which compute with them, only run on numbers in range."""
+        numbers = schema.number_problems(self, self.label)
+        p = numbers + ([] if numbers else self._layout_problems())
+        if self.module and self.script:
+            p.append("give at most one of module (python -m) and script")
+        if self.module and not _MODULE.fullmatch(self.module):
+            p.append(
+                f"{self.label('module')} {self.module!r}: expected a dotted Python module name "
+                "(hpc_ddp.train)"
+            )
+        if self.container is not None:
+            p += self.container.problems(self.container_label)
+        return p + self._text_problems()
+
+    def _layout_problems(self) -> list[str]:
+        """Nodes, GPUs and processes that contradict each other; settles gpus_per_process."""
         lab = self.label
         p: list[str] = []
-        if self.nodes < 1:
-            p.append(f"{lab('nodes')} must be >= 1, got {self.nodes}")
-        if self.gpus_per_node < 0:
-            p.append(f"{lab('gpus_per_node')} must be >= 0, got {self.gpus_per_node}")
         try:
             requested = gpus_per_process_setting(self.gpus_per_process, lab("gpus_per_process"))
             gpp = resolve_gpus_per_process(requested, self.env)
@@ -133,11 +165,7 @@ class ProcessSpec:
             gpp = 1  # lets the other checks run; the spec is refused
             p.append(err.message)
         object.__setattr__(self, "gpus_per_process", gpp)  # frozen: settled once, here
-        if self.procs_per_node < 0:
-            p.append(
-                f"{lab('procs_per_node')} must be >= 0 (0 = derived), got {self.procs_per_node}"
-            )
-        g, gpp = self.gpus_per_node, self.gpus_per_process
+        g = self.gpus_per_node
         if g > 0 and gpp >= 1:
             if g % gpp:
                 divisors = [d for d in range(1, g + 1) if g % d == 0]
@@ -157,16 +185,7 @@ class ProcessSpec:
                 f"{lab('gpus_per_process')} only applies to GPU jobs: set "
                 f"{lab('gpus_per_node')} or leave it at 1"
             )
-        if self.module and self.script:
-            p.append("give at most one of module (python -m) and script")
-        if self.module and not _MODULE.fullmatch(self.module):
-            p.append(
-                f"{lab('module')} {self.module!r}: expected a dotted Python module name "
-                "(hpc_ddp.train)"
-            )
-        if self.container is not None:
-            p += self.container.problems(self.container_label)
-        return p + self._text_problems()
+        return p
 
     def _text_problems(self) -> list[str]:
         """Data never becomes code: a value the scripts shell-quote (python, script, args, env

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
+from hpc_ddp.deploy.core import field_doc as _doc
 from hpc_ddp.deploy.safe_text import control_problem, directive_problem
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_flags
 from hpc_ddp.errors import ConfigError
@@ -34,9 +35,11 @@ Signal = Literal["USR1", "USR2", "INT", "HUP", "QUIT", "TERM"]
 SIGNALS: tuple[Signal, ...] = get_args(Signal)
 
 # Every pattern is used with fullmatch ('$' would accept a trailing newline) and ASCII digits only.
-# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or UNLIMITED).
+# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or UNLIMITED); at most 8 digits
+# a part (190 years of minutes), so that reading one is never int() of a thousand digits.
 _TIME = re.compile(
-    r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}){0,2}|UNLIMITED|INFINITE", re.ASCII
+    r"\d{1,8}|\d{1,8}:\d{2}|\d{1,8}:\d{2}:\d{2}|\d{1,8}-\d{1,8}(:\d{2}){0,2}|UNLIMITED|INFINITE",
+    re.ASCII,
 )
 _MEM = re.compile(r"\d+[KMGT]?", re.ASCII)
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
@@ -49,9 +52,8 @@ _EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
 _DIRECTIVE_FIELDS = ("partition", "account", "qos", "constraint", "output", "error", "workdir")
 
 
-def _doc(text: str, *aliases: str) -> dict[str, Any]:
-    """A field's help, and sbatch's spellings of its flag (``hpc-ddp render -J NAME``)."""
-    return {"help": text, "aliases": aliases} if aliases else {"help": text}
+# Seconds Slurm takes for a signal's lead (sbatch --signal=SIG@0..65535).
+LEAD_S = schema.Range(0, 65535, why="Slurm's limit")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +79,12 @@ class JobSpec(ProcessSpec):
     time: str = field(
         default="01:00:00", metadata=_doc("time limit, Slurm form (D-HH:MM:SS)", "-t")
     )
-    cpus_per_task: int = field(default=0, metadata=_doc("CPUs per task; 0 = Slurm's default"))
+    cpus_per_task: int = field(
+        default=0,
+        metadata=_doc(
+            "CPUs per task; 0 = Slurm's default", range=schema.Range(0, 4 * schema.MAX_PER_NODE)
+        ),
+    )
     mem: str = field(default="", metadata=_doc("memory per node, e.g. 64G; empty = default"))
     signal: Signal = field(
         default="USR1",
@@ -87,7 +94,8 @@ class JobSpec(ProcessSpec):
         ),
     )
     signal_lead_s: int = field(
-        default=90, metadata=_doc("seconds before the limit the signal comes; 0 = none")
+        default=90,
+        metadata=_doc("seconds before the limit the signal comes; 0 = none", range=LEAD_S),
     )
     requeue: bool = field(default=True, metadata=_doc("allow the job to be requeued"))
     output: str = field(default="%x-%j.out", metadata=_doc("batch log (--output), appended"))
@@ -97,7 +105,10 @@ class JobSpec(ProcessSpec):
     )
     exit_wait_s: int = field(
         default=120,
-        metadata=_doc("srun --wait: end the step this long after the first task exits"),
+        metadata=_doc(
+            "srun --wait: end the step this long after the first task exits",
+            range=schema.Range(0, 86_400),
+        ),
     )
     resv_ports: bool = field(
         default=False,
@@ -153,7 +164,10 @@ class JobSpec(ProcessSpec):
 
 
 def _check(s: JobSpec) -> list[str]:
-    """The Slurm fields' rules, in one pass; the messages name the valid choices."""
+    """The Slurm fields' rules, in one pass; the messages name the valid choices. Rules that
+    compute with numbers run only when every number is in its range (core_problems says
+    which are not)."""
+    numbers_ok = not schema.number_problems(s)
     p: list[str] = []
     if not _NAME.fullmatch(s.name):
         p.append(f"name {s.name!r}: use letters, digits and . _ + - only")
@@ -163,7 +177,7 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"launcher {s.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if s.gpu_binding not in GPU_BINDINGS:
         p.append(f"gpu_binding {s.gpu_binding!r} is not one of {', '.join(GPU_BINDINGS)}")
-    if s.launcher == "torchrun" and s.gpus_per_process > 1:
+    if numbers_ok and s.launcher == "torchrun" and s.gpus_per_process > 1:
         p.append(
             "launcher torchrun starts one process per GPU; one process driving "
             f'{s.gpus_per_process} GPUs needs launcher = "srun" (one task per node)'
@@ -171,21 +185,16 @@ def _check(s: JobSpec) -> list[str]:
     if not _TIME.fullmatch(s.time):
         p.append(f"time {s.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS)")
     elif (
-        s.signal_lead_s
+        numbers_ok
+        and s.signal_lead_s
         and (limit := time_limit_seconds(s.time)) is not None
         and s.signal_lead_s >= limit
     ):
         p.append(f"signal_lead_s={s.signal_lead_s} is not shorter than the time limit {s.time}")
-    if s.cpus_per_task < 0:
-        p.append(f"cpus_per_task must be >= 0, got {s.cpus_per_task}")
     if s.mem and not _MEM.fullmatch(s.mem):
         p.append(f"mem {s.mem!r}: expected a number with an optional K/M/G/T suffix")
     if s.signal not in SIGNALS:
         p.append(f"signal {s.signal!r} is not one of {', '.join(SIGNALS)} (no SIG prefix)")
-    if s.signal_lead_s < 0 or s.signal_lead_s > 65535:
-        p.append(f"signal_lead_s must be in 0..65535 (Slurm's limit), got {s.signal_lead_s}")
-    if s.exit_wait_s < 0:
-        p.append(f"exit_wait_s must be >= 0, got {s.exit_wait_s}")
     if not s.output:
         p.append("output must name a log file, e.g. '%x-%j.out'")
     if s.array and not _ARRAY.fullmatch(s.array):

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpc_ddp import schema
 from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.gpus import per_node
@@ -23,6 +24,13 @@ MAX_ROOT_LEN = 64
 # Every name resolves to this address (see hosts.py): the same answer in every cluster, so two
 # clusters that both call their first node "node1" never disagree about where it is.
 NODE_ADDR = "127.0.0.1"
+# Every "node" is a slurmd of this machine, with a port and a spool dir of its own.
+MAX_NODES = 64
+
+
+def _range(lo: int, hi: int, why: str = "") -> dict[str, schema.Range]:
+    """A numeric field's metadata: its Range (hpc_ddp.schema)."""
+    return {"range": schema.Range(lo, hi, why=why)}
 
 
 @dataclass(frozen=True)
@@ -30,16 +38,20 @@ class ClusterConfig:
     """Everything needed to render the config files and find the daemons again later."""
 
     root: Path
-    nodes: int = 2
-    cpus_per_node: int = 4
-    gpus_per_node: int = 0
-    memory_mb: int = 2000
-    ctld_port: int = 6817
+    nodes: int = field(
+        default=2, metadata=_range(1, MAX_NODES, why="slurmd daemons on one machine")
+    )
+    cpus_per_node: int = field(default=4, metadata=_range(1, 4 * schema.MAX_PER_NODE))
+    gpus_per_node: int = field(default=0, metadata=_range(0, schema.MAX_PER_NODE))
+    memory_mb: int = field(default=2000, metadata=_range(1, 1 << 30))
+    ctld_port: int = field(default=6817, metadata={"range": schema.PORT})
     node_ports: tuple[int, ...] = (6818, 6819)
     node_prefix: str = "node"
     # Distinct job ids per cluster: jobs derive MASTER_PORT from the job id, and every cluster's
     # "nodes" share this machine's network stack, so equal ids in two clusters would collide.
-    first_job_id: int = 1
+    first_job_id: int = field(
+        default=1, metadata=_range(1, 67_043_328, why="Slurm's default MaxJobId")
+    )
     cluster_name: str = "hpcddp"
     extra: dict[str, str] = field(default_factory=dict)
     # Debian's Slurm packages unpacked under this dir (install.py); "" = the system's Slurm.
@@ -50,12 +62,12 @@ class ClusterConfig:
     cgroups: bool = False
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
-        if self.cpus_per_node < 1:
-            raise ConfigError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
-        if self.gpus_per_node < 0:
-            raise ConfigError(f"gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        ports = [
+            schema.PORT.problem(f"node_ports[{i}]", port, int)
+            for i, port in enumerate(self.node_ports)
+        ]
+        if problems := schema.number_problems(self) + [p for p in ports if p]:
+            raise ConfigError("; ".join(problems), hint="use values in the ranges shown")
         if len(self.node_ports) != self.nodes:
             raise ConfigError(f"need one port per node: {self.nodes} nodes, {self.node_ports}")
         ports = (self.ctld_port, *self.node_ports)

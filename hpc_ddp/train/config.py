@@ -53,7 +53,16 @@ IDENTITY_KEYS = (
 )
 
 
+# Counts of optimizer steps (warm-up, checkpoint and log intervals): a billion is beyond any run.
+STEPS = 10**9
+# Samples a synthetic split may hold: 3 GB of 32x32 RGB images, twenty times CIFAR-10's.
+SYNTHETIC_SAMPLES = schema.Range(1, 1_000_000)
+# Samples per batch on one process.
+BATCH = schema.Range(1, 65_536)
+
+
 def _opt(help_text: str, **extra: Any) -> Any:
+    """A field's metadata: its help, and (``range=``) the Range of a number."""
     return {"help": help_text, **extra}
 
 
@@ -75,8 +84,12 @@ class TrainConfig:
         default=False,
         metadata=_opt("write a synthetic, learnable dataset in CIFAR's on-disk format and use it"),
     )
-    synthetic_train_size: int = field(default=5000, metadata=_opt("synthetic training samples"))
-    synthetic_test_size: int = field(default=1000, metadata=_opt("synthetic test samples"))
+    synthetic_train_size: int = field(
+        default=5000, metadata=_opt("synthetic training samples", range=SYNTHETIC_SAMPLES)
+    )
+    synthetic_test_size: int = field(
+        default=1000, metadata=_opt("synthetic test samples", range=SYNTHETIC_SAMPLES)
+    )
     synthetic_variant: str = field(
         default="easy",
         metadata=_opt(
@@ -89,26 +102,46 @@ class TrainConfig:
         default="lenet",
         metadata=_opt(f"{', '.join(registry.names('model'))} or MODULE:FUNCTION (your own)"),
     )
-    epochs: int = field(default=10, metadata=_opt("training epochs"))
-    batch_size: int = field(default=64, metadata=_opt("micro-batch size per process"))
-    accum_steps: int = field(
-        default=1, metadata=_opt("micro-batches per optimizer step (gradient accumulation)")
+    epochs: int = field(
+        default=10, metadata=_opt("training epochs", range=schema.Range(1, 100_000))
     )
-    eval_batch_size: int = field(default=256, metadata=_opt("evaluation batch size per process"))
+    batch_size: int = field(default=64, metadata=_opt("micro-batch size per process", range=BATCH))
+    accum_steps: int = field(
+        default=1,
+        metadata=_opt(
+            "micro-batches per optimizer step (gradient accumulation)",
+            range=schema.Range(1, 65_536),
+        ),
+    )
+    eval_batch_size: int = field(
+        default=256, metadata=_opt("evaluation batch size per process", range=BATCH)
+    )
     # AdamW 1e-3 trains both models well out of the box; SGD 0.05 (a ResNet recipe) leaves LeNet
     # oscillating near 20-30 % accuracy. The ResNet jobs in jobs/ ask for SGD explicitly.
     optimizer: str = field(default="adam", metadata=_opt(f"one of {', '.join(OPTIMIZERS)}"))
-    lr: float = field(default=1e-3, metadata=_opt("peak learning rate"))
-    momentum: float = field(default=0.9, metadata=_opt("SGD momentum"))
-    weight_decay: float = field(default=5e-4, metadata=_opt("weight decay"))
+    lr: float = field(
+        default=1e-3, metadata=_opt("peak learning rate", range=schema.Range(0, 100, above=True))
+    )
+    momentum: float = field(default=0.9, metadata=_opt("SGD momentum", range=schema.Range(0, 1)))
+    weight_decay: float = field(
+        default=5e-4, metadata=_opt("weight decay", range=schema.Range(0, 10))
+    )
     lr_schedule: str = field(default="cosine", metadata=_opt(f"one of {', '.join(SCHEDULES)}"))
-    warmup_steps: int = field(default=0, metadata=_opt("linear warm-up steps"))
+    warmup_steps: int = field(
+        default=0, metadata=_opt("linear warm-up steps", range=schema.Range(0, STEPS))
+    )
     augment: bool = field(default=True, metadata=_opt("random crop + horizontal flip"))
     amp: str = field(
         default="auto", metadata=_opt("auto (bf16 on GPU, off on CPU), off, bf16 or fp16")
     )
     sync_bn: bool = field(default=False, metadata=_opt("convert BatchNorm to SyncBatchNorm"))
-    seed: int = field(default=0, metadata=_opt("seed for init, data order and augmentation"))
+    seed: int = field(
+        default=0,
+        metadata=_opt(
+            "seed for init, data order and augmentation",
+            range=schema.Range(0, 2**32 - 1, why="numpy's seeds"),
+        ),
+    )
     deterministic: bool = field(
         default=False,
         metadata=_opt(
@@ -116,7 +149,9 @@ class TrainConfig:
             "preempted-and-resumed twin, end with the same weights bit for bit"
         ),
     )
-    num_workers: int = field(default=0, metadata=_opt("DataLoader worker processes"))
+    num_workers: int = field(
+        default=0, metadata=_opt("DataLoader worker processes", range=schema.Range(0, 256))
+    )
     data_path: str = field(
         default="auto",
         metadata=_opt("auto (GPU-resident when it fits, else torchvision), gpu or torchvision"),
@@ -142,7 +177,11 @@ class TrainConfig:
         ),
     )
     checkpoint_every_steps: int = field(
-        default=0, metadata=_opt("also checkpoint every N optimizer steps (0: epoch ends only)")
+        default=0,
+        metadata=_opt(
+            "also checkpoint every N optimizer steps (0: epoch ends only)",
+            range=schema.Range(0, STEPS),
+        ),
     )
     # A second: every epoch of real training is saved; epochs of a tenth of a second are not
     # each worth a checkpoint that costs a few ms on and beside the training path.
@@ -151,10 +190,19 @@ class TrainConfig:
         metadata=_opt(
             "epoch-end checkpoints once this many seconds of training have passed since the "
             "newest checkpoint (0: at every epoch end); the last epoch, preemptions and "
-            "--checkpoint-every-steps always save"
+            "--checkpoint-every-steps always save",
+            range=schema.Range(0, schema.YEAR_S),
         ),
     )
-    keep_checkpoints: int = field(default=2, metadata=_opt("checkpoints to keep (>= 2)"))
+    keep_checkpoints: int = field(
+        default=2,
+        metadata=_opt(
+            "checkpoints to keep",
+            range=schema.Range(
+                2, 10_000, why="at least 2, so a torn newest checkpoint falls back to the previous"
+            ),
+        ),
+    )
     # On by default: the same files as a synchronous save (tests/test_checkpoint_async.py), and
     # every wait point (next save, preemption, end of training) waits for the write to commit.
     async_checkpoint: bool = field(
@@ -164,7 +212,10 @@ class TrainConfig:
             "(--no-async-checkpoint: write before training goes on)"
         ),
     )
-    log_every: int = field(default=20, metadata=_opt("progress line every N steps (rank 0)"))
+    log_every: int = field(
+        default=20,
+        metadata=_opt("progress line every N steps (rank 0)", range=schema.Range(1, STEPS)),
+    )
     metrics: list[str] = field(
         default_factory=lambda: ["jsonl"],
         metadata=_opt(
@@ -190,14 +241,28 @@ class TrainConfig:
         default=None,
         metadata=_opt(
             f"GPUs one process drives, >1 splits the model (not given or 0: "
-            f"${GPUS_PER_PROCESS_VAR}, else 1)"
+            f"${GPUS_PER_PROCESS_VAR}, else 1)",
+            range=schema.Range(0, schema.MAX_PER_NODE),
         ),
     )
-    timeout_s: float = field(default=1800.0, metadata=_opt("collective timeout (seconds)"))
-    connect_timeout_s: float = field(default=120.0, metadata=_opt("rendezvous timeout (seconds)"))
+    timeout_s: float = field(
+        default=1800.0,
+        metadata=_opt(
+            "collective timeout (seconds)", range=schema.Range(0, schema.YEAR_S, above=True)
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=120.0,
+        metadata=_opt(
+            "rendezvous timeout (seconds)", range=schema.Range(0, schema.YEAR_S, above=True)
+        ),
+    )
     debug_hold_at_step: int = field(
         default=0,
-        metadata=_opt("testing: at this global step wait (<=120 s) for a requeue signal"),
+        metadata=_opt(
+            "testing: at this global step wait (<=120 s) for a requeue signal",
+            range=schema.Range(0, STEPS),
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -228,27 +293,11 @@ class TrainConfig:
                     f"{key}={getattr(self, key)!r} is not valid",
                     hint=f"use one of: {', '.join(allowed)}",
                 )
-        positive = ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every")
-        positive += ("synthetic_train_size", "synthetic_test_size")
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
-        non_negative = ("num_workers", "checkpoint_every_steps", "warmup_steps")
-        for key in (*non_negative, "debug_hold_at_step"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
-        if not 0 <= self.checkpoint_interval_s < float("inf"):
+        numbers = schema.number_problems(self)
+        if numbers:
             raise ConfigError(
-                f"checkpoint_interval_s={self.checkpoint_interval_s} must be a number >= 0",
-                hint="0 saves at every epoch end",
+                "; ".join(numbers), hint="`hpc-ddp train --help` shows every setting's range"
             )
-        if self.keep_checkpoints < 2:
-            raise ConfigError(
-                f"keep_checkpoints={self.keep_checkpoints} is too few",
-                hint="keep at least 2 so a torn newest checkpoint can fall back to the previous",
-            )
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr} must be > 0")
         self.requeue_signals = [parse_signal(s).name for s in self.requeue_signals]
         self.metrics = metrics_formats(self.metrics)
         self.gpus_per_process = gpus_per_process_setting(self.gpus_per_process)  # 0 -> None

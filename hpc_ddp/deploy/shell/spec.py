@@ -17,12 +17,13 @@ import secrets
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
+from hpc_ddp import schema
 from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.master_port import derive_port
-from hpc_ddp.deploy.core import TRAIN_MODULE, ProcessSpec, problem_list
+from hpc_ddp.deploy.core import NODES, TRAIN_MODULE, ProcessSpec, field_doc, problem_list
 from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address
 from hpc_ddp.errors import ConfigError
@@ -78,10 +79,19 @@ class LaunchSpec(ProcessSpec):
     tool: Tool
     hosts: tuple[str, ...]  # canonical (sorted, de-duplicated) order: index = node rank
     master_addr: str
-    master_port: int
+    master_port: int = field(metadata=field_doc("rendezvous TCP port", range=schema.PORT))
     launch_id: str
-    nodes: int = 0  # 0: derived from hosts
-    gpus_per_node: int = 1
+    # 0: derived from hosts
+    nodes: int = field(default=0, metadata=field_doc("one node per host", range=NODES))
+    gpus_per_node: int = field(
+        default=1,
+        metadata=field_doc(
+            "GPUs per host (process slots on CPU-only hosts)",
+            range=schema.Range(
+                1, schema.MAX_PER_NODE, why="on CPU-only hosts it counts process slots"
+            ),
+        ),
+    )
     module: str = ""
     # The interpreter running hpc-ddp: on the shared file system that --workdir already assumes,
     # the same path (venv included) exists on every host, so no --setup is needed to find torch.
@@ -92,9 +102,28 @@ class LaunchSpec(ProcessSpec):
     # Where each host keeps the launch's pid files; "" = the host's private state dir
     # (host_scripts resolves it there: hpc_ddp.private_paths' rules).
     state_dir: str = ""
-    timeout_s: int | None = None  # pdsh/clush -u: last-resort bound on the whole run per host
-    rendezvous_timeout_s: int = 120
-    stop_grace_s: int = 10
+    timeout_s: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "pdsh/clush -u: last-resort bound on the whole run per host",
+            range=schema.Range(1, schema.YEAR_S),
+            flag="--timeout",
+        ),
+    )
+    rendezvous_timeout_s: int = field(
+        default=120,
+        metadata=field_doc(
+            "seconds a node waits for the master's store",
+            range=schema.Range(1, 86_400),
+            flag="--rendezvous-timeout",
+        ),
+    )
+    stop_grace_s: int = field(
+        default=10,
+        metadata=field_doc(
+            "SIGTERM -> SIGKILL seconds", range=schema.Range(0, 3600), flag="--stop-grace"
+        ),
+    )
     tool_path: str | None = None
     ssh_options: tuple[str, ...] = SSH_OPTIONS
 
@@ -119,7 +148,7 @@ class LaunchSpec(ProcessSpec):
             return f"env {item}"
         if name == "env key":
             return f"--env {item!r}"
-        flag = "--" + name.replace("_", "-")
+        flag = _FLAGS.get(name) or "--" + name.replace("_", "-")
         return flag if item is None else f"{flag}[{item}]"
 
     def container_label(self, name: str) -> str:
@@ -146,13 +175,6 @@ class LaunchSpec(ProcessSpec):
             p.append(f"nodes={self.nodes} but {len(self.hosts)} host(s): one node per host")
         if not self.argv:
             p.append(f"no command to run after '--' ({_COMMAND_HINT})")
-        if self.gpus_per_node < 1:
-            p.append(
-                f"--gpus-per-node {self.gpus_per_node}: must be >= 1 (on CPU-only hosts it "
-                "counts process slots per host)"
-            )
-        if not 1 <= self.master_port <= 65535:
-            p.append(f"master port {self.master_port} is not a TCP port (1..65535)")
         if not _LAUNCH_ID.fullmatch(self.launch_id):
             p.append(
                 f"--launch-id {self.launch_id!r} is not a plain name: letters, digits, '.', '-',"
@@ -199,6 +221,10 @@ class LaunchSpec(ProcessSpec):
     def launch_dir(self) -> str:
         """For people: where the pid files go (the host resolves the default itself)."""
         return f"{self.state_dir or DEFAULT_STATE_DIR_SHOWN}/{self.launch_id}"
+
+
+# Each field's flag of `hpc-ddp launch` (--timeout is timeout_s), as problems name them.
+_FLAGS = {f.name: schema.flag_of(f) for f in fields(LaunchSpec)}
 
 
 def make_spec(
