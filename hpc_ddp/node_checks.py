@@ -14,6 +14,7 @@ from hpc_ddp.deploy.doctor import EmbeddedCluster, Options, run_checks
 from hpc_ddp.deploy.job_assumptions import JobAssumptions, job_checks, of_script, of_spec
 from hpc_ddp.deploy.spec import build_spec
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.schema import read_text_file
 
 
 def doctor(
@@ -49,10 +50,7 @@ def _job_assumptions(path: Path) -> JobAssumptions:
     """What the job in ``path`` (a spec or a rendered script) assumes of the node."""
     if path.suffix in (".toml", ".json"):
         return of_spec(build_spec(path))
-    try:
-        found = of_script(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read {path}: {err.strerror}", hint="check the path") from None
+    found = of_script(read_text_file(path, what="batch script"))
     if found is None:
         raise ConfigError(
             f"{path} does not run the hpc_ddp trainer: nothing to check for --job",

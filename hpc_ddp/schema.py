@@ -20,6 +20,9 @@ Every number has a range: an int or float field declares its ``Range`` in its me
 ``number_type``), a file's value (``coerce``), the API (the class calls ``number_problems``).
 A value that is not finite (NaN, infinity) or lies outside the range is refused naming the field,
 the value and the range.
+
+Files a user names (spec and config files, batch scripts) are read by ``read_text_file``:
+regular files only, bounded, UTF-8, each problem a ConfigError naming the file.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 
 from hpc_ddp.cluster._vars import ascii_int
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.regular_file import FileTooLargeError, NotRegularFileError, read_small
 
 MISSING = dataclasses.MISSING
 
@@ -48,6 +52,19 @@ YEAR_S = 365 * 86_400
 # GPUs or processes on one node: more than any machine has, few enough that a layout's
 # arithmetic (and what a script spells out) stays small.
 MAX_PER_NODE = 1024
+# Spec and config files hold a few hundred bytes; batch scripts a few KiB. The bound stops a
+# planted or mistaken file (a log, an image) from being loaded whole, and keeps a parse short.
+TEXT_FILE_LIMIT = 256 << 10
+# A settings file nests a table or two ([container], [train]); deeper is not a settings file,
+# and parsers and error messages recurse once per level.
+MAX_NESTING = 16
+# A TOML dotted key (a.b.c = 1, [a.b.c]) of more parts than that: tomllib's time and memory grow
+# with the square of a key's parts (20 000 parts: 12 s and 1.5 GB), so such a key is refused
+# before parsing. Quoted parts count too; a part starts where no key character precedes it,
+# which keeps the search linear.
+_DOTTED_KEY = re.compile(
+    rf"""(?<![\w-])(?:(?:[\w-]+|"[^"\n]*"|'[^'\n]*')[ \t]*\.[ \t]*){{{MAX_NESTING}}}"""
+)
 # An integer flag of more digits than ascii_int reads (18): out of every range, not "no integer".
 _LONG_INT = re.compile(r"-?[0-9]+", re.ASCII)
 # Plain ASCII decimal numbers (float() alone also takes '1_0', ' 1' and other scripts' digits),
@@ -363,26 +380,80 @@ def _toml_loads(text: str) -> Any:
     return tomllib.loads(text)
 
 
-def load_file(path: str | Path, *, what: str, section: str | None = None) -> dict[str, Any]:
-    """Plain data from a .toml or .json file (not yet checked). With ``section``, a top-level
-    table of that name is used when present, so one file can hold several sections."""
-    path = Path(path)
+def read_text_file(path: str | Path, *, what: str, limit: int = TEXT_FILE_LIMIT) -> str:
+    """The text of a file a user named (a spec, a config file, a batch script): a regular file
+    (a link to one is fine; a FIFO, a device or a directory is refused without waiting on it),
+    at most ``limit`` bytes, UTF-8. Every problem is a ConfigError naming the file and the fix."""
     try:
-        text = path.read_text()
+        data = read_small(path, limit, follow_symlinks=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist", hint="check the path") from None
+    except NotRegularFileError as err:
+        raise ConfigError(
+            f"cannot read {what} {path}: it is {err.strerror}",
+            hint=f"give the path of the {what} itself (a regular file)",
+        ) from None
+    except FileTooLargeError as err:
+        raise ConfigError(
+            f"cannot read {what} {path}: {err.strerror}",
+            hint=f"check the path: a {what} is a small text file",
+        ) from None
     except OSError as err:
         raise ConfigError(
             f"cannot read {what} {path}: {err.strerror}", hint="check the path"
         ) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start}",
+            hint="save it as UTF-8 (or check the path: is it the file you meant?)",
+        ) from None
+
+
+def _nested_deeper(data: Any, limit: int) -> bool:
+    """Whether tables and lists in ``data`` nest more than ``limit`` levels (counted without
+    recursion: a TOML file's dotted keys build any depth without the parser recursing)."""
+    stack = [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+    return False
+
+
+def load_file(path: str | Path, *, what: str, section: str | None = None) -> dict[str, Any]:
+    """Plain data from a .toml or .json file (not yet checked). With ``section``, a top-level
+    table of that name is used when present, so one file can hold several sections."""
+    path = Path(path)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(
             f"{what} {path}: unknown file type {path.suffix!r}", hint="use .toml or .json"
         )
+    text = read_text_file(path, what=what)
+    kind = path.suffix[1:].upper()
+    too_deep = ConfigError(
+        f"{what} {path}: tables and lists nested more than {MAX_NESTING} levels deep",
+        hint=f"a {what} is a table of settings holding a table or two; check the file",
+    )
+    if kind == "TOML" and (deep := _DOTTED_KEY.search(text)):
+        line = text.count("\n", 0, deep.start()) + 1
+        raise ConfigError(
+            f"{what} {path}: line {line}: a dotted key of more than {MAX_NESTING} parts",
+            hint=f"a {what}'s keys are names such as nodes or container.image; check the file",
+        )
     try:
         data = json.loads(text) if path.suffix == ".json" else _toml_loads(text)
+    except RecursionError:
+        raise too_deep from None
     except ValueError as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ConfigError(
-            f"{path}: invalid {path.suffix[1:].upper()}: {err}", hint="fix the syntax"
-        ) from None
+        raise ConfigError(f"{path}: invalid {kind}: {err}", hint="fix the syntax") from None
+    if _nested_deeper(data, MAX_NESTING):
+        raise too_deep
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a table of settings at the top level, not {type(data).__name__}"

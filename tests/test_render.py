@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hostile_files import make_fifo, run_child, symlink_to
 
 from hpc_ddp import __version__
 from hpc_ddp.cli import main
@@ -374,3 +375,84 @@ def test_a_huge_gpu_count_is_refused_before_the_layout_is_worked_out() -> None:
     )
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=30)
     assert "gpus_per_node=1099511627777 is out of range" in proc.stdout, proc.stderr
+
+
+def _hostile_files(root: Path, suffix: str) -> dict[str, tuple[Path, str]]:
+    """name -> (a file a user could pass as a spec, config file or batch script, what the refusal
+    must say)."""
+    root.mkdir()
+    files = {
+        "FIFO": (make_fifo(root / f"fifo{suffix}"), "it is a FIFO, not a regular file"),
+        "link to /dev/zero": (
+            symlink_to(root / f"zero{suffix}", "/dev/zero"),
+            "it is a character device, not a regular file",
+        ),
+        "directory": (root / f"dir{suffix}", "it is a directory, not a regular file"),
+        "missing": (root / f"missing{suffix}", "does not exist"),
+        "not UTF-8": (root / f"latin1{suffix}", "is not UTF-8 text: byte 0xe9 at offset 11"),
+        "too large": (root / f"big{suffix}", "larger than the 262144 bytes"),
+    }
+    (root / f"dir{suffix}").mkdir()
+    (root / f"latin1{suffix}").write_bytes(b'name = "caf\xe9"\n')
+    (root / f"big{suffix}").write_text("# a comment line\n" * 20_000)
+    deep = {
+        ".json": ("[" * 100_000, "nested more than 16 levels deep"),
+        ".toml": ("args = " + "[" * 100_000, "nested more than 16 levels deep"),
+    }
+    if suffix in deep:
+        text, needle = deep[suffix]
+        (root / f"deep{suffix}").write_text(text)
+        files["nested 100000 deep"] = (root / f"deep{suffix}", needle)
+    if suffix == ".toml":
+        (root / "dotted.toml").write_text("env." + "a." * 3000 + "b = '1'\n")
+        files["dotted key of 3002 parts"] = (
+            root / "dotted.toml",
+            "line 1: a dotted key of more than 16 parts",
+        )
+    return files
+
+
+_READERS = {
+    "render -c": (".toml", ["render", "-c", "{f}", "--script-out", "{dir}/out.sbatch"]),
+    "render -c (json)": (".json", ["render", "-c", "{f}", "--script-out", "{dir}/out.sbatch"]),
+    "submit SPEC": (".toml", ["submit", "{f}", "--dry-run"]),
+    "submit SCRIPT": (".sbatch", ["submit", "{f}", "--dry-run"]),
+    "doctor --job": (".sbatch", ["doctor", "--no-torch", "--job", "{f}"]),
+    "train --config": (
+        ".toml",
+        ["train", "--config", "{f}", "--synthetic", "--epochs", "1", "--run-dir", "{dir}/run"],
+    ),
+}
+# In a child whose memory is capped: a reader that blocks on a FIFO or reads /dev/zero to its
+# end fails the test (timeout, MemoryError traceback) instead of hanging or starving it.
+_READ_IN_CHILD = """
+import contextlib, io, json, sys
+from hpc_ddp.cli import main
+cap_memory()
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("reader", list(_READERS))
+def test_a_spec_file_that_is_no_small_text_file_is_refused_naming_it(
+    tmp_path: Path, reader: str
+) -> None:
+    suffix, argv = _READERS[reader]
+    files = _hostile_files(tmp_path / "in", suffix)
+    work = tmp_path / "work"
+    work.mkdir()
+    runs = [[a.format(f=path, dir=work) for a in argv] for path, _ in files.values()]
+    results = run_child(_READ_IN_CHILD, json.dumps(runs), timeout=60)
+    for (name, (path, needle)), (code, err) in zip(files.items(), results, strict=True):
+        assert code == 2, (name, err)
+        assert str(path) in err and needle in err and "HINT" in err, (name, err)
+    assert list(work.iterdir()) == []  # no script, no run dir

@@ -83,7 +83,7 @@ def as_spec(job: JobLike, executor: str | None) -> tuple[Any, str]:
     if isinstance(job, JobSpec):
         return job, executor
     path = Path(job)
-    if not path.is_file():
+    if not path.exists():  # what exists but is no file (a FIFO, a device) its reader names
         raise ConfigError(f"{path} does not exist", hint="give a jobs/*.sbatch file or a spec")
     if path.suffix in SPEC_SUFFIXES:
         return build_spec(path), executor

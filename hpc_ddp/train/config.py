@@ -353,8 +353,6 @@ def from_mapping(values: dict[str, Any], *, base: TrainConfig | None = None) -> 
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a JSON or TOML config file; a [train] table is used when the file has one."""
-    if not Path(path).is_file():
-        raise ConfigError(f"config file {path} does not exist", hint="check the --config path")
     return schema.load_file(path, what="config file", section="train")
 
 

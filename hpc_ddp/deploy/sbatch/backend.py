@@ -30,6 +30,7 @@ from hpc_ddp.deploy.trainer_args import (
 )
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.schema import read_text_file
 from hpc_ddp.slurm_client import SlurmClient
 
 DEFAULT_PRODUCER = "hpc_ddp.submit"
@@ -76,7 +77,7 @@ class SbatchBackend(Backend):
             own = None if spec.runs_trainer else program_run_dir(spec.args)
         else:
             path = Path(spec)
-            script = _Script(path.read_text(), path, path.name)
+            script = _Script(read_text_file(path, what="batch script"), path, path.name)
             workdir = script_workdir(script.text, self._cwd())
             args, own = trainer_args_in_script(script.text), None
         # Resolved now: arguments the trainer would refuse fail before anything is queued.

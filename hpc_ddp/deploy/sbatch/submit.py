@@ -22,6 +22,7 @@ from hpc_ddp.deploy.backend import Finished
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.schema import read_text_file
 from hpc_ddp.slurm_client import (
     TERMINAL,
     UNKNOWN,
@@ -83,7 +84,7 @@ def sbatch(
     environ: Mapping[str, str] | None = None,
 ) -> Submitted:
     """Real sbatch with a scrubbed environment (no SLURM_* of an enclosing job, SLURM_CONF kept)."""
-    text = script.read_text()
+    text = read_text_file(script, what="batch script")
     prepare_output_dir(text, cwd)
     env = submission_env(environ)
     env.update(cluster_env)
