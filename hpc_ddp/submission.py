@@ -16,9 +16,6 @@ from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submitit import executor as submitit_executor
 from hpc_ddp.slurm_client import SlurmTarget
 
-# The embedded cluster always has at least two nodes: the smallest that shows a multi-node job.
-EMBEDDED_MIN_NODES = 2
-
 
 def choose_slurm_target(
     nodes: int = 1, gpus_per_node: int = 0, *, say: TextIO | None = sys.stdout
@@ -27,7 +24,7 @@ def choose_slurm_target(
     cluster>`` to ``say`` (None: silent)."""
     from hpc_ddp.localslurm.embedded import choose_slurm
 
-    target = choose_slurm(nodes=max(nodes, EMBEDDED_MIN_NODES), gpus_per_node=gpus_per_node)
+    target = choose_slurm(nodes=nodes, gpus_per_node=gpus_per_node)
     if say is not None:
         print(f"Slurm: {target.description}", file=say, flush=True)
     return target

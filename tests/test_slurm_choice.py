@@ -126,3 +126,22 @@ def test_doctor_finds_the_slurm_that_submit_would_use(
     controller, _ = _controller_lines(env, tmp_path)
     assert controller.startswith("FAIL") and "does not answer" in controller, controller
     assert "HINT:" in controller and "HPC_DDP_SLURM=local" in controller
+
+
+def test_a_running_cluster_too_small_for_the_job_names_what_the_spec_asked(
+    slurm_cluster: SlurmTestCluster, tmp_path: Path
+) -> None:
+    """The embedded cluster (here the session's, 2 nodes without GPUs) is reused when it holds
+    the job; when it does not, the refusal names the spec's own nodes and GPUs, not the shape a
+    new embedded cluster would start with."""
+    spec = tmp_path / "job.toml"
+    spec.write_text('nodes = 1\ngpus_per_node = 8\nargs = ["--run-dir", "r"]\n')
+    env = clean_job_env(
+        HPC_DDP_SLURM="local", HPC_DDP_LOCAL_SLURM_DIR=str(slurm_cluster.cluster.root)
+    )
+    proc = subprocess.run(
+        [str(HPC_DDP), "submit", str(spec), "--no-wait"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "has 2 node(s) with 0 GPU(s) each; 1 x 8 were asked for" in proc.stderr, proc.stderr

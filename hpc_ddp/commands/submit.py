@@ -76,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.text, end="")
         return 0
-    nodes, gpus = (1, 0)
-    if executor == "sbatch" and isinstance(spec, JobSpec):
-        nodes, gpus = spec.nodes, spec.gpus_per_node
+    # A rendered script's needs are in its #SBATCH lines, which Slurm itself holds it to.
+    nodes, gpus = (spec.nodes, spec.gpus_per_node) if isinstance(spec, JobSpec) else (1, 0)
     slurm = None if executor == "local" else choose_slurm_target(nodes, gpus)
     cluster_env = None if slurm is None else dict(slurm.env)
     follow = None if args.quiet else sys.stdout

@@ -19,6 +19,10 @@ from hpc_ddp.localslurm.daemons import LocalCluster
 from hpc_ddp.private_paths import ensure_private_dir, lasting_state_base
 from hpc_ddp.slurm_client import SlurmTarget, reachable_slurm
 
+# The embedded cluster's smallest shape: a one-node job starts two nodes, so that the two-node
+# job that usually follows (the README's demo) finds a cluster it fits in.
+START_NODES = 2
+
 
 def default_state_dir(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Path:
     """$LOCAL_SLURM_DIR_VAR, else ``slurm`` in the toolkit's lasting per-user state dir
@@ -60,15 +64,17 @@ def choose_slurm(
 ) -> SlurmTarget:
     """The user's Slurm (users_slurm), else the embedded cluster.
 
-    The embedded cluster lives in ``default_state_dir()``; it is reused while it runs (by any
-    process), started otherwise. A file lock beside its dir makes concurrent callers agree.
+    ``nodes`` and ``gpus_per_node``: what the job needs. The embedded cluster lives in
+    ``default_state_dir()``; it is reused while it runs (by any process) if it has that much,
+    started otherwise (with at least START_NODES nodes). A file lock beside its dir makes
+    concurrent callers agree.
     """
     existing = users_slurm(environ)
     if existing is not None:
         return existing
     root = default_state_dir(environ)
     with dir_lock(root, timeout_s + 30):
-        cluster = LocalCluster(root, nodes, cpus_per_node, gpus_per_node)
+        cluster = LocalCluster(root, max(nodes, START_NODES), cpus_per_node, gpus_per_node)
         if cluster.is_running():
             have = cluster.config
             if have.nodes < nodes or have.gpus_per_node < gpus_per_node:
@@ -79,7 +85,7 @@ def choose_slurm(
                     "(hpc-ddp cluster up --nodes N --gpus-per-node G)",
                 )
         else:
-            cluster = LocalCluster(root, nodes, cpus_per_node, gpus_per_node)
+            cluster = LocalCluster(root, max(nodes, START_NODES), cpus_per_node, gpus_per_node)
             cluster.start(timeout_s)
     cfg = cluster.config
     return SlurmTarget(
