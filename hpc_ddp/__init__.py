@@ -76,9 +76,11 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "HpcDdpError": ("hpc_ddp.errors", "HpcDdpError"),
     "ConfigError": ("hpc_ddp.errors", "ConfigError"),
     "EXIT_REQUEUE": ("hpc_ddp.exit_codes", "EXIT_REQUEUE"),
+    "EXIT_DIVERGED": ("hpc_ddp.exit_codes", "EXIT_DIVERGED"),
 }
 
 __all__ = [
+    "EXIT_DIVERGED",
     "EXIT_REQUEUE",
     "Backend",
     "Check",
@@ -161,7 +163,7 @@ if TYPE_CHECKING:
     from hpc_ddp.dist import DistContext, init_distributed, run_main
     from hpc_ddp.dist import shutdown_and_exit as shutdown
     from hpc_ddp.errors import ConfigError, HpcDdpError
-    from hpc_ddp.exit_codes import EXIT_REQUEUE
+    from hpc_ddp.exit_codes import EXIT_DIVERGED, EXIT_REQUEUE
     from hpc_ddp.localslurm.control import (
         ClusterUp,
         cluster_down,

@@ -9,7 +9,9 @@ CUDA, hands every worker those modules for free. The parent then only supervises
   from the first fork on: a signal while the workers are being forked stops the forking;
 * when a worker fails it stops the others (SIGTERM, then SIGKILL after a grace period), so a dead
   rank never leaves its peers waiting in a collective, and exits with the failed worker's code;
-  when the worker left on a signal forwarded to all, only the grace period runs;
+  when the worker left on a signal forwarded to all, only the grace period runs. The exits the
+  ranks agree on (exit_codes.AGREED_EXITS: 75 requeued, 65 diverged) are no failure: every
+  worker leaves with that code by itself, and so does the parent;
 * workers die with it (PR_SET_PDEATHSIG), so a killed parent leaves no orphans on the GPUs.
 
 N is bounded before anything starts by what the machine can run: the visible GPUs, else
@@ -40,7 +42,7 @@ from hpc_ddp.cluster.devices import count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.master_port import free_port, parse_port
 from hpc_ddp.env_vars import MAX_NPROC_VAR, launch_environ
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.exit_codes import AGREED_EXITS, EXIT_DIVERGED, EXIT_REQUEUE
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 GRACE_S = 10.0  # after a worker failed: how long the others get to leave before SIGKILL
@@ -192,7 +194,7 @@ class _Supervisor:
         rank = self.pids[pid]
         code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
         self.codes[rank] = code
-        if code not in (0, EXIT_REQUEUE) and self.failed is None:
+        if code not in (0, *AGREED_EXITS) and self.failed is None:
             self.failed = rank
             stopping = self.stop_others(code)
             print(
@@ -205,8 +207,9 @@ class _Supervisor:
         if self.failed is not None:
             code = self.codes[self.failed]
             return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell
-        if any(code == EXIT_REQUEUE for code in self.codes.values()):
-            return EXIT_REQUEUE
+        for agreed in (EXIT_DIVERGED, EXIT_REQUEUE):
+            if agreed in self.codes.values():
+                return agreed
         return 0
 
 

@@ -3,12 +3,13 @@
 Start it once per process under any launcher (srun, torchrun, submitit, pdsh/clush) or alone;
 ``--nproc-per-node N`` starts a single machine's N processes itself (hpc_ddp.spawn: forked after
 the imports, so workers start in a fraction of torchrun's time).
-Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 75 checkpointed after a
-preemption/time-limit signal and requeued (EX_TEMPFAIL). A run dir that already holds this run's
-result is answered before torch is imported (hpc_ddp/train/finished.py). Otherwise the process
-leaves through ``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can
-abort after the work is done (docs/troubleshooting.md); the ``--nproc-per-node`` parent too,
-once its workers have ended.
+Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 65 the loss became NaN or
+infinite (stopped, the last finite checkpoint kept), 75 checkpointed after a preemption/time-limit
+signal and requeued (EX_TEMPFAIL). A run dir that already holds this run's result is answered
+before torch is imported (hpc_ddp/train/finished.py). Otherwise the process leaves through
+``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can abort after the
+work is done (docs/troubleshooting.md); the ``--nproc-per-node`` parent too, once its workers
+have ended.
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.exit_codes import EXIT_DIVERGED, EXIT_REQUEUE
 from hpc_ddp.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from hpc_ddp.train.results import Result
     from hpc_ddp.train.trainer import run_process, train
 
-__all__ = ["EXIT_REQUEUE", "Result", "TrainConfig", "run_process", "train"]
+__all__ = ["EXIT_DIVERGED", "EXIT_REQUEUE", "Result", "TrainConfig", "run_process", "train"]
 
 _LAZY = {
     "train": "hpc_ddp.train.trainer",

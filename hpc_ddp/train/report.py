@@ -13,13 +13,16 @@ from hpc_ddp.runtime.preemption import slurm_job_to_requeue
 from hpc_ddp.runtime.run_paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.slurm_client import MAX_RESTARTS, is_job_id
 from hpc_ddp.train import results
+from hpc_ddp.train.divergence import TrainingDiverged
 from hpc_ddp.train.fingerprint import params_sha256
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.resume import Clock
 from hpc_ddp.train.state import TrainState
 
 log = get_logger("train")
-ProgressStatus = Literal["training", "holding", "preempted", "finished", "interrupted", "failed"]
+ProgressStatus = Literal[
+    "training", "holding", "preempted", "finished", "interrupted", "failed", "diverged"
+]
 ROUTINE_INTERVAL_S = 0.5
 
 
@@ -47,7 +50,7 @@ class ProgressFile:
         self.slurm_job = slurm_attempt(os.environ)
         self._written_at = float("-inf")
 
-    def write(self, progress: Progress, status: ProgressStatus, **extra: str) -> None:
+    def write(self, progress: Progress, status: ProgressStatus, **extra: str | int | None) -> None:
         now = time.monotonic()
         if status == "training" and now - self._written_at < ROUTINE_INTERVAL_S:
             return
@@ -61,13 +64,18 @@ class ProgressFile:
 
     def record_stop(self, progress: Progress, error: BaseException, *, ctrl_c: bool) -> None:
         """Training stopped by ``error``: progress.json says so (``interrupted`` after Ctrl-C,
-        else ``failed``) and when, instead of a ``training`` with dead pids."""
+        ``diverged`` when the loss became NaN or infinite, with that step and the checkpoint
+        kept, else ``failed``) and when, instead of a ``training`` with dead pids."""
         interrupted = ctrl_c or isinstance(error, KeyboardInterrupt)
         why = "SIGINT (Ctrl-C)" if interrupted else f"{type(error).__name__}: {error}"
         stopped_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         status: ProgressStatus = "interrupted" if interrupted else "failed"
+        extra: dict[str, str | int | None] = {}
+        if isinstance(error, TrainingDiverged) and not interrupted:
+            status, why = "diverged", error.message
+            extra = {"diverged_at_step": error.step, "checkpoint": error.checkpoint}
         try:
-            self.write(progress, status, stopped_at=stopped_at, reason=why)
+            self.write(progress, status, stopped_at=stopped_at, reason=why, **extra)
         except OSError as err:  # the run dir may be what failed: the error itself still counts
             log.warning(f"could not record the stop in {self.path}: {err}")
 

@@ -3,20 +3,23 @@
 Every rank runs the same code; rank 0 alone writes files, and the log keeps rank 0's lines
 (hpc_ddp.log). Decisions that must be unanimous (run dir usable, data staged, preempted) go
 through one collective each, so a rank that fails alone is reported by name instead of leaving
-the others in a collective. The trainer's parts: state.py builds what it trains with,
-resume.py is its checkpoint glue, report.py its progress file and Result; this module is the
-epoch loop and the run's lifetime.
+the others in a collective; a NaN or infinite loss is read from values every rank shares
+(divergence.py), so every rank stops at the same step. The trainer's parts: state.py builds
+what it trains with, resume.py is its checkpoint glue, report.py its progress file and Result;
+this module is the epoch loop and the run's lifetime.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from hpc_ddp.checkpoint import RunDirLock, Staged
+from hpc_ddp.checkpoint.layout import read_latest
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -28,6 +31,7 @@ from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.divergence import TrainingDiverged, first_nonfinite, state_is_finite
 from hpc_ddp.train.finished import finished_answer
 from hpc_ddp.train.kernel_warmup import KernelWarmup
 from hpc_ddp.train.loop import Times, grouped
@@ -105,6 +109,12 @@ class Trainer:
         return writers
 
     def save(self, progress: Progress, times: Times, staged: Staged | None = None) -> None:
+        # Never a non-finite state committed (it would rotate a finite one out): checked on
+        # every rank, decided together.
+        bad = not state_is_finite(self.state.net, self.state.stepper.optimizer)
+        if self.comm.sum([float(bad)])[0]:
+            what = "the weights or the optimizer state became NaN or infinite"
+            self.diverged(what, progress.global_step, progress)
         self.metrics.flush()  # what was logged so far is on disk before the checkpoint is
         save(self.state, self.cfg, progress, times, self.clock, staged)
         self.epoch_end_saves.saved(progress.global_step)
@@ -129,6 +139,22 @@ class Trainer:
             if time.monotonic() > deadline:
                 raise HpcDdpError(f"debug_hold_at_step: no signal within {HOLD_TIMEOUT_S:.0f} s")
             time.sleep(0.01)  # polling our own flag, set by the signal handler; deadline above
+
+    def diverged(self, what: str, step: int, progress: Progress) -> NoReturn:
+        """Stop every rank: each calls this at the same point, on values all ranks share. A
+        background save in flight holds a state checked finite: it commits first, and the
+        error names the newest checkpoint."""
+        self.state.ckpt.wait()
+        newest, _ = read_latest(self.paths.checkpoints)
+        epoch = progress.epoch + 1 if progress.start else progress.epoch  # of the last step
+        raise TrainingDiverged(
+            what,
+            step=step,
+            epoch=epoch,
+            stopped=progress.global_step,
+            checkpoint=str(self.paths.checkpoints / newest) if newest else None,
+            cfg=self.cfg,
+        )
 
     def run(self, flag: PreemptionFlag) -> results.Result:
         if self.rank == 0:
@@ -222,6 +248,11 @@ class Trainer:
         collective per step did), agree on preemption; returns (preempt, this step's loss)."""
         t0 = time.perf_counter()
         losses, counts, votes, pace = pending.reduce(self.comm, vote, agree.pace)
+        bad = first_nonfinite(losses)  # the sums of all ranks: the same answer on every rank
+        if bad is not None:
+            step = progress.global_step - len(losses) + 1 + bad
+            value = losses[bad] / counts[bad]
+            self.diverged(f"the training loss became {value}", step, progress)
         for loss_all, n_all in zip(losses, counts, strict=True):
             progress.epoch_loss_sum += loss_all
             progress.epoch_loss_count += n_all
@@ -260,6 +291,10 @@ class Trainer:
                 sums_of=self.state.stepper.eval_sums,
             )
         times.eval += time.perf_counter() - t0
+        test_loss = float(metrics["test_loss"])  # all-reduced: the same on every rank
+        if not math.isfinite(test_loss):
+            what = f"the test loss became {test_loss} (evaluated after the epoch's last step)"
+            self.diverged(what, progress.global_step, progress)
         epoch_seconds = times.data + times.compute + times.checkpoint
         row = {
             "epoch": progress.epoch + 1,
@@ -449,7 +484,8 @@ def _stop(
 
 
 def run_process(config: TrainConfig) -> int:
-    """Train and return the exit code (0, 2 bad input, 1 crash, 75 requeue), errors printed."""
+    """Train and return the exit code (0, 2 bad input, 1 crash, 65 diverged, 75 requeue), errors
+    printed."""
     from hpc_ddp.dist import exit_code_of
 
     return exit_code_of(lambda: train(config).exit_code)
