@@ -52,6 +52,38 @@ def test_a_fifo_as_config_json_of_a_finished_run_is_a_clear_error(
     assert "config.json is unreadable" in done.stderr and "a FIFO" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    "planted,expected",
+    [
+        ("fifo", "result.json is unreadable ("),
+        ('{"status": "finished", "epochs": "1"}', "result.json is not a finished run's result"),
+        ("[1, 2]", "result.json is not a finished run's result"),
+    ],
+    ids=["fifo", "epochs-a-string", "a-list"],
+)
+def test_a_finished_runs_result_json_that_is_not_its_record_is_a_clear_error(
+    finished: tuple[Path, Path], tmp_path: Path, planted: str, expected: str
+) -> None:
+    """How many epochs a finished run trained decides between "nothing to do" and continuing
+    it: a result.json that does not say is refused naming it, and nothing is written."""
+    run_dir, data_dir = finished
+    copy = shutil.copytree(run_dir, tmp_path / "run", symlinks=True)
+    (copy / "result.json").unlink()
+    if planted == "fifo":
+        make_fifo(copy / "result.json")
+    else:
+        (copy / "result.json").write_text(planted)
+    config = (copy / "config.json").read_bytes()
+    done = run(single_cmd(train_args(copy, data_dir, epochs=1)), timeout=DEADLINE_S)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert expected in done.stderr and "HINT: restore it; or move it aside" in done.stderr
+    assert planted != "fifo" or "a FIFO" in done.stderr, done.stderr
+    assert (copy / "config.json").read_bytes() == config
+    assert sorted(p.name for p in (copy / "checkpoints").glob("step-*")) == sorted(
+        p.name for p in (run_dir / "checkpoints").glob("step-*")
+    )
+
+
 def test_status_of_a_run_dir_whose_records_are_fifos_answers_at_once(
     finished: tuple[Path, Path], tmp_path: Path
 ) -> None:

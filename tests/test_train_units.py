@@ -107,10 +107,10 @@ def test_identity_changes_name_what_differs() -> None:
     recorded = TrainConfig(epochs=3).to_dict()
     del recorded["synthetic_variant"]  # a config.json from before that setting existed
     assert TrainConfig(epochs=3, log_every=7, cuda_graphs="off").identity_changes(recorded) == {}
-    assert TrainConfig(epochs=4, lr=0.5).identity_changes(recorded) == {
-        "epochs": (3, 4),
+    assert TrainConfig(epochs=4, lr=0.5, seed=1).identity_changes(recorded) == {
         "lr": (1e-3, 0.5),
-    }
+        "seed": (0, 1),
+    }  # epochs is where the run ends, not which run it is: a run continues to more
 
 
 @pytest.mark.parametrize(
@@ -380,7 +380,7 @@ def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> N
     save(before, cfg, Progress(global_step=7), Times(), first)  # type: ignore[arg-type]
 
     second = Clock()
-    restored = restore(state(), 1, second)  # type: ignore[arg-type]
+    restored = restore(state(), cfg, 1, second)  # type: ignore[arg-type]
     assert restored.global_step == 7 and restored.interruptions == 1
     assert 100.0 <= restored.wall_seconds < 101.0 and 60.0 <= restored.train_wall_seconds < 61.0
     assert (second.base, second.loop_base) == (restored.wall_seconds, restored.train_wall_seconds)

@@ -6,10 +6,10 @@ the imports, so workers start in a fraction of torchrun's time).
 Exit codes: 0 finished (or already finished), 1 crashed, 2 bad input, 65 the loss became NaN or
 infinite (stopped, the last finite checkpoint kept), 75 checkpointed after a preemption/time-limit
 signal and requeued (EX_TEMPFAIL). A run dir that already holds this run's result is answered
-before torch is imported (hpc_ddp/train/finished.py). Otherwise the process leaves through
-``hpc_ddp.dist.run_main``, never through interpreter teardown, where Gloo can abort after the
-work is done (docs/troubleshooting.md); the ``--nproc-per-node`` parent too, once its workers
-have ended.
+before torch is imported (hpc_ddp/train/finished.py); one asked for more epochs than it trained
+is continued to them. Otherwise the process leaves through ``hpc_ddp.dist.run_main``, never
+through interpreter teardown, where Gloo can abort after the work is done
+(docs/troubleshooting.md); the ``--nproc-per-node`` parent too, once its workers have ended.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     if args.nproc_per_node >= 1 and launched_alone(cfg):
         result = finished_result(cfg)
         if result is not None:
-            print("\n".join(finished_answer(cfg.run_dir, result)), flush=True)
+            print("\n".join(finished_answer(cfg.run_dir, result, cfg.epochs)), flush=True)
             sys.exit(0)
     require("train", "training")
     check_installed(cfg.metrics)  # --metrics tensorboard without it: said before torch loads

@@ -29,7 +29,8 @@ SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.cifar.synthetic.VARIANTS (no nu
 METRICS_FORMATS = ("jsonl", "csv", "tensorboard")
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
-# of them changed would silently mix two experiments, so the trainer refuses instead.
+# of them changed would silently mix two experiments, so the trainer refuses instead. ``epochs``
+# is where the run ends, not which run it is: a run continues to a new end (rundir.py).
 IDENTITY_KEYS = (
     "dataset",
     "synthetic",
@@ -37,7 +38,6 @@ IDENTITY_KEYS = (
     "synthetic_test_size",
     "synthetic_variant",
     "model",
-    "epochs",
     "batch_size",
     "accum_steps",
     "optimizer",

@@ -2,14 +2,17 @@
 
 ``hpc-ddp train`` (alone or with ``--nproc-per-node``) asks :func:`finished_result` before it
 imports torch. A run dir whose ``result.json`` belongs to a run with this command's identity
-settings (``config.IDENTITY_KEYS``, the rule ``rundir.open_run_dir`` applies) is finished:
-``result.json`` is written once, after the last checkpoint committed, and never again, and the
-run dir rules never let another run train there. So the command prints what the trainer
-printed at the end and exits 0, in a fraction of a second instead of an interpreter that
-imports torch, starts the workers and the process group only to find nothing to do.
+settings (``config.IDENTITY_KEYS``, the rule ``rundir.open_run_dir`` applies) that trained at
+least this command's ``--epochs`` is finished: ``result.json`` is written after the last
+checkpoint committed, and stays until a trainer continues the run to more epochs (removed with
+that trainer's first checkpoint, written again at the new end); the run dir rules never let
+another run train there. So the command prints what the trainer printed at the end and exits 0,
+in a fraction of a second instead of an interpreter that imports torch, starts the workers and
+the process group only to find nothing to do.
 
-Anything else goes to the trainer as before: no result, other identity settings (refused there
-with the differences named), an unreadable file. So does a process that is one rank of a launch
+Anything else goes to the trainer as before: no result, more epochs (continued there), other
+identity settings (refused there with the differences named), an unreadable file. So does a
+process that is one rank of a launch
 of several (srun, torchrun, ...): those ranks decide together, through the process group, since
 one of them alone could read a file system the others do not see the same way.
 """
@@ -22,7 +25,7 @@ from typing import Any
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.results import read_json, summary_lines
+from hpc_ddp.train.results import finished_epochs, read_json, summary_lines
 
 
 def launched_alone(cfg: TrainConfig) -> bool:
@@ -43,16 +46,22 @@ def finished_result(cfg: TrainConfig) -> dict[str, Any] | None:
         result, recorded = read_json(paths.result), read_json(paths.config)
     except (OSError, ValueError):
         return None
-    if not isinstance(result, dict) or not isinstance(recorded, dict):
-        return None
-    if result.get("status") != "finished" or cfg.identity_changes(recorded):
+    done = finished_epochs(result)
+    if done is None or done < cfg.epochs or not isinstance(recorded, dict):
+        return None  # more epochs: the trainer continues the run (rundir.open_run_dir)
+    if cfg.identity_changes(recorded):
         return None
     return result
 
 
-def finished_answer(run_dir: str | Path, result: dict[str, Any]) -> list[str]:
-    """What a finished run's command prints (rank 0), with or without the trainer."""
-    return [
-        f"run dir {run_dir} already finished (result.json); nothing to do",
-        *summary_lines(result, run_dir),
-    ]
+def finished_answer(run_dir: str | Path, result: dict[str, Any], epochs: int) -> list[str]:
+    """What a finished run's command prints (rank 0), with or without the trainer; ``epochs``:
+    the command's, which may be fewer than the run trained."""
+    lines = [f"run dir {run_dir} already finished (result.json); nothing to do"]
+    done = finished_epochs(result)
+    if done is not None and epochs < done:
+        lines.append(
+            f"(--epochs {epochs} is fewer than the {done} it trained: a finished run is never "
+            "cut back; more epochs than it trained continue it)"
+        )
+    return [*lines, *summary_lines(result, run_dir)]

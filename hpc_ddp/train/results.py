@@ -57,6 +57,17 @@ class Result:
         return asdict(self)
 
 
+def finished_epochs(result: Any) -> int | None:
+    """The epochs a finished run trained, from its ``result.json``; None when the record is
+    not a finished run's (another status, ``epochs`` not a whole number >= 1, not an object)."""
+    if not isinstance(result, dict) or result.get("status") != "finished":
+        return None
+    epochs = result.get("epochs")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        return None
+    return epochs
+
+
 def result_lines(result: Mapping[str, Any]) -> list[str]:
     return [f"  {k}: {result[k]}" for k in RESULT_KEYS if k in result]
 

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hpc_ddp.checkpoint import Staged
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
@@ -41,8 +43,13 @@ class Clock:
         return self.loop_base + running
 
 
-def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
-    """Load the newest committed checkpoint into ``state``; a fresh Progress when there is none."""
+def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) -> Progress:
+    """Load the newest committed checkpoint into ``state``; a fresh Progress when there is none.
+
+    The run may end elsewhere than the run that wrote the checkpoint (``--epochs`` changed):
+    it continues to ``cfg.epochs``, with the learning rate of this run's schedule
+    (:func:`schedule_lr`); a checkpoint past that end is refused.
+    """
     loaded = state.ckpt.load_latest(map_location="cpu")
     if loaded is None:
         return Progress()
@@ -54,11 +61,19 @@ def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
             "the data order and per-rank RNG streams depend on it; or start a new --run-dir",
         )
     s = loaded.shared
+    progress = Progress(**s["progress"])
+    reached = progress.epoch + 1 if progress.start else progress.epoch  # epochs begun
+    if reached > cfg.epochs:
+        raise ConfigError(
+            f"the newest checkpoint, {loaded.path}, is at step {progress.global_step} in epoch "
+            f"{reached}, past --epochs {cfg.epochs}",
+            hint=f"give --epochs {reached} or more: a run continues, it is never cut back",
+        )
     state.net.load_state_dict(s["model"])
     state.stepper.optimizer.load_state_dict(s["optimizer"])
     state.stepper.scheduler.load_state_dict(s["scheduler"])
     state.stepper.scaler.load_state_dict(s["scaler"])
-    progress = Progress(**s["progress"])
+    schedule_lr(state, cfg)
     progress.interruptions += 1
     clock.base, clock.loop_base = progress.wall_seconds, progress.train_wall_seconds
     rng.restore(loaded.per_rank["rng"])
@@ -67,6 +82,37 @@ def restore(state: TrainState, world_size: int, clock: Clock) -> Progress:
         f"{progress.start} samples into it, step {progress.global_step})"
     )
     return progress
+
+
+def schedule_lr(state: TrainState, cfg: TrainConfig) -> None:
+    """Set the restored optimizer's learning rate to this run's schedule at the restored step.
+
+    The schedule (``optim.lr_lambda``) is built for this run's total steps, ``cfg.epochs``
+    epochs; the checkpoint's optimizer holds the rate the writing run's schedule set after its
+    last step. Where the totals agree the two are the same number (LambdaLR's own arithmetic,
+    ``base_lr * factor(step)``), so a resume stays bit-exact; where ``--epochs`` changed, the
+    first step after the restore already takes the new schedule's rate, as every later one
+    does (a cosine that had reached 0 at the old end would otherwise train one step at 0).
+    """
+    scheduler = state.stepper.scheduler
+    step = scheduler.last_epoch  # LambdaLR counts optimizer steps in last_epoch
+    groups = scheduler.optimizer.param_groups
+    before = [float(group["lr"]) for group in groups]
+    for group, base_lr, factor in zip(
+        groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        lr = base_lr * factor(step)
+        if isinstance(group["lr"], torch.Tensor):  # CUDA graphs' LR: filled, as schedulers do
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    after = [float(group["lr"]) for group in groups]
+    if after != before:
+        total = state.plan.steps_per_epoch() * cfg.epochs
+        log.info(
+            f"lr: {after[0]:.4g} at step {step} on this run's schedule ({cfg.lr_schedule} over "
+            f"{total} steps, {cfg.epochs} epochs), where the checkpoint has {before[0]:.4g}"
+        )
 
 
 def training_state(state: TrainState) -> dict[str, Any]:

@@ -77,6 +77,9 @@ class Trainer:
         self.metrics = MetricWriters([])  # rank 0's, once training starts (metric_writers.py)
         self.epoch_end_saves = EpochEndSaves(cfg.checkpoint_interval_s)  # from the restored step
         self.latency = LatencyAdvice(enabled=ctx.device.type == "cuda" and self.rank == 0)
+        # A run continued past its old end (rundir.py) drops the old end's result.json with its
+        # first new checkpoint: until then it still describes the newest checkpoint.
+        self.drop_old_result = self.rank == 0
 
     def record_stop(self, error: BaseException, *, ctrl_c: bool) -> None:
         """progress.json says how training stopped (nothing to say before it started)."""
@@ -116,6 +119,9 @@ class Trainer:
             what = "the weights or the optimizer state became NaN or infinite"
             self.diverged(what, progress.global_step, progress)
         self.metrics.flush()  # what was logged so far is on disk before the checkpoint is
+        if self.drop_old_result:
+            self.paths.result.unlink(missing_ok=True)
+            self.drop_old_result = False
         save(self.state, self.cfg, progress, times, self.clock, staged)
         self.epoch_end_saves.saved(progress.global_step)
 
@@ -164,7 +170,7 @@ class Trainer:
             # priority; ended at once if the run stops without finishing.
             self.plotter = Plotter(self.paths.root)
         self.progress_file.pids = self.comm.gather_objects(os.getpid())
-        self.progress = progress = restore(self.state, self.world_size, self.clock)
+        self.progress = progress = restore(self.state, self.cfg, self.world_size, self.clock)
         saves = self.epoch_end_saves
         saves.saved(progress.global_step)  # the checkpoint resumed from, or the start
         self.metrics = self.open_metrics(progress)
@@ -442,7 +448,9 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
             amp = preflight(config, ctx)  # before the run dir is touched
             if _open_run_dir(config, ctx, comm, lock):
                 result = _finished_result(config)
-                log.info("\n".join(finished_answer(config.run_dir, result.to_dict())))
+                log.info(
+                    "\n".join(finished_answer(config.run_dir, result.to_dict(), config.epochs))
+                )
                 return result
             state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
             trainer = Trainer(config, ctx, comm, state, clock)
