@@ -19,8 +19,10 @@ import os
 import sys
 from typing import NoReturn
 
+from hpc_ddp import schema
 from hpc_ddp.cluster import torch_contract
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.spawn import NPROC_PER_NODE
 
 EXIT_NOT_FOUND = 127  # a shell's code for "command not found"
 
@@ -28,7 +30,7 @@ EXIT_NOT_FOUND = 127  # a shell's code for "command not found"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=schema.number_type(int, NPROC_PER_NODE),
         default=None,
         metavar="N",
         help="start CMD N times on this machine, ranks 0..N-1 (default: once, as this process, "

@@ -22,6 +22,7 @@ from typing import NoReturn
 from hpc_ddp import schema
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.extras import require
+from hpc_ddp.spawn import NPROC_PER_NODE
 from hpc_ddp.train import config
 from hpc_ddp.train.finished import finished_answer, finished_result, launched_alone
 from hpc_ddp.train.metric_writers import check_installed
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser)
     parser.add_argument(
         "--nproc-per-node",
-        type=schema.number_type(int, schema.Range(1, schema.MAX_PER_NODE)),
+        type=schema.number_type(int, NPROC_PER_NODE),
         default=1,
         metavar="N",
         help="fork N worker processes on this machine (one per GPU) after the imports, and wait "
