@@ -182,7 +182,9 @@ HOSTILE: dict[str, tuple[Callable[[], bytes], str]] = {
 
 def _read_capped(dump: Path) -> subprocess.CompletedProcess[str]:
     """``hpc-ddp doctor --nccl-dump DUMP`` in a child with MEMORY_CAP of address space, which
-    prints its peak resident memory (KiB) last on stderr."""
+    prints its peak resident memory (KiB) last on stderr: VmHWM, this process image's own.
+    (getrusage's ru_maxrss also keeps the peak of the image before exec, the forking test
+    worker's, which made the figure that worker's size under pytest-xdist.)"""
     code = (
         "import resource, sys\n"
         f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP}, {MEMORY_CAP}))\n"
@@ -190,7 +192,8 @@ def _read_capped(dump: Path) -> subprocess.CompletedProcess[str]:
         "try:\n"
         f"    rc = main(['doctor', '--nccl-dump', {str(dump)!r}])\n"
         "finally:\n"
-        "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    status = open('/proc/self/status').read()\n"
+        "    peak = int(status.split('VmHWM:')[1].split()[0])\n"
         "    print('PEAK_KB', peak, file=sys.stderr)\n"
         "sys.exit(rc)\n"
     )
