@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--per-gpu", type=int, default=1, help="runs a GPU takes at once")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from hpc_ddp.cifar import synthetic
+    from hpc_ddp.train.cifar import synthetic
 
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ class Bench:
         self.deadline = time.monotonic() + args.budget_s
         self.results: dict[str, Any] = {"meta": self.meta(), "runs": {}}
         self.port = 29600
-        from hpc_ddp.cifar import synthetic
+        from hpc_ddp.train.cifar import synthetic
 
         size = (args.train_size, args.test_size)
         self.data_dir = self.work / "data"  # ours gets this; the reference script self.root:
@@ -158,7 +158,7 @@ class Bench:
 
     # ----------------------------------------------------------------- data
     def stage(self) -> None:
-        from hpc_ddp.cifar import synthetic
+        from hpc_ddp.train.cifar import synthetic
 
         args = self.args
         t0 = time.time()
@@ -251,7 +251,7 @@ class Bench:
                 "before": written - res["result"]["wall_seconds"],
                 "after": res["wall_s"] - written,
             }
-            from hpc_ddp.runtime.run_paths import RunPaths
+            from hpc_ddp.run_paths import RunPaths
 
             # Each epoch's seconds and their split: where a slower repeat's time went.
             rows = RunPaths(run_dir).metrics.read_text().splitlines()
@@ -315,7 +315,7 @@ class Bench:
         them, one run of ours that reads the CIFAR files for the first time (it writes the
         .npy cache the later runs read): what the first job on new data pays."""
         if not self.args.smoke:
-            from hpc_ddp.cifar.array_cache import CACHE_DIR
+            from hpc_ddp.train.cifar.array_cache import CACHE_DIR
 
             shutil.rmtree(self.root / "cifar-100-python" / CACHE_DIR, ignore_errors=True)
             top = max(self.gpus)

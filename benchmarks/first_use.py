@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpc_ddp.cifar.gpu_data import normalize
-from hpc_ddp.cifar.models import build_model
 from hpc_ddp.runtime.evaluation import EvalSums, batch_terms, totals
+from hpc_ddp.train.cifar.gpu_data import normalize
+from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.kernel_warmup import KernelWarmup, optimizer_factory
 from hpc_ddp.train.optim import build_optimizer

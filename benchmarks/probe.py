@@ -83,8 +83,7 @@ T_TORCH = time.time()
 import hpc_ddp.dist as hdist  # noqa: E402
 from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.checkpoint import checkpointer  # noqa: E402
-from hpc_ddp.cifar import data, gpu_data  # noqa: E402
-from hpc_ddp.runtime.run_paths import RunPaths  # noqa: E402
+from hpc_ddp.run_paths import RunPaths  # noqa: E402
 from hpc_ddp.train import (  # noqa: E402
     config,
     cuda_graphs,
@@ -93,6 +92,7 @@ from hpc_ddp.train import (  # noqa: E402
 from hpc_ddp.train import report as train_report  # noqa: E402
 from hpc_ddp.train import state as train_state  # noqa: E402
 from hpc_ddp.train import trainer as tr  # noqa: E402
+from hpc_ddp.train.cifar import data, gpu_data  # noqa: E402
 
 T_IMPORTS = time.time()
 T_WORKER: list[float] = []  # when a forked worker began (--probe-nproc)

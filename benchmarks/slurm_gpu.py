@@ -146,7 +146,7 @@ class Bench:
         return ",".join(str(dev / f"nvidia{i}") for i in range(self.args.smoke_gpus))
 
     def _write_data(self) -> None:
-        from hpc_ddp.cifar import synthetic
+        from hpc_ddp.train.cifar import synthetic
 
         a = self.args
         root = synthetic.synthetic_root(self.work / "data", "cifar10", a.train_size, a.test_size)

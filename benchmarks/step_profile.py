@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.cifar.models import build_model
+from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.cuda_graphs import GraphedStep
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_ddp.cifar import array_cache, synthetic
-from hpc_ddp.cifar import safe_pickle as cifar_pickle
-from hpc_ddp.cifar.data import CIFAR_FILES
-from hpc_ddp.cifar.gpu_data import load_cifar_arrays
+from hpc_ddp.train.cifar import array_cache, synthetic
+from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
+from hpc_ddp.train.cifar.data import CIFAR_FILES
+from hpc_ddp.train.cifar.gpu_data import load_cifar_arrays
 
 KEYS = cifar_pickle.LABEL_KEYS
 

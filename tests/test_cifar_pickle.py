@@ -22,9 +22,9 @@ import pytest
 from hostile_files import evil_pickle, make_fifo, python2_pickle, run_child
 from trainer_helpers import HPC_DDP, job_env, train_args
 
-from hpc_ddp.cifar import array_cache, gpu_data, synthetic
-from hpc_ddp.cifar.data import load_datasets
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.train.cifar import array_cache, gpu_data, synthetic
+from hpc_ddp.train.cifar.data import load_datasets
 from hpc_ddp.train.config import TrainConfig
 
 TRAIN, TEST = 40, 10
@@ -117,7 +117,7 @@ def test_real_cifar_format_files_load_exactly_as_pickle_loads_them(
     """The restricted reader returns what ``pickle.load(encoding="latin1")`` (torchvision's read)
     returns, for the files the synthetic writer makes and for the official files' Python 2 form
     (str as BINSTRING, ``numpy.core.multiarray._reconstruct``)."""
-    from hpc_ddp.cifar import safe_pickle as cifar_pickle
+    from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
 
     folder = staged(tmp_path, dataset) / synthetic.FOLDERS[dataset]
     for name in FILES[dataset]:
@@ -132,7 +132,7 @@ def test_real_cifar_format_files_load_exactly_as_pickle_loads_them(
 
 
 def test_object_arrays_and_unexpected_encodings_are_refused(tmp_path: Path) -> None:
-    from hpc_ddp.cifar import safe_pickle as cifar_pickle
+    from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
 
     path = tmp_path / "batch"
     path.write_bytes(pickle.dumps({"data": np.array([1, "x"], dtype=object)}, protocol=2))
@@ -150,7 +150,7 @@ def test_object_arrays_and_unexpected_encodings_are_refused(tmp_path: Path) -> N
 # --------------------------------------------------------------------- blocking and the cache
 READ = """
 import json, sys
-from hpc_ddp.cifar import array_cache
+from hpc_ddp.train.cifar import array_cache
 cap_memory()
 try:
     images, labels = array_cache.read_batch(__import__("pathlib").Path(sys.argv[1]), ("labels",))
@@ -240,7 +240,7 @@ def test_the_cache_is_never_written_through_a_planted_symlink(tmp_path: Path) ->
 
 STAGE = """
 import json, sys
-from hpc_ddp.cifar import data
+from hpc_ddp.train.cifar import data
 from hpc_ddp.train.config import TrainConfig
 cap_memory()
 from hpc_ddp.errors import HpcDdpError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc_ddp.cifar.models import build_model
+from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.eval_graph import GraphedEval
 
 

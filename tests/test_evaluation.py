@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_ddp.cifar.models import build_model
 from hpc_ddp.runtime.evaluation import accumulate, evaluate
+from hpc_ddp.train.cifar.models import build_model
 
 
 def _batches(n: int, size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

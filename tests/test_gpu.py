@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.cifar import synthetic
+from hpc_ddp.train.cifar import synthetic
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -315,9 +315,9 @@ def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
 @need(1)
 def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
     """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
-    from hpc_ddp.cifar import gpu_data
-    from hpc_ddp.cifar.data import LoaderTrainData, load_datasets
     from hpc_ddp.runtime.sampler import ShardPlan
+    from hpc_ddp.train.cifar import gpu_data
+    from hpc_ddp.train.cifar.data import LoaderTrainData, load_datasets
     from hpc_ddp.train.config import TrainConfig
 
     cfg = TrainConfig(dataset="cifar100", synthetic=True, augment=True, seed=3)
@@ -364,7 +364,7 @@ def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
 @need(1)
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
-    from hpc_ddp.cifar.models import build_model
+    from hpc_ddp.train.cifar.models import build_model
     from hpc_ddp.train.cuda_graphs import GraphedStep, make_capturable
 
     torch.backends.cudnn.deterministic = True

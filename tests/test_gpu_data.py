@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpc_ddp.cifar import gpu_data, synthetic
-from hpc_ddp.cifar.data import (
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.train.cifar import gpu_data, synthetic
+from hpc_ddp.train.cifar.data import (
     CifarTensors,
     LoaderTrainData,
     dataset_class,
@@ -23,8 +25,6 @@ from hpc_ddp.cifar.data import (
     load_class_names,
     load_datasets,
 )
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.sampler import ShardPlan
 from hpc_ddp.train.config import TrainConfig
 
 CPU = torch.device("cpu")
@@ -203,7 +203,7 @@ def test_choose_falls_back_with_arrays_read_without_torchvision(staged) -> None:
 
 GPU_PATH_RUN = r"""
 import json, sys
-from hpc_ddp.cifar import gpu_data
+from hpc_ddp.train.cifar import gpu_data
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.trainer import train
 if sys.argv[1] == "gpu":  # the GPU-resident classes, run on the CPU: pretend the device fits

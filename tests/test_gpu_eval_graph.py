@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp.cifar.models import build_model
 from hpc_ddp.runtime.evaluation import accumulate
+from hpc_ddp.train.cifar.models import build_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hpc_ddp.cifar.models import build_model
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
+from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.cuda_graphs import flat_grads
 from hpc_ddp.train.grad_buckets import BucketedAllReduce, bucket_bounds
 

@@ -42,7 +42,7 @@ from trainer_helpers import (
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.free_ports import free_ports
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.train.metric_records import Record
 from hpc_ddp.train.metrics_csv import COLUMNS, CsvWriter
 from hpc_ddp.train.run_marker import claim_run_dir

@@ -90,7 +90,7 @@ def test_a_cpu_job_never_imports_torch_dynamo(tmp_path: Path, data_dir: Path, np
 DDP_OF_ONE = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from hpc_ddp.cifar import models
+from hpc_ddp.train.cifar import models
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 grads = []
 for wrap in (False, True):

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from trainer_helpers import job_env, train_args
 
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, hpc_ddp.runtime.run_paths; print('torch' in sys.modules)"
+    code = "import sys, hpc_ddp.run_paths; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -51,14 +51,14 @@ def test_a_real_run_leaves_every_file_where_run_paths_says(tmp_path: Path, data_
 def test_each_name_is_spelled_only_in_run_paths() -> None:
     """No other module of the package spells a run dir name: the trainer, the checkpoints and
     deploy read them from RunPaths, so the layout cannot drift between them."""
-    from hpc_ddp.runtime import run_paths
+    from hpc_ddp import run_paths
 
     names = [run_paths.MARKER, run_paths.LOCK, run_paths.LOCK_OWNER, run_paths.CONFIG]
     names += [run_paths.PROGRESS, run_paths.METRICS, run_paths.RESULT, run_paths.PLOT]
     names += [run_paths.METRICS_CSV]  # TENSORBOARD is also the format's and package's name
     names += [run_paths.CHECKPOINTS, run_paths.LATEST, run_paths.MANIFEST]
     names += [run_paths.REQUEUE_MARKER_PREFIX]
-    package = Path(run_paths.__file__).parents[1]
+    package = Path(run_paths.__file__).parent
     spelled = [
         f"{path.relative_to(package)}:{node.lineno}: {node.value}"
         for path in sorted(package.rglob("*.py"))

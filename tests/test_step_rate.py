@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpc_ddp.cifar.models import build_model
+from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.step_rate import ForwardFlops, latency_bound_line
 
 # LeNet for 32x32x3 and 100 classes, multiply-adds per sample, by hand:

@@ -1,5 +1,6 @@
-"""The synthetic CIFAR-format data (hpc_ddp.cifar.synthetic): its two variants, where each lives,
-its marker, that torchvision reads both, and that the trainer and the benchmark agree on them.
+"""The synthetic CIFAR-format data (hpc_ddp.train.cifar.synthetic): its two variants, where each
+lives, its marker, that torchvision reads both, and that the trainer and the benchmark agree on
+them.
 
 The easy variant must not change at all (many tests rely on it being learnt in an epoch): its
 files are pinned by hash, computed before the hard variant existed.
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 from hostile_files import lock_held_elsewhere
 
-from hpc_ddp.cifar import synthetic
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.train import config
+from hpc_ddp.train.cifar import synthetic
 from hpc_ddp.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +99,7 @@ def test_hard_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dataset", ["cifar100", "cifar10"])
 def test_torchvision_reads_the_hard_files(tmp_path: Path, dataset: str) -> None:
-    from hpc_ddp.cifar.data import dataset_class  # torchvision's class, MD5 checks off
+    from hpc_ddp.train.cifar.data import dataset_class  # torchvision's class, MD5 checks off
 
     _write(tmp_path, dataset, variant="hard")
     cls = dataset_class(dataset, is_synthetic=True)
@@ -147,7 +148,7 @@ def test_trainer_config_and_staging(tmp_path: Path) -> None:
     cfg = config.from_args(parser.parse_args(["--synthetic-variant", "hard"]))
     assert cfg.synthetic_variant == "hard"
 
-    from hpc_ddp.cifar import data
+    from hpc_ddp.train.cifar import data
 
     sizes = {"synthetic_train_size": TRAIN, "synthetic_test_size": TEST}
     for variant in ("easy", "hard"):
@@ -179,7 +180,7 @@ def _bench_module():
 def test_bench_reference_and_trainer_read_the_same_files(tmp_path: Path, variant: str) -> None:
     """bench.py hands the conventional script ``self.root`` and our trainer its flags: the
     trainer's own data_root of those flags must be that very directory, staged by bench."""
-    from hpc_ddp.cifar import data
+    from hpc_ddp.train.cifar import data
 
     bench = _bench_module()
     args = argparse.Namespace(
@@ -208,7 +209,7 @@ def test_bench_reference_and_trainer_read_the_same_files(tmp_path: Path, variant
 def test_a_folder_of_the_users_is_never_replaced(tmp_path: Path) -> None:
     """Where the synthetic set goes, a folder without its marker (or a link) is the user's:
     staging refuses it, naming it, and leaves it and the data dir as they were."""
-    from hpc_ddp.cifar import data
+    from hpc_ddp.train.cifar import data
 
     cfg = TrainConfig(
         data_dir=str(tmp_path), dataset="cifar100", synthetic=True,
@@ -240,7 +241,7 @@ def test_a_staging_lock_held_for_ever_ends_in_an_error_naming_it(
     """Another process holds the data dir's staging lock and never lets go (stopped, hung):
     staging says it waits, then fails naming the lock file, instead of waiting for ever. The
     holder is a real process holding the real lock; only the waits are shortened."""
-    from hpc_ddp.cifar import data
+    from hpc_ddp.train.cifar import data
 
     monkeypatch.setattr(data, "STAGING_NOTICE_S", 0.5)
     monkeypatch.setattr(data, "STAGING_WAIT_S", 2.0)
@@ -267,7 +268,7 @@ def test_each_holder_of_the_staging_lock_gets_a_full_wait_and_is_named(
     """Node after node may stage (or check) a large dataset on a shared dir: the wait is per
     holder. The lock changes hands (the holder's line changes) 1.5 s in, so a 2-s wait ends
     no sooner than 3.5 s in, naming the second holder."""
-    from hpc_ddp.cifar import data
+    from hpc_ddp.train.cifar import data
 
     monkeypatch.setattr(data, "STAGING_POLL_S", 0.2)
     monkeypatch.setattr(data, "STAGING_WAIT_S", 2.0)

@@ -35,7 +35,7 @@ from trainer_helpers import (
     wait_for_progress,
 )
 
-from hpc_ddp.cifar import models
+from hpc_ddp.train.cifar import models
 from hpc_ddp.train.state import ddp_options
 
 

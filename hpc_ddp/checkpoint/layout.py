@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.regular_file import read_small
-from hpc_ddp.runtime.run_paths import LATEST, STEP_PREFIX
+from hpc_ddp.run_paths import LATEST, STEP_PREFIX
 
 from .fsutil import fsync_dir, remove_tree, write_bytes_durably
 from .manifest import TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs

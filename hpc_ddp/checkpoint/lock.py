@@ -21,7 +21,7 @@ from types import TracebackType
 import filelock
 
 from hpc_ddp.regular_file import read_json, read_small
-from hpc_ddp.runtime.run_paths import LOCK, LOCK_OWNER, RunPaths
+from hpc_ddp.run_paths import LOCK, LOCK_OWNER, RunPaths
 
 from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
 from .fsutil import raising_io, write_bytes_durably

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
 from hpc_ddp import regular_file
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 
 Executor = Literal["sbatch", "submitit", "local", "pdsh", "clush"]
 EXECUTORS: tuple[Executor, ...] = get_args(Executor)

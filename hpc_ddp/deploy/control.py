@@ -32,7 +32,7 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.runtime.run_paths import PROGRESS_SLURM_JOB, RunPaths
+from hpc_ddp.run_paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.slurm_client import (
     MAX_RESTARTS,
     TERMINAL,

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from hpc_ddp.deploy.core import TRAIN_MODULE
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.train import config
 
 # Words that end a command in a shell line (a rendered step runs in the background: `... &`).

@@ -18,12 +18,25 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from hpc_ddp.env_vars import REQUEUE_BY_BATCH, REQUEUE_BY_BATCH_MARKER, REQUEUE_BY_VAR
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.runtime.run_paths import RunPaths, requeue_marker_line
-from hpc_ddp.train.config import parse_signal
+from hpc_ddp.run_paths import RunPaths, requeue_marker_line
 
 _COUNT = re.compile(r"[0-9]{1,20}", re.ASCII)  # a Slurm job id or restart count
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """'USR1', 'SIGUSR1', 'usr1' or 10 -> signal.SIGUSR1."""
+    try:
+        if isinstance(name, int) or str(name).isdigit():
+            return signal.Signals(int(name))
+        text = str(name).strip().upper()
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"unknown signal {name!r}", hint="use a name such as USR1, USR2 or TERM"
+        ) from None
 
 
 @dataclass

@@ -33,10 +33,10 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from hpc_ddp.checkpoint import Checkpointer
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
 from hpc_ddp.runtime.preemption import Preemption, requeue
-from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.runtime.sampler import ResumableDistributedSampler
 
 # Samplers whose order depends only on the epoch: skipping the consumed indices resumes exactly.

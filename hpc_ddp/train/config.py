@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.preemption import parse_signal
 from hpc_ddp.train import registry
 
 OPTIMIZERS = ("sgd", "adam")
@@ -24,7 +24,8 @@ AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
 CUDA_GRAPHS_MODES = ("auto", "on", "off")
-SYNTHETIC_VARIANTS = ("easy", "hard")  # hpc_ddp.cifar.synthetic.VARIANTS (no numpy import here)
+# hpc_ddp.train.cifar.synthetic.VARIANTS, spelled again: no numpy import here
+SYNTHETIC_VARIANTS = ("easy", "hard")
 # Where rank 0 writes the metrics it logs (train/metric_writers.py); jsonl is always written.
 METRICS_FORMATS = ("jsonl", "csv", "tensorboard")
 
@@ -315,19 +316,6 @@ class TrainConfig:
         defaults = TrainConfig().identity()
         was = {k: recorded.get(k, defaults[k]) for k in IDENTITY_KEYS}
         return {k: (was[k], getattr(self, k)) for k in IDENTITY_KEYS if was[k] != getattr(self, k)}
-
-
-def parse_signal(name: str | int) -> signal.Signals:
-    """'USR1', 'SIGUSR1', 'usr1' or 10 -> signal.SIGUSR1."""
-    try:
-        if isinstance(name, int) or str(name).isdigit():
-            return signal.Signals(int(name))
-        text = str(name).strip().upper()
-        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
-    except (KeyError, ValueError):
-        raise ConfigError(
-            f"unknown signal {name!r}", hint="use a name such as USR1, USR2 or TERM"
-        ) from None
 
 
 def metrics_formats(names: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import finished_epochs, read_json, summary_lines
 

@@ -58,7 +58,9 @@ def warm_kernels(
     device: torch.device, make_optimizer: MakeOptimizer, amp: torch.dtype | None
 ) -> None:
     """One miniature training step and evaluation on ``device``, on tensors made for it."""
-    from hpc_ddp.cifar.gpu_data import normalize  # GPU runs only: CPU ones never import it here
+    from hpc_ddp.train.cifar.gpu_data import (
+        normalize,  # GPU runs only: CPU ones never import it here
+    )
 
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         raw = torch.zeros(32, 3, 8, 8, dtype=torch.uint8, device=device)

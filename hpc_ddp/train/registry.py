@@ -2,9 +2,9 @@
 
 An entry is a name and a ``module:attribute`` target, imported only when a run builds it, so
 this registry (and the config validation that consults it) stays torch-free. The CIFAR demo
-declares its entries in ``hpc_ddp/cifar/entries.py``. A name of the form ``MODULE:FUNCTION`` is a
-user's plug-in (plugin_spec.py: its syntax, checked without importing it; plugins.py: the
-contract, checked when a run builds it).
+declares its entries in ``hpc_ddp/train/cifar/entries.py``. A name of the form
+``MODULE:FUNCTION`` is a user's plug-in (plugin_spec.py: its syntax, checked without
+importing it; plugins.py: the contract, checked when a run builds it).
 
 - A model target is ``f(num_classes: int) -> torch.nn.Module``.
 - A dataset target is ``f(cfg, ctx, comm) -> hpc_ddp.train.data_source.Splits``: it stages
@@ -37,7 +37,7 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        from hpc_ddp.cifar import entries  # lenet, resnet18, cifar10, cifar100
+        from hpc_ddp.train.cifar import entries  # lenet, resnet18, cifar10, cifar100
 
         for name, target in entries.MODELS.items():
             register("model", name, target)

@@ -32,7 +32,7 @@ import hpc_ddp
 from hpc_ddp.checkpoint.lock import is_lock_leftover, unwritable
 from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.runtime.run_paths import MARKER, RunPaths
+from hpc_ddp.run_paths import MARKER, RunPaths
 from hpc_ddp.train.config import TrainConfig
 
 FORMAT = "hpc-ddp-run/1"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.run_paths import STEP_PREFIX, RunPaths
+from hpc_ddp.run_paths import STEP_PREFIX, RunPaths
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import finished_epochs, read_json, write_json
 from hpc_ddp.train.run_marker import claim_run_dir

@@ -15,14 +15,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.checkpoint import Checkpointer
-from hpc_ddp.cifar import models
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train import cuda_graphs, metric_writers, registry
+from hpc_ddp.train.cifar import models
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
 from hpc_ddp.train.loop import Stepper, timed_allreduce

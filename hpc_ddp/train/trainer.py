@@ -24,11 +24,11 @@ from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.log import before_each_line, get_logger, set_rank
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
 from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
 from hpc_ddp.runtime.rng import use_deterministic_kernels
-from hpc_ddp.runtime.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.divergence import TrainingDiverged, first_nonfinite, state_is_finite

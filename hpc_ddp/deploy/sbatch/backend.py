@@ -29,7 +29,7 @@ from hpc_ddp.deploy.trainer_args import (
     trainer_run_paths,
 )
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.schema import read_text_file
 from hpc_ddp.slurm_client import SlurmClient
 

@@ -28,7 +28,7 @@ from hpc_ddp.env_vars import (
     launch_environ,
 )
 from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.runtime.run_paths import requeue_marker_line, requeue_marker_name
+from hpc_ddp.run_paths import requeue_marker_line, requeue_marker_name
 from hpc_ddp.train.config import TrainConfig
 
 TEMPLATES = {

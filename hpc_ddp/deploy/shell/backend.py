@@ -16,7 +16,7 @@ from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.deploy.shell.tool_argv import launch_command
 from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 
 DEFAULT_PRODUCER = "hpc_ddp.submit"
 

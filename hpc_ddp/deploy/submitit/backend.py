@@ -45,7 +45,7 @@ from hpc_ddp.deploy.submitit.parameters import (
 from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.private_paths import ensure_private_dir, replace_file
-from hpc_ddp.runtime.run_paths import RunPaths
+from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.slurm_client import (
     ENDED,
     TERMINAL,

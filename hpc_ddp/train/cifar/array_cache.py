@@ -34,8 +34,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from numpy.lib import format as npformat
 
-from hpc_ddp.cifar import safe_pickle as cifar_pickle
 from hpc_ddp.regular_file import open_regular, read_json
+from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
 
 CACHE_DIR = ".hpc-ddp-cache"
 FORMAT = 1

@@ -6,10 +6,10 @@ import cycles. A model target is ``f(num_classes) -> nn.Module``, a dataset targ
 """
 
 MODELS = {
-    "lenet": "hpc_ddp.cifar.models:lenet",
-    "resnet18": "hpc_ddp.cifar.models:resnet18",
+    "lenet": "hpc_ddp.train.cifar.models:lenet",
+    "resnet18": "hpc_ddp.train.cifar.models:resnet18",
 }
 DATASETS = {
-    "cifar10": "hpc_ddp.cifar.source:load",
-    "cifar100": "hpc_ddp.cifar.source:load",
+    "cifar10": "hpc_ddp.train.cifar.source:load",
+    "cifar100": "hpc_ddp.train.cifar.source:load",
 }

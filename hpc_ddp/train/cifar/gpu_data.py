@@ -29,7 +29,10 @@ from pathlib import Path
 
 import torch
 
-from hpc_ddp.cifar.data import (
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.log import get_logger
+from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
+from hpc_ddp.train.cifar.data import (
     MEAN,
     SIZE,
     STD,
@@ -40,9 +43,6 @@ from hpc_ddp.cifar.data import (
     load_datasets,
     read_arrays,
 )
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 from hpc_ddp.train.data_source import TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData
