@@ -23,7 +23,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "shutdown": ("hpc_ddp.dist", "shutdown_and_exit"),
     "run_main": ("hpc_ddp.dist", "run_main"),
     # the trainer (torch once it trains; a finished run is answered without it)
-    "run_training": ("hpc_ddp.commands.train", "run_training"),
+    "run_training": ("hpc_ddp.train.cli", "run_training"),
     # training runtime (torch)
     "Resumable": ("hpc_ddp.runtime.resumable", "Resumable"),
     "Checkpointer": ("hpc_ddp.checkpoint", "Checkpointer"),
@@ -141,7 +141,6 @@ __all__ = [
 if TYPE_CHECKING:
     from hpc_ddp.checkpoint import Checkpointer
     from hpc_ddp.cluster import DistEnv, detect_env, torch_contract
-    from hpc_ddp.commands.train import run_training
     from hpc_ddp.deploy.api import describe, get_backend, submit
     from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
     from hpc_ddp.deploy.control import (
@@ -184,6 +183,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.sampler import ResumableDistributedSampler
     from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
     from hpc_ddp.submission import Executor
+    from hpc_ddp.train.cli import run_training
     from hpc_ddp.train.fingerprint import params_sha256
 
 

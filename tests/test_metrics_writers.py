@@ -151,7 +151,7 @@ def test_tensorboard_missing_is_refused_at_startup_naming_the_extra(
     only way to run without it."""
     code = (
         "import sys; sys.modules['tensorboard'] = None; "
-        "from hpc_ddp.commands.train import main; main(sys.argv[1:])"
+        "from hpc_ddp.train.cli import main; main(sys.argv[1:])"
     )
     run_dir = tmp_path / "run"
     argv = train_args(run_dir, data_dir, metrics="tensorboard")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hpc_ddp.commands import train as command
+from hpc_ddp.train.cli import main
 
 if __name__ == "__main__":
-    command.main(sys.argv[1:])
+    main(sys.argv[1:])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from hpc_ddp.commands import train as command
+from hpc_ddp.train import cli as command
 from hpc_ddp.train import state
 
 TORCH_DEFAULTS = "--torch-ddp-defaults"

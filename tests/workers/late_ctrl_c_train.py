@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from hpc_ddp.commands import train as command
+from hpc_ddp.train import cli as command
 from hpc_ddp.train import trainer
 
 record_stop = trainer.Trainer.record_stop

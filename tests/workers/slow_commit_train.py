@@ -20,7 +20,7 @@ from typing import Any
 
 from hpc_ddp import run_paths
 from hpc_ddp.checkpoint import layout
-from hpc_ddp.commands import train as command
+from hpc_ddp.train import cli as command
 from hpc_ddp.train import results, trainer
 
 COMMIT_DELAY_S = 1.0
