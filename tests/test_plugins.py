@@ -123,6 +123,15 @@ def exits(num_classes):
     sys.exit(0)  # in the model function
 
 
+class ExitsInForward(torch.nn.Linear):
+    def forward(self, x):
+        sys.exit(0)  # in the forward
+
+
+def exits_in_forward(num_classes):
+    return ExitsInForward(16, num_classes)
+
+
 def exits_in_dataset(split):
     raise SystemExit(0)
 
@@ -283,6 +292,8 @@ BAD = [
     # SystemExit from the plug-in's code: a failure naming it, never exit 0 having trained nothing.
     ("{p}:exits", "{p}:blobs", "exits(4) raised SystemExit(0) (at {p}, line {line}, in exits)"),
     ("{p}:mlp", "{p}:exits_in_dataset", "exits_in_dataset('train') raised SystemExit(0) (at {p}"),
+    ("{p}:exits_in_forward", "{p}:blobs",
+     "training raised SystemExit(0) (at {p}, line {forward}, in forward)"),
     ("{d}/quits_on_import.py:mlp", "{p}:blobs",
      "cannot import {d}/quits_on_import.py (SystemExit(0) (at {d}/quits_on_import.py, line 2"),
     # Sizes out of range: named, with the range allowed (len() itself raised a traceback).
@@ -304,6 +315,7 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
     tmp_path: Path, plugin: Path, model: str, dataset: str, expected: str
 ) -> None:
     names = {"p": str(plugin), "d": str(tmp_path), "line": line_of("in the model function")}
+    names["forward"] = line_of("in the forward")
     run_dir = tmp_path / "run"
     args = [*plugin_args(run_dir, plugin), "--epochs", "1"]
     args += ["--model", model.format(**names), "--dataset", dataset.format(**names)]

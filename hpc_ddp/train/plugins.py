@@ -79,6 +79,16 @@ def _raised(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}{where}"
 
 
+def exited_in_training(model: str, err: SystemExit) -> ConfigError:
+    """The error for a SystemExit out of a training run: only the model's own code (its forward
+    or backward) runs there besides the trainer's, which never exits that way, and the exit
+    would otherwise end the process with its code (0: a run that stopped, reported a success)."""
+    return ConfigError(
+        f"model {model}: training raised {_raised(err)}",
+        hint=f"a model plug-in is {CONTRACTS['model']}",
+    )
+
+
 def _call(kind: str, spec: PluginSpec, doing: str, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)``, where the plug-in's code runs. What it raises becomes a ConfigError
     naming the plug-in, ``doing`` and the exception; SystemExit too, which would otherwise end

@@ -38,6 +38,7 @@ from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.metric_records import Record, step_record
 from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.plotter import Plotter
+from hpc_ddp.train.plugins import exited_in_training
 from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
@@ -454,7 +455,10 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
                 return result
             state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
             trainer = Trainer(config, ctx, comm, state, clock)
-            result = trainer.run(flag)
+            try:
+                result = trainer.run(flag)
+            except SystemExit as err:
+                raise exited_in_training(config.model, err) from err
         except BaseException as err:
             _stop(trainer, state, err, ctrl_c=ctrl_c.received)
             stopped = True
