@@ -42,3 +42,32 @@ def hold_once(state_dir: str) -> int:
             time.sleep(0.1)
         raise RuntimeError("hold_once was never preempted")
     return count
+
+
+def resumable_steps(run_dir: str, epochs: int) -> tuple[int, int, str | None]:
+    """A small loop on hpc_ddp.Resumable inside an Executor task (distributed=True): returns
+    this rank's optimizer steps, the epoch it ended at and the checkpoint it resumed from."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import hpc_ddp
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, (x.sum(dim=1) > 0).long())
+    net = torch.nn.Linear(4, 2)
+    model = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, seed=0))
+    run = hpc_ddp.Resumable(run_dir, model=model, optimizer=opt, loader=loader)
+    resumed = str(run.resumed_from) if run.resumed_from else None
+    for _epoch in run.epochs(epochs):
+        for xb, yb in run.batches():
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.step()
+    run.close()
+    return run.steps, run.epoch, resumed

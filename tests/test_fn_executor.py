@@ -241,3 +241,15 @@ def test_the_readme_line_works_without_a_configured_slurm(tmp_path: Path) -> Non
     assert "results ['readme'] COMPLETED" in proc.stdout, proc.stdout
     assert f"Slurm: the embedded local cluster in {embedded}" in proc.stderr
     assert "fatal" not in proc.stderr and "sacct" not in proc.stderr, proc.stderr
+
+
+def test_a_function_gets_resumable_like_a_script(tmp_path: Path, importable: None) -> None:
+    """hpc_ddp.Resumable inside an Executor function: the second call, asked for more epochs,
+    continues from the first's checkpoint instead of starting over."""
+    ex = hpc_ddp.Executor(tmp_path / "f", "local", distributed=True, procs_per_node=2, time="5")
+    run_dir = str(tmp_path / "run")
+    first = ex.submit(fn_support.resumable_steps, run_dir, 1).results()
+    assert first == [(4, 1, None), (4, 1, None)]  # 64 samples / 2 ranks / batch 8
+    again = ex.submit(fn_support.resumable_steps, run_dir, 2).results()
+    step4 = f"{run_dir}/checkpoints/step-00000004"
+    assert again == [(8, 2, step4), (8, 2, step4)]
