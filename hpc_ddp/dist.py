@@ -8,7 +8,7 @@ Three things users hit on real clusters shape this module:
 * One dead rank leaves the others blocked in a collective. NCCL's async error handling tears the
   communicator down; with Gloo the peers see a closed socket. Either way, bounded.
 * Gloo processes sometimes abort in a C++ destructor at interpreter exit, after all work is done
-  (measured with torch 2.13 and 2.14: 10-30 % of runs, under every launcher).
+  (often enough to matter, under every launcher: benchmarks/NOTES.md).
   ``shutdown_and_exit`` ends the group, flushes and leaves with ``os._exit`` so a finished
   job can never be turned into a failed one.
 """
@@ -227,12 +227,13 @@ def _call(fn: Callable[[], dist.TCPStore]) -> dist.TCPStore | BaseException:
 
 
 def _wait_until_listening(host: str, port: int, deadline: float) -> None:
-    """Return once rank 0 accepts connections on host:port, trying every 10 ms.
+    """Return once rank 0 accepts connections on host:port, polling far more often than
+    TCPStore retries.
 
-    TCPStore's client retries a refused connection only after 250-750 ms (exponential backoff
-    with jitter from 500 ms), and ranks that finish starting a moment before rank 0 do meet a
-    refusal: on the GPU machines that added 0.4 s to a rank's start at random. Other errors
-    (a name that does not resolve, no route) are left for TCPStore to report.
+    TCPStore's client retries a refused connection only after a backoff (exponential, with
+    jitter, starting at half a second), and ranks that finish starting a moment before rank 0 do
+    meet a refusal: the backoff then lengthens a rank's start at random (benchmarks/NOTES.md).
+    Other errors (a name that does not resolve, no route) are left for TCPStore to report.
     """
     while True:
         try:
@@ -268,7 +269,7 @@ def end_process_group(
 
     Where the process exits next (``exiting``: ``shutdown_and_exit``; or declared by
     ``leave_group_to_exit``), an NCCL group is left to the exit instead, once this GPU's queued
-    work is done: its destroy took 0.3-0.5 s at 4 GPUs (benchmarks/NOTES.md) and frees nothing
+    work is done: its destroy is slow at several GPUs (benchmarks/NOTES.md) and frees nothing
     that the exit does not. Gloo's is still destroyed.
     """
     if (exiting or _exit_follows) and dist.get_backend() == "nccl":

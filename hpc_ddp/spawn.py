@@ -1,9 +1,9 @@
 """Start one node's processes by fork, after the imports: ``hpc-ddp train --nproc-per-node N``.
 
-torchrun starts a fresh interpreter per worker, and each then imports torch and the trainer: on
-the GPU machines that was 2.4 s of torchrun and ~4 s of interpreter and imports before any work
-(benchmarks/NOTES.md). Forking once the parent has imported them, and before anything touched
-CUDA, hands every worker those modules for free. The parent then only supervises:
+torchrun starts a fresh interpreter per worker, and each then imports torch and the trainer: seconds
+of torchrun's own start, then of interpreter and imports, before any work (benchmarks/NOTES.md).
+Forking once the parent has imported them, and before anything touched CUDA, hands every worker
+those modules for free. The parent then only supervises:
 
 * it forwards the signals a scheduler sends (preemption, time limit, Ctrl-C) to every worker,
   from the first fork on: a signal while the workers are being forked stops the forking;

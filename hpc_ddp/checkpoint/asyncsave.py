@@ -91,10 +91,10 @@ def start_snapshot(obj: Any, *, device_staging: bool | None = None) -> Snapshot:
     By default (``device_staging=None``) they are packed in GPU memory when the snapshot fits in
     DEVICE_STAGING_SHARE of the free memory: one ``torch.cat`` per device and dtype, a few
     kernel launches in all; :meth:`Snapshot.ready`, on the background save's thread, moves each
-    pack to pinned host memory on a side stream, where allocating that memory (84 ms for
-    ResNet-18's 86 MiB on the H200 machines) no longer stalls training. Otherwise each tensor is
-    copied straight into pinned host memory on the training stream. Whoever reads the copy calls
-    :meth:`Snapshot.ready` first.
+    pack to pinned host memory on a side stream, where allocating that memory (the largest part
+    of a first save on the training thread: benchmarks/NOTES.md) does not stall training.
+    Otherwise each tensor is copied straight into pinned host memory on the training stream.
+    Whoever reads the copy calls :meth:`Snapshot.ready` first.
 
     Values a checkpoint refuses (numpy arrays, functions) are deep-copied as they are: the
     background save's usual checks reject them, on every rank, at the next wait point.
@@ -209,13 +209,14 @@ class BackgroundSave:
 
 class SaveWorker:
     """One thread that runs a checkpointer's background saves in order, kept between saves: a
-    thread started per save made the training thread wait for it to come up (1-2 ms a save on
-    a busy host). It ends after IDLE_S without work and is started again by the next save.
+    thread started per save would make the training thread wait for it to come up at every save
+    on a busy host. It ends after IDLE_S without work and is started again by the next save.
 
     While a save runs, the interpreter hands its lock between threads every SWITCH_INTERVAL_S
-    instead of Python's 5 ms: pickling and checking a checkpoint holds the lock, and the
-    training thread, back from a wait on the GPU, would otherwise queue for up to 5 ms to launch
-    its next step while the GPU runs dry. None leaves Python's interval alone.
+    instead of at Python's default interval: pickling and checking a checkpoint holds the lock,
+    and the training thread, back from a wait on the GPU, would otherwise queue for up to a whole
+    default interval to launch its next step while the GPU runs dry. None leaves Python's
+    interval alone.
     """
 
     IDLE_S = 30.0

@@ -1,6 +1,6 @@
 """``python -m hpc_ddp.deploy.preflight``: every task says who it is, before training starts.
 
-The sbatch templates run it as a first, cheap step (no torch, ~0.2 s). Its lines in the job log
+The sbatch templates run it as a first, cheap step (it imports no torch). Its lines in the job log
 answer "which rank ran where and what did it see" after the fact, and a task whose launch
 variables are wrong (srun forgotten, inconsistent counts, unresolvable master) fails here in
 seconds with a HINT instead of hanging in the process-group rendezvous.

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> NoReturn:
 
     code = launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
     # Like the workers, flush and leave without the interpreter's teardown: with torch and the
-    # trainer imported it took 0.4-0.6 s after the job had ended (benchmarks/NOTES.md).
+    # trainer imported it is a long wait after the job has ended (benchmarks/NOTES.md).
     shutdown_and_exit(code)
 
 

@@ -1,9 +1,10 @@
 """``--cuda-graphs``: one training step (forward, backward, gradient all-reduce, optimizer) as a
 CUDA graph replayed once per micro-batch.
 
-Why: a small model such as LeNet needs microseconds of arithmetic per step, but eager PyTorch
-spends ~2.5 ms per step launching ~100 kernels from Python (DDP hooks, autograd, the optimizer's
-loops). A graph replay launches all of them with one call, so the GPU, not the CPU, sets the pace.
+Why: a small model such as LeNet needs little arithmetic per step, but eager PyTorch spends many
+times as long launching its ~100 kernels from Python (DDP hooks, autograd, the optimizer's loops;
+benchmarks/NOTES.md). A graph replay launches all of them with one call, so the GPU, not the CPU,
+sets the pace.
 
 Same semantics as the eager DDP step, which is what makes it safe as an option:
 - gradients are averaged over ranks exactly as DDP does (sum of per-rank gradients / world size),
@@ -142,10 +143,10 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
     """Adam's capturable mode or SGD's fused kernel, a device-tensor LR, and any loaded state
     moved to the device.
 
-    On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones):
-    the same algorithm, and 16 % less GPU time per captured LeNet step (0.385 -> 0.323 ms, H200,
-    benchmarks/NOTES.md). $HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no
-    such choice: only its fused kernel reads a tensor LR on the GPU.
+    On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones): the
+    same algorithm in less GPU time per captured step (benchmarks/NOTES.md).
+    $HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no such choice: only its
+    fused kernel reads a tensor LR on the GPU.
     """
     fused = device.type == "cuda" and os.environ.get(GRAPH_FUSED_ADAM_VAR, "1") != "0"
     for group in optimizer.param_groups:
@@ -289,7 +290,7 @@ class GraphedStep:
     def release(self) -> None:
         """Destroy the graphs. Must run before the process group is destroyed: NCCL keeps the
         resources of a captured all-reduce until its graph is gone, and ncclCommDestroy waits
-        for them, so destroying the group first hangs forever (seen on H200s, NCCL 2.28)."""
+        for them, so destroying the group first hangs forever (benchmarks/NOTES.md)."""
         if self.buckets is not None:
             self.buckets.remove()
         if self.graphs:

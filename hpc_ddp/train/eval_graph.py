@@ -1,9 +1,9 @@
 """Evaluation as CUDA graph replays, for runs whose training step is captured.
 
-Why: an evaluation batch of a small model is a few dozen short kernels, and eager PyTorch spends
-~0.8 ms of host time per batch launching them (4 x H200, LeNet, 256 per batch): ~8 ms an epoch
-in which the GPU mostly waits, as much as 10 % of a steady LeNet epoch. A replay launches a
-batch's kernels with one call.
+Why: an evaluation batch of a small model is a few dozen short kernels, and eager PyTorch takes
+longer to launch them from the host than the GPU takes to run them: over an epoch's evaluation,
+a noticeable share of a steady small-model epoch in which the GPU mostly waits
+(benchmarks/NOTES.md). A replay launches a batch's kernels with one call.
 
 The same numbers as ``evaluation.accumulate``: a batch runs ``EvalSums.add_batch`` whether eager or
 recorded, adding into running sums that live at fixed addresses, in batch order. Each batch shape is

@@ -1,11 +1,10 @@
 """The captured step's gradient all-reduce, started bucket by bucket while backward runs, as
 DDP's is.
 
-Why: one all-reduce of the whole flat gradient after backward leaves all of it exposed. For
-ResNet-18 (42.8 MiB of fp32 gradients) on 4 H200s it added 0.31 ms to a 10.66 ms step;
-overlapped it adds 0.21 ms (NCCL's kernels slow the backward beside them), and weak scaling
-went from 97.2 to 97.8 % and from 97.5 to 98.0 % (medians, two machines; benchmarks/README.md).
-Smaller buckets than DDP's were slower there.
+Why: one all-reduce of the whole flat gradient after backward leaves all of it exposed.
+Overlapped with backward, less of it shows in the step (NCCL's kernels still slow the backward
+beside them), which raises weak scaling; smaller buckets than DDP's expose more, not less
+(benchmarks/NOTES.md).
 
 How: the flat gradient buffer is laid out in reverse parameter order (the order in which
 backward roughly produces gradients) and cut into contiguous buckets of DDP's default sizes. A

@@ -2,20 +2,20 @@
 
 A process's first training step on a GPU loads cuDNN and cuBLAS, creates their handles, starts
 autograd's device thread and loads the module of each kernel at its first launch (CUDA's lazy
-loading): 270-880 ms for the first LeNet step on an H200, with the first evaluation's new
-kernels most of what made a 4-GPU run's first epoch 0.5 s slower than the next ones
-(benchmarks/NOTES.md). Meanwhile the process group's start waits on its peers with the GPU idle
-(1.2-1.3 s on 4 GPUs). ``KernelWarmup`` runs a miniature of the trainer's step in that wait: the
-GPU data path's conversion and gathers, convolution, batch norm, pooling, linear, cross-entropy
-and backward (under the run's autocast), the run's optimizer as the step will call it, and
-evaluation's reductions, on zeros of its own.
+loading): for a small model the first step takes far longer than the next ones, and with the
+first evaluation's new kernels it is most of what makes a short run's first epoch longer than
+the rest (benchmarks/NOTES.md). Meanwhile the process group's start, which is longer still,
+waits on its peers with the GPU idle. ``KernelWarmup`` runs a miniature of the trainer's step in
+that wait: the GPU data path's conversion and gathers, convolution, batch norm, pooling, linear,
+cross-entropy and backward (under the run's autocast), the run's optimizer as the step will call
+it, and evaluation's reductions, on zeros of its own.
 
-It changes nothing the run computes: no random number generator is drawn from and no tensor of
-the run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process
-group is up, because a CUDA graph capture forbids other threads' CUDA work; what is left of
-start-up does not overlap it. A failed warm-up is logged and costs nothing else: the step then
-loads what it needs itself, as it always did. It is the process's first cuBLAS user, so
-``train()`` makes a ``--deterministic`` run's kernel settings before starting it.
+It changes nothing the run computes: no random number generator is drawn from and no tensor of the
+run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process group
+is up, because a CUDA graph capture forbids other threads' CUDA work; what is left of start-up does
+not overlap it. A failed warm-up is logged and costs nothing else: the step then loads what it needs
+itself, as it would without a warm-up. It is the process's first cuBLAS user, so ``train()`` makes a
+``--deterministic`` run's kernel settings before starting it.
 """
 
 from __future__ import annotations

@@ -42,11 +42,11 @@ def without_dynamo(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimi
 
     torch.optim wraps step, zero_grad, add_param_group (run by the constructor), state_dict and
     load_state_dict so that torch.compile does not trace into them; each wrapper imports
-    torch._dynamo on first use, which takes 4.5 s on the H200 machines' CPUs (1 s on a laptop)
-    and was the largest part of the time to first step (benchmarks/README.md, table c). The
-    trainer never compiles, so nothing traces and the unwrapped methods do exactly what the
-    wrapped ones do (tests/test_optim.py compares weights and state dicts bit for bit).
-    Falls back to ``base`` if a torch release moves the import into the methods themselves.
+    torch._dynamo on first use, which takes seconds and would be the largest part of the time to
+    first step (benchmarks/NOTES.md). The trainer never compiles, so nothing traces and the
+    unwrapped methods do exactly what the wrapped ones do (tests/test_optim.py compares weights and
+    state dicts bit for bit). Falls back to ``base`` if a torch release moves the import into the
+    methods themselves.
     """
     methods = {name: inspect.unwrap(getattr(base, name)) for name in _WRAPPED_METHODS}
     if any("_dynamo" in method.__code__.co_names for method in methods.values()):

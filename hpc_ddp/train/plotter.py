@@ -1,13 +1,13 @@
 """plot.png, drawn by a helper process that loads matplotlib while the run trains.
 
-matplotlib takes 0.5-1 s to import and draw (more on the GPU machines' CPUs). Drawn at the end
-of the run, rank 0 spent that time after the work was done, on every command's way to its exit.
+matplotlib is slow to import and draw (benchmarks/NOTES.md). Drawn at the end of the run, rank 0
+would spend that time after the work is done, on every command's way to its exit.
 The helper starts when training does, imports matplotlib on another core at the lowest CPU
 priority (a core it shares with training stays training's), then waits for the history on its
 stdin: at the end only the drawing is left, and it overlaps the teardown.
 
 The helper is disposable. If it cannot start, dies (a signal meant for the job reaches it too),
-or fails, rank 0 draws in its own process as before. It draws nothing when its stdin closes
+or fails, rank 0 draws in its own process instead. It draws nothing when its stdin closes
 empty (rank 0 died) and is ended at once when the run stops without finishing.
 
     python -m hpc_ddp.train.plotter RUN_DIR     # the helper; the history arrives as JSON on stdin
@@ -124,7 +124,8 @@ class Plotter:
 
 def _exited_within(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     """Whether ``proc`` ended within ``timeout`` s, told the moment it does: Popen.wait's
-    timeout polls, its sleeps doubling up to 50 ms, on the command's way to its exit."""
+    timeout polls with growing sleeps, which would notice the exit late, on the command's way
+    to its exit."""
     try:
         fd = os.pidfd_open(proc.pid)
     except OSError:  # no pidfd (Linux before 5.3, or the pid is gone): let Popen poll
@@ -159,6 +160,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stderr.flush()
-    # The plot is written: skip the interpreter's teardown of matplotlib (~0.1 s rank 0 waits
-    # for). An exception above still exits through Python, its traceback printed.
+    # The plot is written: skip the interpreter's teardown of matplotlib, which rank 0 would
+    # wait for. An exception above still exits through Python, its traceback printed.
     os._exit(code)

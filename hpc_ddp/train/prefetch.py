@@ -3,12 +3,12 @@
 Why: DDP's constructor reads torch._dynamo's settings and its forward enters a
 ``torch._disable_dynamo`` wrapper (eager DDP on GPUs; Gloo jobs average without DDP: see
 state.gradient_sync). The trainer never compiles, but torch offers no way around the
-import, and it is slow: 1.2-1.9 s on this project's 2-core CPU, 4.5 s on the H200 machines
-(benchmarks/NOTES.md). On a thread it overlaps the start of the process group and the data.
+import, and it takes seconds (benchmarks/NOTES.md). On a thread it overlaps the start of the
+process group and the data.
 
 Two stages, because ``dist.init_process_group`` reads ``torch._dynamo`` whenever that module is
 in ``sys.modules``: a half-done import there makes it wait for the whole import (found in stack
-dumps of the workers: the former one-stage prefetch hid only what ran before that point).
+dumps of the workers: a one-stage prefetch hides only what runs before that point).
 Stage one imports the heaviest of torch._dynamo's dependencies, which do not import
 torch._dynamo themselves (tests/test_prefetch.py checks that against the installed torch),
 while the CUDA context and the rendezvous come up; stage two imports torch._dynamo itself once
@@ -29,7 +29,7 @@ from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.state import gradient_sync
 
-# About half of torch._dynamo's import time (604 of its ~890 modules on torch 2.14).
+# About half of torch._dynamo's import time (benchmarks/NOTES.md).
 STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
 TARGET = "torch._dynamo"
 

@@ -1,9 +1,9 @@
 """Which epoch ends write a checkpoint.
 
 Every one when epochs are long; when they are short, one once ``checkpoint_interval_s`` seconds
-of training have passed since the newest checkpoint, so that a save's cost (a few ms on the
-training path and beside it: benchmarks/README.md, table d2) stays under 1 % of training. The
-last epoch's end always saves, and so do preemptions and ``checkpoint_every_steps``.
+of training have passed since the newest checkpoint, so that a save's cost on the training path
+and beside it, which a sub-second epoch cannot absorb (benchmarks/NOTES.md), stays under 1 % of
+training. The last epoch's end always saves, and so do preemptions and ``checkpoint_every_steps``.
 
 Every rank must enter a save's collectives or none: the decision uses only values all ranks
 hold identically, the global step and the ranks' mean pace agreed at the last sync point

@@ -116,7 +116,7 @@ def build_state(
         # DDP over Gloo (only where gradient_sync is overridden, as tests comparing with DDP
         # do) reduces per tensor in a hook, as PerTensorAverage does: bit-exact resume at any
         # world size. NCCL keeps DDP's flat buckets and its C++ all-reduce unless timed (a
-        # Python hook per bucket costs host time on every step: benchmarks/README.md).
+        # Python hook per bucket costs host time on every step: benchmarks/NOTES.md).
         gloo = ctx.backend == "gloo"
         stepper.comm_timer.per_tensor = gloo
         if gloo or cfg.time_allreduce:
@@ -171,8 +171,8 @@ def ddp_options(net: torch.nn.Module, *, one_device: bool = True) -> dict[str, b
       is built from the same seed on every rank, so that copies equal values.)
 
     tests/test_train_ddp.py checks both against DDP's defaults, bit for bit. A model split
-    across a process's GPUs keeps DDP's defaults: only the one-device case was measured and
-    tested on GPUs (benchmarks/README.md: DDP's cost at 1 GPU 19.3 % -> 2.0 %).
+    across a process's GPUs keeps DDP's defaults: only the one-device case is known to gain
+    and was tested on GPUs (benchmarks/NOTES.md).
     """
     if not one_device:
         return {}

@@ -1,12 +1,13 @@
 """Whether a GPU run's step is bound by kernel latency rather than arithmetic, said once.
 
-A small model's step is a fixed chain of short kernels (LeNet's captured step: ~90 kernels,
-~0.4 ms on an H100 or H200 at 64 samples per GPU, for 0.25 GFLOP). Where a step computes at under
-2 TFLOP/s on a GPU that does tens, arithmetic is a few percent of it at most: a smaller batch per
-GPU would barely shorten it, so spreading the same global batch over more GPUs does not shorten
-the run, while a larger batch per GPU would use them. The trainer counts the model's arithmetic
-once (forward hooks on its convolutions and linear layers while the first evaluation runs
-eagerly), times the steady step (the attempt's second epoch), and says so.
+A small model's step is a fixed chain of short kernels (LeNet's captured step: ~90 kernels for
+0.25 GFLOP at 64 samples per GPU, far below a datacenter GPU's rate: benchmarks/NOTES.md). Where
+a step computes at under 2 TFLOP/s on a GPU that does tens, arithmetic is a few percent of it at
+most: a smaller batch per GPU would barely shorten it, so spreading the same global batch over
+more GPUs does not shorten the run, while a larger batch per GPU would use them. The trainer
+counts the model's arithmetic once (forward hooks on its convolutions and linear layers while
+the first evaluation runs eagerly), times the steady step (the attempt's second epoch), and says
+so.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-# FLOP/s under which a step cannot be arithmetic-bound on a datacenter GPU: an H100 or H200 does
-# ~60 TFLOP/s in fp32 without tensor cores; a captured ResNet-18 bf16 step reaches tens.
+# FLOP/s under which a step cannot be arithmetic-bound on a datacenter GPU: current ones do tens
+# of TFLOP/s in fp32 without tensor cores, and a captured ResNet-18 bf16 step reaches tens.
 LATENCY_BOUND_FLOPS = 2e12
 BACKWARD_FACTOR = 3  # forward + backward: the backward pass costs about twice the forward
 

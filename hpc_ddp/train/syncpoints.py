@@ -3,9 +3,9 @@
 A step's loss stays on the device; nothing in a step waits for the GPU. The ranks meet at *sync
 points*, and only there: one all-reduce carries the per-step loss sums and sample counts of every
 step since the last sync point (in step order), the preemption vote and each rank's recent pace,
-and one host read takes the result. Reading the loss every step used to cost a host sync per
-step: the CPU could not queue step s+1 while the GPU finished step s (1.5 ms of an 11.6 ms eager
-ResNet-18 step; ~0.1 ms of a 0.4 ms captured LeNet step; benchmarks/NOTES.md).
+and one host read takes the result. Reading the loss every step would cost a host sync per step:
+the CPU could not queue step s+1 while the GPU finished step s, a sizeable share of a step,
+eager or captured (benchmarks/NOTES.md).
 
 Sync points are a function of the step count and of values every rank holds identically (the
 config, the result of the previous all-reduce), so all ranks enter the same collectives:

@@ -1,13 +1,13 @@
 """Eager gradient averaging over Gloo without DDP: each gradient all-reduced on its own.
 
-Why: over Gloo the trainer already averaged each gradient with its own all-reduce, in a DDP
-comm hook (runtime/exact_allreduce.py: bit-exact resume at any world size). DDP added nothing
-else a CPU job needs, and cost its torch._dynamo import (its constructor reads torch._dynamo's
-settings, its forward enters a ``torch._disable_dynamo`` wrapper): 1.2-2.2 s of CPU time per
-process on a small machine. This does the hook's arithmetic itself, after backward: each
-gradient divided by the world size, then summed over the ranks by its own all-reduce. The
-result equals DDP with that hook bit for bit (tests/test_train_ddp.py compares them); each
-all-reduce's summation order depends on its tensor alone, as before.
+Why: over Gloo each gradient is averaged with its own all-reduce, for bit-exact resume at any
+world size (runtime/exact_allreduce.py), which under DDP takes a comm hook. DDP then adds
+nothing else a CPU job needs, and costs its torch._dynamo import (its constructor reads
+torch._dynamo's settings, its forward enters a ``torch._disable_dynamo`` wrapper): seconds of
+CPU time per process on a small machine (benchmarks/NOTES.md). This does the hook's arithmetic
+itself, after backward: each gradient divided by the world size, then summed over the ranks by
+its own all-reduce. The result equals DDP with that hook bit for bit (tests/test_train_ddp.py
+compares them); each all-reduce's summation order depends on its tensor alone, as under the hook.
 
 What DDP also did, done here too: rank 0's parameters and buffers broadcast at the start, and
 rank 0's buffers broadcast before each step's forward when the model has buffers other than

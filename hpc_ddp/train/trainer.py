@@ -166,9 +166,9 @@ class Trainer:
     def run(self, flag: PreemptionFlag) -> results.Result:
         if self.rank == 0:
             # The plot's helper imports matplotlib from now on, beside the training: started
-            # after an epoch, it was still importing when a one-second run ended (0.5 s of
-            # waiting at the end on the 4 x H200 machines). On a core of its own at the lowest
-            # priority; ended at once if the run stops without finishing.
+            # any later, it would still be importing when a short run ends, and rank 0 would
+            # wait for it (benchmarks/NOTES.md). On a core of its own at the lowest priority;
+            # ended at once if the run stops without finishing.
             self.plotter = Plotter(self.paths.root)
         self.progress_file.pids = self.comm.gather_objects(os.getpid())
         self.progress = progress = restore(self.state, self.cfg, self.world_size, self.clock)

@@ -1,9 +1,8 @@
 """CIFAR's pickled batches, decoded once into .npy files beside them.
 
 The batches are Python 2 pickles: the pixels come back as a 150 MB latin-1 string that pickle
-re-encodes to bytes, ~0.7 s per read of CIFAR-100's train file on a 2-core CPU and 1.4-1.7 s of
-every run's start on the H200 machines (benchmarks/NOTES.md). A memory-mapped .npy of the same
-array reads in milliseconds.
+re-encodes to bytes on every read, a large part of a short run's start (benchmarks/NOTES.md). A
+memory-mapped .npy of the same array reads at once.
 
 The synthetic generator caches the batches it writes (it holds the arrays already), so even a
 run's first read of them decodes nothing.

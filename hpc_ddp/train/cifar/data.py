@@ -1,11 +1,12 @@
 """CIFAR-10/100: staging, reading, sharding, augmentation.
 
 The files are CIFAR's python-format pickles. torchvision's dataset classes read them with plain
-``pickle.load``, which would run any code a file in a shared, writable ``--data-dir`` names, so
-this module reads them itself through ``cifar_pickle``'s restricted unpickler (the arrays come
-out identical, tests/test_gpu_data.py checks). torchvision is imported only to download (its
-classes check the official MD5 sums before they unpickle anything): importing it costs ~3.5 s of
-start-up (``torchvision.datasets`` pulls in ``torchvision.models`` and ``torch._dynamo``).
+``pickle.load``, which would run any code a file in a shared, writable ``--data-dir`` names, so this
+module reads them itself through ``cifar_pickle``'s restricted unpickler (the arrays come out
+identical, tests/test_gpu_data.py checks). torchvision is imported only to download (its classes
+check the official MD5 sums before they unpickle anything): importing it costs seconds of start-up
+(``torchvision.datasets`` pulls in ``torchvision.models`` and ``torch._dynamo``;
+benchmarks/NOTES.md).
 
 Staging (download or synthetic write) runs once per node *and* per filesystem: on each node only
 local rank 0 stages, under a file lock in the data dir (so nodes sharing a filesystem take turns

@@ -1,10 +1,10 @@
 """GPU-resident CIFAR: the whole split lives on each GPU, batches are cut there.
 
 Why: the conventional input pipeline (PIL image -> ToTensor -> Normalize, one sample at a time in
-Python) feeds a few thousand samples/s per process, while one GPU trains LeNet or ResNet-18 on
-CIFAR at tens of thousands. CIFAR is 150 MB as uint8 (600 MB as normalized float32), a sliver of
-a datacenter GPU, so each process keeps its normalized split on its device and a batch becomes
-one gather kernel.
+Python) feeds a process several times fewer samples a second than one GPU trains LeNet or
+ResNet-18 on CIFAR at (benchmarks/NOTES.md). CIFAR is 150 MB as uint8 (600 MB as normalized
+float32), a sliver of a datacenter GPU, so each process keeps its normalized split on its device
+and a batch becomes one gather kernel.
 
 The batches are the torchvision path's (``data.LoaderTrainData``), bit for bit, so a result
 never depends on which path ran:
@@ -17,8 +17,8 @@ never depends on which path ran:
 
 Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches through a restricted
 unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
-classes, so a run never imports torchvision to read data (~3.5 s of start-up on an H200 machine,
-benchmarks/NOTES.md); tests/test_gpu_data.py checks this reader gives torchvision's arrays.
+classes, so a run never imports torchvision to read data (seconds of start-up, benchmarks/NOTES.md);
+tests/test_gpu_data.py checks this reader gives torchvision's arrays.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def normalize(
     """ToTensor + Normalize with the torchvision path's float32 operations (bit-identical).
 
     255 is divided as a device tensor, not a Python number: for a host scalar, CUDA's division
-    multiplies by the reciprocal instead, one ulp off the CPU's true division (seen on H200).
+    multiplies by the reciprocal instead, one ulp off the CPU's true division.
     """
     x = images_u8.to(torch.float32).div(torch.tensor(255.0, device=images_u8.device))
     m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
@@ -99,7 +99,8 @@ def normalize(
 def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Tensor:
     """(len, 3) int64 of (dx, dy, flip) per sample, drawn exactly as ``data.CifarTensors`` does.
 
-    One tiny CPU generator per sample (~5 us): ~60 ms per 12.5k-sample shard, once per epoch.
+    One tiny CPU generator per sample: what keeps the draws the loader's, bit for bit; it runs
+    once per epoch, a small share of it (benchmarks/NOTES.md).
     """
     out = torch.empty(len(indices), 3, dtype=torch.int64)
     for row, index in enumerate(indices.tolist()):

@@ -13,9 +13,9 @@ code, so this writes what the official tarballs unpack to: ``cifar-10-batches-py
   combination identifies one. Every sample is translated (+-5 px), its strokes jittered (position,
   angle, length, strength), each stroke dropped with probability 1/4, the strokes of another class
   blended in at 0.5-0.85 strength as a distractor, brightness/contrast/colour jittered, plus
-  strong pixel noise. Some samples are ambiguous, so accuracy saturates well below 100 %: LeNet
-  on CIFAR-100 (50k/10k, Adam 1e-3, batch 64, no augmentation) reached 25 % test accuracy after
-  epoch 1, 41 % after 4 and 45 % after 10 (flattening). Vectorised: 60k samples in ~2-3 s.
+  strong pixel noise. Some samples are ambiguous, so accuracy saturates well below 100 % and a
+  comparison of final accuracies can tell two training scripts apart (LeNet's curve on it:
+  benchmarks/NOTES.md). Vectorised over the samples, so a CIFAR-sized split takes seconds.
   Deterministic for a seed on a given machine (float32 math). Its knobs: ``_HardKnobs``.
 """
 
@@ -50,7 +50,8 @@ def synthetic_root(
     data_dir: Path, dataset: str, train_size: int, test_size: int, variant: str = "easy"
 ) -> Path:
     """Synthetic data lives in its own subdirectory so it never shadows a real staged copy;
-    each variant has its own (easy: no suffix, as before; others: ``-<variant>``)."""
+    each variant has its own (easy: no suffix, so existing easy copies stay found; others:
+    ``-<variant>``)."""
     _check_variant(variant)
     suffix = "" if variant == "easy" else f"-{variant}"
     return Path(data_dir) / f"synthetic-{dataset}-{train_size}-{test_size}{suffix}"
@@ -157,7 +158,7 @@ def _hard_samples(
     base = 128 * (1 - contrast) + rng.normal(0, k.brightness, (n, 1))
     base = base + rng.normal(0, k.colour, (n, 3)) + contrast * spec.background[labels]
     grid = np.arange(32, dtype=f32)
-    noise = _NORMAL_256 * f32(k.noise)  # drawing bytes is ~5x faster than normals
+    noise = _NORMAL_256 * f32(k.noise)  # drawing bytes is much cheaper than drawing normals
     out = np.empty((n, 3072), dtype=np.uint8)
     for lo in range(0, n, chunk):
         sl = slice(lo, min(lo + chunk, n))
