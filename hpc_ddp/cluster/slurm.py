@@ -7,13 +7,13 @@ Where the tasks run, when the node list is not in task order (heterogeneous step
 ``--distribution=arbitrary``), is :mod:`hpc_ddp.cluster.slurm_nodes`'s.
 
 The batch script itself also has SLURM_PROCID=0, so the step id tells a forgotten ``srun``
-apart from task 0. Slurm 22.05 gives the batch script no SLURM_STEP_ID at all. Its special
-steps have ids near 2**32 (slurm.h: SLURM_BATCH_SCRIPT 0xfffffffb, SLURM_EXTERN_CONT
-0xfffffffc, SLURM_PENDING_STEP 0xfffffffd, SLURM_INTERACTIVE_STEP 0xfffffffa; ordinary steps
-stay below SLURM_MAX_NORMAL_STEP_ID 0xfffffff0). Slurm 26.05 sets SLURM_STEP_ID in the batch
-script too, printed as a signed number ("-5"); srun prints a step's id unsigned
-("4294967290" for the interactive step of ``salloc`` with use_interactive_step); Slurm's own
-tools name them batch/extern/interactive/TBD. All of these are "not an srun task".
+apart from task 0. Each spelling of a special step's id must read as one, because the releases
+differ: the batch script has no SLURM_STEP_ID at all (22.05) or its id printed as a signed
+number ("-5", 26.05); srun prints a step's id unsigned ("4294967290" for the interactive step of
+``salloc`` with use_interactive_step); Slurm's own tools name them batch/extern/interactive/TBD.
+The ids are near 2**32 (slurm.h: SLURM_BATCH_SCRIPT 0xfffffffb, SLURM_EXTERN_CONT 0xfffffffc,
+SLURM_PENDING_STEP 0xfffffffd, SLURM_INTERACTIVE_STEP 0xfffffffa; ordinary steps stay below
+SLURM_MAX_NORMAL_STEP_ID 0xfffffff0). All of these are "not an srun task".
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ another run train there. So the command prints what the trainer printed at the e
 in a fraction of a second instead of an interpreter that imports torch, starts the workers and
 the process group only to find nothing to do.
 
-Anything else goes to the trainer as before: no result, more epochs (continued there), other
-identity settings (refused there with the differences named), an unreadable file. So does a
-process that is one rank of a launch
-of several (srun, torchrun, ...): those ranks decide together, through the process group, since
-one of them alone could read a file system the others do not see the same way.
+Anything else goes to the trainer: no result, more epochs (continued there), other identity settings
+(refused there with the differences named), an unreadable file. So does a process that is one rank
+of a launch of several (srun, torchrun, ...): those ranks decide together, through the process
+group, since one of them alone could read a file system the others do not see the same way.
 """
 
 from __future__ import annotations

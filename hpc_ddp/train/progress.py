@@ -43,7 +43,7 @@ def wants_live_bar(stream: TextIO, environ: Mapping[str, str]) -> bool:
 class LiveBar:
     """Rank 0 on a terminal: one line redrawn in place with ``\\r`` (epoch, step, a bar, the
     last agreed loss, samples/s), at most ``HZ`` times a second. The plain progress lines are
-    printed as before, each after clearing the bar, so a terminal shows both and a log file or
+    printed as without the bar, each after clearing it, so a terminal shows both and a log file or
     pipe (no bar there) keeps plain lines only."""
 
     HZ = 10.0
