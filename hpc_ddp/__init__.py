@@ -187,11 +187,21 @@ if TYPE_CHECKING:
     from hpc_ddp.train.fingerprint import params_sha256
 
 
+# The modules of the names that describe, submit or inspect jobs: their deployment layer asks a
+# job's program about its arguments through the program's hook, so the trainer's is registered
+# first (hpc_ddp/programs.py).
+_JOB_MODULES = ("hpc_ddp.deploy.", "hpc_ddp.node_checks", "hpc_ddp.submission")
+
+
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         import importlib
 
         module, attr = _PUBLIC[name]
+        if module.startswith(_JOB_MODULES):
+            from hpc_ddp import programs
+
+            programs.register()
         value = getattr(importlib.import_module(module), attr)
         globals()[name] = value  # later accesses skip this function
         return value

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from hpc_ddp import __version__
+from hpc_ddp import __version__, programs
 from hpc_ddp.errors import HpcDdpError
 
 # name -> one-line help. The module hpc_ddp.commands.<name> does the work.
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if known.command is None:
         parser.print_help()
         return 0
+    # Every command that describes, submits or inspects a job asks the trainer about its
+    # arguments through the trainer's hook: registered here, loaded only when a job needs it.
+    programs.register()
     module = importlib.import_module(_module_name(known.command))
     command_parser = argparse.ArgumentParser(
         prog=f"hpc-ddp {known.command}", description=COMMANDS[known.command]

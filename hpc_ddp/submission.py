@@ -14,7 +14,10 @@ from typing import Any, TextIO
 
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submitit import executor as submitit_executor
+from hpc_ddp.programs import register as register_programs
 from hpc_ddp.slurm_client import SlurmTarget
+
+register_programs()  # the trainer's arguments are checked through its hook (hpc_ddp/programs.py)
 
 
 def choose_slurm_target(

@@ -22,8 +22,14 @@ import pytest
 from launch_support import Launch, kill_leftovers
 from slurm_support import SlurmTestCluster, first_job_id, require_local_slurm
 
+from hpc_ddp import programs
 from hpc_ddp.localslurm import LocalCluster
 from hpc_ddp.localslurm.orphans import reap
+
+# Tests import the deployment layer directly: they register the trainer's hook as the layers
+# above it do (hpc_ddp/programs.py), whether or not the installed metadata holds its entry point
+# (tests/test_program_hook.py checks the entry point itself).
+programs.register()
 
 
 def _short_tmpdir(prefix: str) -> Path:
