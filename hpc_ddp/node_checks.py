@@ -14,7 +14,10 @@ from hpc_ddp.deploy.doctor import EmbeddedCluster, Options, run_checks
 from hpc_ddp.deploy.job_assumptions import JobAssumptions, job_checks, of_script, of_spec
 from hpc_ddp.deploy.spec import build_spec
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.programs import register as register_programs
 from hpc_ddp.schema import read_text_file
+
+register_programs()  # a job's program is asked about its arguments through its hook
 
 
 def doctor(
@@ -30,8 +33,8 @@ def doctor(
     ``detail``, ``hint``; ``line()`` as printed). ``job``: a rendered .sbatch or a spec file,
     whose interpreter, data dir and run dir are checked too (``run_dir`` then comes from it)."""
     found = _job_assumptions(Path(job)) if job is not None else None
-    if found is not None and found.trainer is not None:
-        run_dir = Path(found.workdir or ".") / found.trainer.run_dir
+    if found is not None and found.needs is not None and found.needs.run_dir is not None:
+        run_dir = Path(found.workdir or ".") / found.needs.run_dir
     options = Options(
         run_dir=Path(run_dir),
         gpus=gpus,
@@ -53,7 +56,8 @@ def _job_assumptions(path: Path) -> JobAssumptions:
     found = of_script(read_text_file(path, what="batch script"))
     if found is None:
         raise ConfigError(
-            f"{path} does not run the hpc_ddp trainer: nothing to check for --job",
+            f"{path} does not run the hpc_ddp trainer (or another program with a hook): "
+            "nothing to check for --job",
             hint="give a script rendered by hpc-ddp render, or its spec file",
         )
     return found

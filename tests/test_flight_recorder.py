@@ -292,7 +292,7 @@ def _real_hang(run_dir: Path, world: int = 2) -> None:
     """The worker's ranks with the project's launcher variables and the flight recorder
     variables a GPU job sets (dumps to <run_dir>/nccl_trace/rank_N); rank 1 lags."""
     port, before_hang = free_port(), ("--dump-before-hang", str(run_dir / "before_hang"))
-    recorder = flight_recorder_env(["--run-dir", str(run_dir)])
+    recorder = flight_recorder_env(str(run_dir))
     procs = [
         subprocess.Popen(
             [sys.executable, str(HANG_WORKER), *("--run-dir", str(run_dir)), *before_hang],
@@ -361,9 +361,7 @@ def test_gpu_jobs_switch_the_recorder_on_with_dumps_in_the_run_dir() -> None:
     assert not any(k.startswith("TORCH_FR_") for k in cpu)  # Gloo has no flight recorder
     own = dict(job_env(JobSpec(gpus_per_node=1, env={"TORCH_FR_BUFFER_SIZE": "0"})))
     assert own["TORCH_FR_BUFFER_SIZE"] == "0"  # the spec's env wins
-    assert flight_recorder_env([], runs_trainer=False)["TORCH_FR_DUMP_TEMP_FILE"] == (
-        f"{NCCL_TRACE}/rank_"
-    )
+    assert flight_recorder_env(None)["TORCH_FR_DUMP_TEMP_FILE"] == (f"{NCCL_TRACE}/rank_")
 
 
 def test_the_variables_are_the_ones_torch_reads() -> None:
@@ -372,7 +370,7 @@ def test_the_variables_are_the_ones_torch_reads() -> None:
     libs = list(torch_lib.glob("python3*/site-packages/torch/lib/libtorch_c*.so"))
     if not libs:
         pytest.skip("torch's shared libraries are not installed next to this interpreter")
-    for name in flight_recorder_env([]):
+    for name in flight_recorder_env(None):
         assert any(_holds(lib, name.encode() + b"\x00") for lib in libs), name
 
 

@@ -64,7 +64,7 @@ def test_auto_executor_preempted_requeues_and_resumes_exactly(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
     """The same trainer as the sbatch reference (2 nodes x 2 tasks, world 4), through AutoExecutor.
-    USR2 to the tasks -> submitit calls TrainTask.checkpoint() on rank 0, which waits for the
+    USR2 to the tasks -> submitit calls ProgramTask.checkpoint() on rank 0, which waits for the
     trainer child's checkpoint; submitit requeues; the rerun resumes and matches the reference."""
     env = slurm_cluster.env
     args = _args(tmp_path, "--debug-hold-at-step", "3")

@@ -427,14 +427,16 @@ def no_scheduler(ax: Axes) -> None:
 @figure("submitit.png", 7.2)
 def submitit_fig(ax: Axes) -> None:
     """submitit: the same trainer from Python; submitit requeues it"""
-    you = "hpc-ddp submit --executor submitit SPEC.toml\n= AutoExecutor(...).submit(TrainTask(...))"
+    you = (
+        "hpc-ddp submit --executor submitit SPEC.toml\n= AutoExecutor(...).submit(ProgramTask(...))"
+    )
     me = box(ax, 0.1, 6.65, 5.0, "shell", "your shell / Python (login node)", you)
     script = "#SBATCH --signal=USR2@<signal_lead_s>\nsrun: one task per process"
     sl = box(ax, 6.6, 6.65, 5.0, "shell", "submitit's sbatch script", script)
     arrow(ax, at(me, 1, 0.5), at(sl, 0, 0.5), "sbatch")
     node(ax, 0.1, 5.2, 12.8, 3.2, "node1  (node2 alike: ranks 2 and 3)")
     on_usr2 = [  # only rank 0's wrapper requeues the job
-        "submitit's handler: TrainTask.checkpoint()\nwaits for the child, submitit requeues",
+        "submitit's handler: ProgramTask.checkpoint()\nwaits for the child, submitit requeues",
         "submitit's handler (requeue is rank 0's job)",
     ]
     child = """--requeue none --requeue-signal SIGUSR1,SIGUSR2,SIGTERM
@@ -444,7 +446,7 @@ def submitit_fig(ax: Axes) -> None:
         x0 = 0.25 + lr * 6.35
         ids = f"SLURM_PROCID={lr}  SLURM_LOCALID={lr}  SUBMITIT_*"
         text = f"{ids}\nUSR1, USR2, TERM: forward to the child; on USR2\n{on_usr2[lr]}"
-        title = f"srun task {lr}: submitit + TrainTask (no torch)"
+        title = f"srun task {lr}: submitit + ProgramTask (no torch)"
         w = box(ax, x0, 4.8, 6.15, "agent", title, text, h=1.19)  # h: both wrappers alike
         arrow(ax, at(sl, 0, 0, dx=1.5 + lr * 2.0), top(w), f"task {lr}", ty=0.05)
         title = f"child: python -m hpc_ddp.train = rank {lr}"

@@ -16,11 +16,11 @@ from hpc_ddp import schema
 from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
+from hpc_ddp.deploy.program import result_lines
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.slurm_client import SlurmTarget
 from hpc_ddp.submission import choose_slurm_target
-from hpc_ddp.train.results import result_lines
 
 # The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
 EXECUTORS = tuple(name for name in EXECUTOR_NAMES if name not in ("pdsh", "clush"))
@@ -118,7 +118,7 @@ def _report(
         lines = [head, f"result: {paths.result} (its lines are above, at the end of the log)"]
     else:
         # A program of the user's writes result.json as it likes: its text is shown escaped.
-        result = [comment_text(line) for line in result_lines(done.result)]
+        result = [comment_text(line) for line in result_lines(done.result, job.program)]
         lines = [head, f"result ({paths.result}):", *result]
     if paths.plot.is_file():
         lines.append(f"plot: {paths.plot} (loss and accuracy per epoch)")

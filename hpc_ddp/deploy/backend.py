@@ -42,6 +42,7 @@ class DryRun:
     command: str  # the one command line that would start it
     request: Any = field(repr=False)  # what the backend's submit needs (its own business)
     run_paths: RunPaths | None = None  # the run dir whose result.json the job reports
+    program: str | None = None  # the module it runs (python -m), whose hook shows the result
 
     def __str__(self) -> str:
         return self.text
@@ -56,7 +57,7 @@ class Finished:
     exit_code: int  # the job's code, as a shell reports it (128 + N for signal N)
     restarts: int = 0  # how often it was requeued
     output: Path | None = None  # its log, if it has one file
-    result: Mapping[str, Any] | None = None  # the trainer's result.json, if it wrote one
+    result: Mapping[str, Any] | None = None  # the program's result.json, if it wrote one
     error: str = ""  # what failed, when the backend knows more than the exit code
 
 
@@ -67,6 +68,7 @@ class Job(ABC):
     job_id: str  # Slurm's job id, or the launch id of a pdsh/clush launch
     output: Path | None = None  # the log a person would read, if there is one file
     run_paths: RunPaths | None = None  # the run dir whose result.json the job reports
+    program: str | None = None  # the module it runs (python -m), whose hook shows the result
 
     @abstractmethod
     def status(self) -> str:

@@ -27,10 +27,11 @@ from typing import Any, TextIO
 
 from hpc_ddp import regular_file
 from hpc_ddp.deploy.backend import Job, read_result
+from hpc_ddp.deploy.core import TRAIN_MODULE
+from hpc_ddp.deploy.program import program_in_script, result_lines
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
-from hpc_ddp.deploy.trainer_args import listened_signals, trainer_args_in_script, trainer_run_paths
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.run_paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.slurm_client import (
@@ -47,6 +48,8 @@ _SIGNAL_DIRECTIVE = re.compile(r"^#SBATCH\s+--signal[= ](?:[BR]+:)?(?:SIG)?([A-Z
 # The most of a batch script read back: sbatch refuses larger ones unless a site raises its
 # max_script_size (SchedulerParameters, 4 MB by default).
 SCRIPT_LIMIT = 4 << 20
+# The signal a stop sends a batch job whose script and program name none (a JobSpec's default).
+_USUAL_SIGNAL = "USR1"
 # How long a stop waits for the checkpoint before it cancels for good (the trainer's own
 # checkpoint deadline on a signal is 120 s).
 STOP_TIMEOUT_S = 300.0
@@ -94,10 +97,12 @@ def attach_job(
         return _submitit_job(job_id, Path(folder) if folder else stdout.parent, env, workdir)
     from hpc_ddp.deploy.sbatch.backend import SlurmJob
 
-    args = trainer_args_in_script(script)
+    found = program_in_script(script)
     workdir = Path(info.get("WorkDir") or ".")
-    run_paths = trainer_run_paths(args, workdir) if args is not None else None
-    return SlurmJob(job_id, env, stdout, run_paths)
+    if found is None:
+        return SlurmJob(job_id, env, stdout)
+    run_paths = found.hook.run_paths(found.args, workdir)
+    return SlurmJob(job_id, env, stdout, run_paths, program=found.module)
 
 
 def batch_script(client: SlurmClient, job_id: str, info: Mapping[str, str]) -> str:
@@ -143,16 +148,18 @@ def _submitit_job(
     else:
         handle = submitit.SlurmJob(folder, job_id)
     job = SubmititJob(handle, cluster_env, None, None, folder)
-    # The submitted call, when it is a trainer's task, knows its run dir (refusals in job.notes).
+    # The submitted call, when it is a program's task, knows its program and the run dir its
+    # hook gave (refusals in job.notes); an Executor's function task knows neither.
     with contextlib.suppress(AttributeError, OSError, ConfigError):
-        job.run_paths = job.read_pickle(handle.paths.submitted_pickle).function.run_paths(workdir)
+        task = job.read_pickle(handle.paths.submitted_pickle).function
+        job.program, job.run_paths = task.module, task.run_paths()
     return job
 
 
 # --- status ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JobReport:
-    """How a job stands: Slurm's view, and the trainer's (progress.json, result.json)."""
+    """How a job stands: Slurm's view, and the program's (progress.json, result.json)."""
 
     job_id: str
     executor: str
@@ -165,10 +172,9 @@ class JobReport:
     result: Mapping[str, Any] | None = None
     logs: tuple[Path, ...] = field(default_factory=tuple)
     notes: tuple[str, ...] = ()  # what was not read, and why
+    program: str | None = None  # the module the job runs (python -m), whose hook shows result
 
     def lines(self) -> list[str]:
-        from hpc_ddp.train.results import result_lines
-
         out = [f"job {self.job_id} ({self.executor}): {self.state}, restarts {self.restarts}"]
         if self.nodes:
             out.append(f"  nodes: {self.nodes}")
@@ -180,7 +186,8 @@ class JobReport:
         if self.progress:
             out.append("  progress: " + progress_text(self.progress))
         if self.result:
-            out += ["  result:", *("  " + line for line in result_lines(self.result))]
+            shown = result_lines(self.result, self.program)
+            out += ["  result:", *("  " + line for line in shown)]
         out += [f"  note: {note}" for note in self.notes]
         # The run dir's files, log names and Slurm's fields are anyone's text: a terminal escape
         # or line break in them is shown escaped, never acted on.
@@ -221,13 +228,15 @@ def job_report(job: Job) -> JobReport:
         read_result(run_paths),
         tuple(log_paths(job)),
         tuple(getattr(job, "notes", ())),
+        job.program,
     )
 
 
-def run_dir_report(run_dir: Path) -> JobReport:
+def run_dir_report(run_dir: Path, *, program: str | None = TRAIN_MODULE) -> JobReport:
     """What a run dir alone says, for a run whose job Slurm no longer knows (or never ran in
     Slurm): ENDED once result.json exists, else UNKNOWN; the job and its restarts as the run
-    recorded them."""
+    recorded them. ``program``: the module whose run dir it is (python -m; a spec's default,
+    the trainer, unless told), whose hook shows its result."""
     paths = RunPaths(run_dir)
     result, progress = read_result(paths), read_progress(paths)
     job_id = _run_dir_job(paths, progress)
@@ -236,7 +245,7 @@ def run_dir_report(run_dir: Path) -> JobReport:
     count = recorded[1] if recorded is not None and recorded[0] == job_id else 0
     state = "ENDED" if result is not None else "UNKNOWN"
     return JobReport(job_id or "?", "run dir", state, count, run_dir=paths.root,
-                     progress=progress, result=result)  # fmt: skip
+                     progress=progress, result=result, program=program)  # fmt: skip
 
 
 def run_dir_job(run_dir: Path) -> str | None:
@@ -382,15 +391,17 @@ class _Under:
 # --- cancel ---------------------------------------------------------------------------------
 def preemption_signal(job: Job, script: str) -> str:
     """The signal on which ``job``'s processes checkpoint: submitit's USR2; for a batch script,
-    its ``#SBATCH --signal``, else the first signal its trainer listens for (USR1)."""
+    its ``#SBATCH --signal``, else the first signal its program's hook names (the trainer's:
+    USR1), else USR1, Slurm's usual warning."""
     if job.executor in ("submitit", "local"):
         from hpc_ddp.deploy.submitit.task import PREEMPT_SIGNAL
 
         return PREEMPT_SIGNAL.name.removeprefix("SIG")
     if found := _SIGNAL_DIRECTIVE.search(script):
         return found.group(1)
-    args = trainer_args_in_script(script)
-    return listened_signals(args or [])[0]
+    program = program_in_script(script)
+    signals = program.hook.flags(program.args).signals if program is not None else None
+    return signals[0] if signals else _USUAL_SIGNAL
 
 
 def cancel_job(

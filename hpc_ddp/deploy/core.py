@@ -19,10 +19,14 @@ from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
 from hpc_ddp.cluster.hostlist import MAX_HOSTS
 from hpc_ddp.deploy.container import ContainerSpec
+from hpc_ddp.deploy.program import ProgramHook
+from hpc_ddp.deploy.program import program_hook as hook_of
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import HpcDdpError
 
+# The program a spec runs unless it names another: the project's trainer. Only its name: what
+# deployment asks of it, its hook answers (hpc_ddp.deploy.program).
 TRAIN_MODULE = "hpc_ddp.train"
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 NODES = schema.Range(1, MAX_HOSTS)
@@ -112,9 +116,16 @@ class ProcessSpec:
         return [self.python, *self.program] if self.module or self.script else list(self.args)
 
     @property
-    def runs_trainer(self) -> bool:
-        """Whether each process runs the project's trainer (``python -m hpc_ddp.train``)."""
-        return self.module == TRAIN_MODULE and not self.script
+    def program_module(self) -> str | None:
+        """The module each process runs (``python -m``); None for a script or a command."""
+        return self.module if self.module and not self.script else None
+
+    @property
+    def program_hook(self) -> ProgramHook | None:
+        """What answers for the program's arguments (the trainer's own parser, for the
+        trainer); None for a program without a hook (hpc_ddp.deploy.program)."""
+        module = self.program_module
+        return hook_of(module) if module else None
 
     # --- rules -----------------------------------------------------------------------------
     def _adopt_container_table(self) -> None:

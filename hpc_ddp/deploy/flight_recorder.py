@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,22 +67,12 @@ _RANK = re.compile(r"(\d+)")
 _TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
 
 
-def flight_recorder_env(
-    trainer_args: Sequence[str], *, runs_trainer: bool = True
-) -> dict[str, str]:
+def flight_recorder_env(run_dir: str | None) -> dict[str, str]:
     """The variables a GPU job sets: buffer on, dump on timeout, dumps in the run directory
     (``<run_dir>/nccl_trace/rank_<N>``; relative to the job's working directory, like the run
-    dir itself). torch does not create the directory: the trainer's rank 0 does, at start."""
-    base = NCCL_TRACE
-    if runs_trainer:
-        from hpc_ddp.deploy.trainer_args import trainer_flags
-
-        run_dir = getattr(trainer_flags(trainer_args), "run_dir", None)
-        if run_dir is None:
-            from hpc_ddp.train.config import TrainConfig
-
-            run_dir = TrainConfig().run_dir
-        base = f"{run_dir.rstrip('/')}/{NCCL_TRACE}"
+    dir itself; None: the job's program has none known here, so the working directory). torch
+    does not create the directory: the trainer's rank 0 does, at start."""
+    base = NCCL_TRACE if run_dir is None else f"{run_dir.rstrip('/')}/{NCCL_TRACE}"
     return {
         "TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -4,25 +4,23 @@ A batch script names an interpreter (``python`` from PATH unless the spec says o
 a program with it (the trainer, with its data and run dirs) and relies on ``setup`` lines for
 everything else. ``render`` prints this summary (``summary_lines``) so that a job that could
 not run is seen before it is queued; ``hpc-ddp doctor --job`` checks it where the job will run,
-inside an allocation (``job_checks``). Torch-free: the trainer's arguments are read with its
-own parser (hpc_ddp.train.config), never by importing the trainer.
+inside an allocation (``job_checks``). What the program itself needs (the trainer: hpc_ddp and
+torch, its run and data dirs) its hook says (``ProgramHook.job_needs``, hpc_ddp.deploy.program),
+reading the arguments with the program's own parser. Torch-free.
 """
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.deploy.core import TRAIN_MODULE
-from hpc_ddp.deploy.doctor import FAIL, OK, WARN, Check
+from hpc_ddp.deploy.doctor import FAIL, OK, Check
+from hpc_ddp.deploy.program import JobNeeds, program_in_script
 from hpc_ddp.deploy.sbatch.submit import script_workdir
 from hpc_ddp.deploy.spec import JobSpec
-from hpc_ddp.deploy.trainer_args import trainer_args_in_script, trainer_flags
-from hpc_ddp.train import config
 
 IMPORT_TIMEOUT_S = 120.0  # a cold import of torch on a network file system takes a while
 
@@ -36,28 +34,26 @@ class JobAssumptions:
     launcher: str = "srun"
     has_setup: bool = False  # setup lines (module load, venv activation) run first
     workdir: str = ""  # "" = the submission directory
-    trainer: config.TrainConfig | None = None  # the trainer's settings, if it runs the trainer
-
-    @property
-    def runs_trainer(self) -> bool:
-        return self.trainer is not None
+    needs: JobNeeds | None = None  # what its program's hook says it needs, if it has a hook
 
 
 def of_spec(spec: JobSpec) -> JobAssumptions:
+    hook = spec.program_hook
     return JobAssumptions(
         spec.python,
         tuple(spec.program),
         spec.launcher,
         bool(spec.setup),
         spec.workdir,
-        _trainer_config(spec.args) if spec.runs_trainer else None,
+        hook.job_needs(spec.args) if hook is not None else None,
     )
 
 
 def of_script(text: str) -> JobAssumptions | None:
-    """The same facts from a rendered script (the line that starts the trainer), or None."""
-    args = trainer_args_in_script(text)
-    if args is None:
+    """The same facts from a rendered script (the line that starts a program with a hook, the
+    trainer), or None."""
+    found = program_in_script(text)
+    if found is None:
         return None
     python, launcher = "python", "srun"
     for line in text.replace("\\\n", " ").splitlines():
@@ -65,20 +61,17 @@ def of_script(text: str) -> JobAssumptions | None:
             words = shlex.split(line, comments=True)
         except ValueError:
             continue
-        if TRAIN_MODULE in words and words.index(TRAIN_MODULE) > 1:
-            before = [w for w in words[: words.index(TRAIN_MODULE) - 1] if w != "-u"]
+        if found.module in words and words.index(found.module) > 1:
+            before = [w for w in words[: words.index(found.module) - 1] if w != "-u"]
             python = before[-1] if before else python
             launcher = "torchrun" if python == "torchrun" else "srun"
             break
     if launcher == "torchrun":
         python = "python"  # torchrun's own; the check reads it from torchrun itself
     workdir = str(script_workdir(text, Path(".")))  # its #SBATCH --chdir, if it has one
-    program = ("-m", TRAIN_MODULE, *args)
-    return JobAssumptions(python, program, launcher, workdir=workdir, trainer=_trainer_config(args))
-
-
-def _trainer_config(args: list[str]) -> config.TrainConfig:
-    return config.from_args(trainer_flags(args))
+    program = ("-m", found.module, *found.args)
+    needs = found.hook.job_needs(found.args)
+    return JobAssumptions(python, program, launcher, workdir=workdir, needs=needs)
 
 
 def _where(path: str, workdir: str) -> str:
@@ -102,20 +95,12 @@ def summary_lines(a: JobAssumptions) -> list[str]:
         lines.append(f"  interpreter: {a.python}, which must exist on every compute node")
     else:
         lines.append(f"  interpreter: `{a.python}` from the compute nodes' PATH ({after})")
-    if a.runs_trainer:
-        lines.append("  assumes: hpc_ddp and torch import with that interpreter")
-        t = a.trainer
-        assert t is not None
-        lines.append(f"  run dir: {_where(t.run_dir, a.workdir)}")
-        if t.synthetic:
-            lines.append(f"  data: synthetic {t.dataset} (no files read)")
-        elif t.download:
-            lines.append(
-                f"  data: {t.dataset} in {_where(t.data_dir, a.workdir)}, downloaded there if "
-                "missing (the nodes need internet access, or download it first)"
-            )
-        else:
-            lines.append(f"  data: {t.dataset} in {_where(t.data_dir, a.workdir)} (must exist)")
+    if a.needs is not None:
+        if a.needs.imports:
+            lines.append(f"  assumes: {' and '.join(a.needs.imports)} import with that interpreter")
+        if a.needs.run_dir is not None:
+            lines.append(f"  run dir: {_where(a.needs.run_dir, a.workdir)}")
+        lines += a.needs.summary_lines(lambda path: _where(path, a.workdir))
     lines.append("  check it inside an allocation: srun -N1 hpc-ddp doctor --job THIS_FILE")
     return lines
 
@@ -123,8 +108,8 @@ def summary_lines(a: JobAssumptions) -> list[str]:
 def job_checks(a: JobAssumptions, workdir: Path, *, torch: bool = True) -> list[Check]:
     """Doctor's checks of the job's assumptions, here (run it on a compute node)."""
     checks = [check_interpreter(a, torch=torch)]
-    if a.trainer is not None:
-        checks.append(check_data_dir(a.trainer, workdir))
+    if a.needs is not None:
+        checks += a.needs.checks(workdir)
     return checks
 
 
@@ -158,9 +143,10 @@ def check_interpreter(a: JobAssumptions, *, torch: bool = True) -> Check:
             "run the job's setup lines first (module load, source venv/bin/activate) or set "
             "the spec's python to an absolute path that exists on every node",
         )
-    if not a.runs_trainer:
+    needed = [m for m in (a.needs.imports if a.needs else ()) if torch or m != "torch"]
+    if not needed:
         return Check(OK, "job interpreter", found)
-    modules = "hpc_ddp, torch" if torch else "hpc_ddp"
+    modules = ", ".join(needed)
     try:
         proc = subprocess.run(
             [found, "-c", f"import {modules}"],
@@ -180,25 +166,3 @@ def check_interpreter(a: JobAssumptions, *, torch: bool = True) -> Check:
             "spec's python / setup lines at the one that has it",
         )
     return Check(OK, "job interpreter", f"{found} imports {modules}")
-
-
-def check_data_dir(t: config.TrainConfig, workdir: Path) -> Check:
-    path = workdir / t.data_dir
-    if t.synthetic:
-        return Check(OK, "data dir", f"synthetic {t.dataset}: no files needed")
-    if path.is_dir() and any(path.iterdir()):
-        return Check(OK, "data dir", f"{path} exists")
-    if not t.download:
-        return Check(
-            FAIL, "data dir", f"{path} is missing or empty and --no-download is set",
-            "put the dataset there first, or let the trainer download it",
-        )  # fmt: skip
-    parent = path if path.is_dir() else path.parent
-    if not os.access(parent, os.W_OK):
-        return Check(FAIL, "data dir", f"{path} is missing and {parent} is not writable")
-    return Check(
-        WARN,
-        "data dir",
-        f"{path} is empty: the trainer will download {t.dataset} there",
-        "compute nodes often have no internet access: download it on the login node first",
-    )

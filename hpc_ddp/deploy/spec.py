@@ -20,7 +20,6 @@ from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
 from hpc_ddp.deploy.core import field_doc as _doc
 from hpc_ddp.deploy.safe_text import control_problem, directive_problem
-from hpc_ddp.deploy.trainer_args import listened_signals, trainer_flags
 from hpc_ddp.errors import ConfigError
 
 Launcher = Literal["srun", "torchrun"]
@@ -208,7 +207,7 @@ def _check(s: JobSpec) -> list[str]:
     if not s.script and not s.module:
         p.append("give exactly one of module (python -m) and script")
     p += _check_directives(s)
-    p += _check_trainer_args(s)
+    p += _check_program_args(s)
     return p
 
 
@@ -227,33 +226,35 @@ def _check_directives(s: JobSpec) -> list[str]:
     return [problem for problem in found if problem]
 
 
-def _check_trainer_args(s: JobSpec) -> list[str]:
-    """The trainer must listen for the signal Slurm will send, or preemption loses work."""
-    if not s.runs_trainer:
+def _check_program_args(s: JobSpec) -> list[str]:
+    """What the program's hook says of its arguments: refused ones, a run dir the batch shell
+    or an array needs, and the signal Slurm will send, which it must listen for or preemption
+    loses work."""
+    hook = s.program_hook
+    if hook is None:
         return []
     try:
-        names = listened_signals(s.args)
-        flags = trainer_flags(s.args)
+        flags = hook.flags(s.args)
     except ConfigError as err:
         return [f"args: {err.message}"]
-    run_dir = getattr(flags, "run_dir", None)
     # render reads no files: a run dir only in a --config file is unknown to the batch shell
-    config_only = getattr(flags, "config", None) and not run_dir
+    config_only = flags.settings_file and not flags.run_dir
     if s.container and s.launcher == "torchrun" and s.requeue and config_only:
         return [
-            "a torchrun job in a container is requeued by its batch shell when the trainer's "
+            f"a torchrun job in a container is requeued by its batch shell when {hook.name}'s "
             "requeue marker is in the run dir, which the script must name: add "
             "'--run-dir runs/NAME' to args (a --config file's run_dir is read only when the "
             "job runs)"
         ]
-    if s.array and not run_dir:
+    if s.array and not flags.run_dir:
         return [
             f"array {s.array!r}: each task trains into <run dir>_<task id>; give the run dir "
             "in args ('--run-dir runs/NAME')"
         ]
-    if s.signal_lead_s and s.signal not in names:
+    names = flags.signals
+    if s.signal_lead_s and names is not None and s.signal not in names:
         return [
-            f"the job warns with SIG{s.signal} but the trainer listens for {', '.join(names)}: "
+            f"the job warns with SIG{s.signal} but {hook.name} listens for {', '.join(names)}: "
             f"add '--requeue-signal {s.signal},TERM' to args (or change signal)"
         ]
     return []

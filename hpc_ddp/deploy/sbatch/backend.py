@@ -1,9 +1,10 @@
 """``SbatchBackend``: a JobSpec (or an already rendered script) through real sbatch.
 
 describe: the batch script (``render``), with the run dir whose result.json the job reports:
-the trainer's, or the ``--run-dir`` a spec gives a program of the user's. submit: sbatch from
-the submission directory, with an environment scrubbed of any enclosing job and this
-interpreter's bin directory first on PATH (the scripts run ``python``).
+what the program's hook says (the trainer's), or the ``--run-dir`` a spec gives a program of
+the user's without one. submit: sbatch from the submission directory, with an environment
+scrubbed of any enclosing job and this interpreter's bin directory first on PATH (the scripts
+run ``python``).
 The ``SlurmJob`` handle reads ``scontrol show job``, so it needs no accounting (no sacct).
 """
 
@@ -19,15 +20,11 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job, read_result
+from hpc_ddp.deploy.program import program_in_script, program_run_dir
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import sbatch, script_workdir, wait_job
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import submission_env, with_this_python
-from hpc_ddp.deploy.trainer_args import (
-    program_run_dir,
-    trainer_args_in_script,
-    trainer_run_paths,
-)
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.schema import read_text_file
@@ -73,17 +70,19 @@ class SbatchBackend(Backend):
         if isinstance(spec, JobSpec):
             script = _Script(render(spec, command=self.produced_by), None, f"{spec.name}.sbatch")
             workdir = self._cwd() / spec.workdir
-            args = spec.args if spec.runs_trainer else None
-            own = None if spec.runs_trainer else program_run_dir(spec.args)
+            module, hook, args = spec.program_module, spec.program_hook, spec.args
         else:
             path = Path(spec)
             script = _Script(read_text_file(path, what="batch script"), path, path.name)
             workdir = script_workdir(script.text, self._cwd())
-            args, own = trainer_args_in_script(script.text), None
-        # Resolved now: arguments the trainer would refuse fail before anything is queued.
-        run_paths = trainer_run_paths(args, workdir) if args is not None else None
-        if own is not None:  # a program of the user's, told where its run dir is
-            run_paths = RunPaths(workdir / own)
+            found = program_in_script(script.text)
+            module, hook, args = found if found is not None else (None, None, [])
+        if hook is not None:  # resolved now: arguments it would refuse fail before the queue
+            run_paths = hook.run_paths(args, workdir)
+        elif isinstance(spec, JobSpec) and (own := program_run_dir(spec.args)) is not None:
+            run_paths = RunPaths(workdir / own)  # a program of the user's, told its run dir
+        else:
+            run_paths = None
         if _ARRAY_DIRECTIVE.search(script.text):
             run_paths = None  # one run dir per task: <run dir>_<task id>
         return DryRun(
@@ -92,6 +91,7 @@ class SbatchBackend(Backend):
             shlex.join(["sbatch", str(script.path or script.name)]),
             script,
             run_paths,
+            module,
         )
 
     def submit(self, plan: DryRun) -> SlurmJob:
@@ -113,7 +113,9 @@ class SbatchBackend(Backend):
         finally:
             if script.path is None:
                 path.unlink(missing_ok=True)
-        return SlurmJob(sub.job_id, self.cluster_env, sub.output, plan.run_paths, self.follow)
+        return SlurmJob(
+            sub.job_id, self.cluster_env, sub.output, plan.run_paths, self.follow, plan.program
+        )
 
 
 class SlurmJob(Job):
@@ -128,12 +130,14 @@ class SlurmJob(Job):
         output: Path | None,
         run_paths: RunPaths | None = None,
         follow: TextIO | None = None,
+        program: str | None = None,
     ) -> None:
         self.job_id = job_id
         self.cluster_env = dict(cluster_env)
         self.output = output
         self.run_paths = run_paths
         self.follow = follow
+        self.program = program
         self._finished: Finished | None = None
 
     def _client(self) -> SlurmClient:

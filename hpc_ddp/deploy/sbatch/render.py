@@ -20,7 +20,6 @@ from hpc_ddp.deploy.flight_recorder import flight_recorder_env
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
-from hpc_ddp.deploy.trainer_args import trainer_flags
 from hpc_ddp.env_vars import (
     REQUEUE_BY_BATCH,
     REQUEUE_BY_BATCH_MARKER,
@@ -29,7 +28,6 @@ from hpc_ddp.env_vars import (
 )
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_paths import requeue_marker_line, requeue_marker_name
-from hpc_ddp.train.config import TrainConfig
 
 TEMPLATES = {
     "per-gpu": "srun.sbatch.j2",
@@ -145,7 +143,7 @@ def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str
             REQUEUE_BY_BATCH if spec.launcher == "srun" else REQUEUE_BY_BATCH_MARKER
         )
     if spec.gpus_per_node:
-        env.update(flight_recorder_env(spec.args, runs_trainer=spec.runs_trainer))
+        env.update(flight_recorder_env(_given_run_dir(spec)))
     env.update(spec.env)
     return list(env.items())
 
@@ -154,8 +152,9 @@ def requeue_from_batch(spec: JobSpec) -> bool:
     """Whether the batch shell requeues the job after the trainer checkpointed. It runs on the
     host, where scontrol exists even when the step runs in a container without it. srun layouts:
     the step exits 75. torchrun reports its workers' 75 as 1, so there the shell reads the
-    trainer's requeue marker in the run dir instead, which takes the trainer and a run dir known
-    here; else (a program of your own, a run dir only in a --config file) the program's rank 0
+    trainer's requeue marker in the run dir instead, which takes a program with a hook (the
+    trainer) and a run dir known here; else (a program without one, a run dir only in a --config
+    file) the program's rank 0
     asks for the requeue, as :func:`hpc_ddp.runtime.preemption.requeue` does without the shell."""
     if not spec.requeue:
         return False
@@ -163,16 +162,18 @@ def requeue_from_batch(spec: JobSpec) -> bool:
 
 
 def marker_run_dir(spec: JobSpec) -> str | None:
-    """The trainer's run dir as the batch shell names it (relative to the job's working dir,
-    where the trainer resolves it too): ``--run-dir``, else the trainer's default unless a
-    ``--config`` file may set it (render reads no files). None when the job runs no trainer."""
-    if not spec.runs_trainer:
-        return None
-    flags = trainer_flags(spec.args)
-    run_dir = getattr(flags, "run_dir", None)
-    if run_dir is None and not getattr(flags, "config", None):
-        run_dir = TrainConfig().run_dir
-    return run_dir
+    """The program's run dir as the batch shell names it (relative to the job's working dir,
+    where the program resolves it too), as its hook reads the arguments: ``--run-dir``, else its
+    default unless a ``--config`` file may set it (render reads no files). None when the program
+    has no hook."""
+    hook = spec.program_hook
+    return None if hook is None else hook.shell_run_dir(spec.args)
+
+
+def _given_run_dir(spec: JobSpec) -> str | None:
+    """The program's run dir its arguments give, else its default (None: no hook, or none)."""
+    hook = spec.program_hook
+    return None if hook is None else hook.flags(spec.args).run_dir or hook.default_run_dir
 
 
 def requeue_marker(spec: JobSpec) -> tuple[str, str]:
@@ -234,12 +235,14 @@ def step_command(spec: JobSpec) -> str:
 
 
 def array_run_dir(spec: JobSpec) -> str:
-    """For an array of trainer runs, one more ``--run-dir`` (the trainer's last one wins): the
-    spec's run dir with ``_<task id>`` appended, expanded by the batch shell. Only the task id
-    variable is unquoted; the spec's value stays one quoted word."""
-    if not spec.array or not spec.runs_trainer:
+    """For an array of runs of a program with a hook (the trainer), one more ``--run-dir``
+    (the trainer's last one wins): the spec's run dir with ``_<task id>`` appended, expanded by
+    the batch shell. Only the task id variable is unquoted; the spec's value stays one word."""
+    hook = spec.program_hook
+    if not spec.array or hook is None:
         return ""
-    run_dir = trainer_flags(spec.args).run_dir  # JobSpec requires it for an array
+    run_dir = hook.flags(spec.args).run_dir
+    assert run_dir is not None  # JobSpec requires it for an array
     return f' \\\n  --run-dir {shlex.quote(run_dir + "_")}"${{SLURM_ARRAY_TASK_ID}}"'
 
 

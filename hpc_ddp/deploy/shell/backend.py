@@ -14,7 +14,6 @@ from hpc_ddp.deploy.shell.runner import ShellJob
 from hpc_ddp.deploy.shell.script import render_launch_script
 from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.deploy.shell.tool_argv import launch_command
-from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.run_paths import RunPaths
 
@@ -43,7 +42,8 @@ class ShellBackend(Backend):
         text = render_launch_script(
             spec, produced_by=self.produced_by, script_name=self.script_name
         )
-        return DryRun(spec.tool, text, launch_command(spec).shell(), spec, _run_paths(spec))
+        command = launch_command(spec).shell()
+        return DryRun(spec.tool, text, command, spec, _run_paths(spec), spec.program_module)
 
     def submit(self, plan: DryRun) -> ShellJob:
         return ShellJob(
@@ -52,12 +52,13 @@ class ShellBackend(Backend):
 
 
 def _run_paths(spec: LaunchSpec) -> RunPaths | None:
-    """The trainer's run dir, on the file system the hosts share, relative to their workdir.
-    None if a ``--config`` file of the trainer's is not readable here: it may exist only on
-    the hosts, and the trainer there names any problem with it."""
-    if not spec.runs_trainer:
+    """The run dir of a program with a hook (the trainer's), on the file system the hosts
+    share, relative to their workdir. None if a ``--config`` file of the program's is not
+    readable here: it may exist only on the hosts, and the program there names any problem."""
+    hook = spec.program_hook
+    if hook is None:
         return None
     try:
-        return trainer_run_paths(spec.args, spec.workdir)
+        return hook.run_paths(spec.args, spec.workdir)
     except ConfigError:
         return None

@@ -236,6 +236,7 @@ class ShellJob(Job):
         require_tool(spec)
         self.spec, self.executor, self.job_id = spec, spec.tool, spec.launch_id
         self.run_paths = run_paths
+        self.program = spec.program_module
         self.settle_s = settle_s
         self.settling = False  # True once the launch is being stopped or collected
         # The pipes are always drained (a full pipe would block the tool): None = dropped.

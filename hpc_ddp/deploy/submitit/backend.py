@@ -2,19 +2,21 @@
 submitit, on Slurm (``AutoExecutor``, executor "submitit") or on this machine (``LocalExecutor``,
 executor "local").
 
-describe: the executor's parameters and the command every task runs (``ProgramTask``; the
-trainer's is a ``TrainTask``), checked and written out without creating anything. submit: the
-executor (made only then, in ``folder``, a private directory of this user's: submitit keeps the
-job's pickles there, and ``pickles`` loads them only from such a folder) submits the task; a
-local job is recorded (``local_control.remember_local_jobs``) so that a later cancel can prove
-it is the toolkit's. ``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because
-submitit's own watcher asks sacct, which clusters without accounting (like the local one) do not
-answer: a job that died before writing its result would be waited on forever.
+describe: the executor's parameters and the command every task runs (``ProgramTask``, with
+what the program's hook adds: the trainer's submitit flags and run dir), checked and written
+out without creating anything. submit: the executor (made only then, in ``folder``, a private
+directory of this user's: submitit keeps the job's pickles there, and ``pickles`` loads them
+only from such a folder) submits the task; a local job is recorded
+(``local_control.remember_local_jobs``) so that a later cancel can prove it is the toolkit's.
+``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because submitit's own watcher
+asks sacct, which clusters without accounting (like the local one) do not answer: a job that
+died before writing its result would be waited on forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import time
@@ -42,7 +44,7 @@ from hpc_ddp.deploy.submitit.parameters import (
     executor_parameters,
     not_used,
 )
-from hpc_ddp.deploy.submitit.task import ProgramTask, TrainTask
+from hpc_ddp.deploy.submitit.task import FORWARDED_SIGNALS, ProgramTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.private_paths import ensure_private_dir, replace_file
 from hpc_ddp.run_paths import RunPaths
@@ -109,8 +111,17 @@ class SubmititBackend(Backend):
                 hint="give the script's path relative to that directory, or an absolute one",
             )
         # Same environment as the sbatch templates give (OMP_NUM_THREADS, GPUs per process...).
-        task_class = TrainTask if spec.runs_trainer else ProgramTask
-        task = task_class(list(spec.program), env=dict(job_env(spec)))
+        task = ProgramTask(list(spec.program), env=dict(job_env(spec)))
+        hook = spec.program_hook
+        if hook is not None:  # its run dir resolved now: arguments it would refuse fail here
+            run_paths = hook.run_paths(spec.args, workdir)
+            extra = hook.launcher_requeue_args([sig.name for sig in FORWARDED_SIGNALS])
+            task = dataclasses.replace(
+                task,
+                program=[*task.program, *extra],
+                run_dir=None if run_paths is None else str(run_paths.root),
+                label=hook.name,
+            )
         where = "LocalExecutor, this machine" if self.kind == "local" else "AutoExecutor, Slurm"
         text = "\n".join(
             [
@@ -130,7 +141,8 @@ class SubmititBackend(Backend):
             text,
             f"submitit {self.kind} job in {folder}",
             _Request(self.kind, folder, parameters, task),
-            task.run_paths(workdir),
+            task.run_paths(),
+            spec.program_module,
         )
 
     def submit(self, plan: DryRun) -> SubmititJob:
@@ -149,7 +161,9 @@ class SubmititBackend(Backend):
             job = ex.submit(request.task)
         if request.kind == "local":
             remember_local_jobs([job], request.folder)
-        return SubmititJob(job, self.cluster_env, plan.run_paths, self.follow, request.folder)
+        return SubmititJob(
+            job, self.cluster_env, plan.run_paths, self.follow, request.folder, plan.program
+        )
 
 
 class SubmititJob(Job):
@@ -162,9 +176,11 @@ class SubmititJob(Job):
         run_paths: RunPaths | None = None,
         follow: TextIO | None = None,
         folder: Path | None = None,
+        program: str | None = None,
     ) -> None:
         self.job = job
         self.folder = folder  # submitit's logs and pickles
+        self.program = program
         self.job_id = str(job.job_id)
         self.executor = "local" if cluster_env is None else "submitit"
         self.cluster_env = None if cluster_env is None else dict(cluster_env)
@@ -265,7 +281,7 @@ class SubmititJob(Job):
             result = outcomes[0][1] if outcomes[0] is not None else None
             summary = result if isinstance(result, dict) else {}
             code = int(summary.get("exit_code", 0))
-            trained = summary if self.run_paths is not None else None  # a trainer's job
+            trained = summary if self.run_paths is not None else None  # it has a run dir
             done = Finished(self.job_id, state, code, count, self.output, trained or None)
         self._finished = done
         return done

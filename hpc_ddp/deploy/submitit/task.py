@@ -18,15 +18,16 @@ the child to finish its checkpoint and exit 75, then returns a ``DelayedSubmissi
 task; submitit requeues the job, and the new run resumes from the program's newest checkpoint.
 A child that exits 75 after another signal (USR1 from ``scancel --signal=USR1``, TERM at the
 time limit) goes through the same requeue path from rank 0. Exit 0 ends the task normally;
-any other code is an error submitit records. ``TrainTask`` is the project's trainer, which is
-told these signals and that submitit owns the requeue. Only this module's process is
-submitit's; it never imports torch.
+any other code is an error submitit records. A program with a hook (hpc_ddp.deploy.program;
+the project's trainer) is told these signals and that submitit owns the requeue, and rank 0
+returns its result.json: what its hook said is fixed in the task when the job is described, so
+a task never looks for a hook where it runs. Only this module's process is submitit's; it never
+imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -40,10 +41,8 @@ from typing import Any
 import submitit
 
 from hpc_ddp.deploy.backend import read_result
-from hpc_ddp.deploy.core import TRAIN_MODULE
 from hpc_ddp.deploy.submitit.environment import export_task_env
 from hpc_ddp.deploy.submitit.requeue import ignore_sigterm_before_requeue
-from hpc_ddp.deploy.trainer_args import trainer_run_paths
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_paths import RunPaths
@@ -59,11 +58,16 @@ Handler = Callable[[int, FrameType | None], Any]
 @dataclass
 class ProgramTask(submitit.helpers.Checkpointable):
     """Run ``python -u PROGRAM`` in every submitit task; ``program`` is a spec's ``program``
-    (``[SCRIPT, *ARGS]`` or ``["-m", MODULE, *ARGS]``). Resumable: requeued on preemption."""
+    (``[SCRIPT, *ARGS]`` or ``["-m", MODULE, *ARGS]``), with what the program's hook adds for
+    submitit. Resumable: requeued on preemption."""
 
     program: list[str]
     env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
+    # The run dir whose result.json rank 0 returns, absolute (None: the program keeps its own)
+    # and how errors name the program ("": its script, or -m MODULE); both from its hook.
+    run_dir: str | None = None
+    label: str = ""
     _child: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _signalled: int = field(default=PREEMPT_SIGNAL, init=False, repr=False)  # the last passed on
 
@@ -72,16 +76,24 @@ class ProgramTask(submitit.helpers.Checkpointable):
 
     @property
     def name(self) -> str:
-        """How an error names the program: its script, or ``-m MODULE``."""
+        """How an error names the program: its hook's name, its script, or ``-m MODULE``."""
+        if self.label:
+            return self.label
         return " ".join(self.program[:2] if self.program[:1] == ["-m"] else self.program[:1])
 
-    def run_paths(self, workdir: str | Path) -> RunPaths | None:
-        """The run dir whose result.json the job reports: a program of yours keeps its own."""
-        return None
+    @property
+    def module(self) -> str | None:
+        """The module it runs (``python -m``), None for a script."""
+        return self.program[1] if self.program[:1] == ["-m"] and len(self.program) > 1 else None
+
+    def run_paths(self) -> RunPaths | None:
+        """The run dir whose result.json the job reports."""
+        return None if self.run_dir is None else RunPaths(self.run_dir)
 
     def summary(self, code: int) -> dict[str, Any]:
-        """Rank 0's return value, which submitit pickles for the submitter."""
-        return {"exit_code": code}
+        """Rank 0's return value, which submitit pickles for the submitter: the exit code, and
+        the program's result.json where it has a run dir."""
+        return {"exit_code": code, **(read_result(self.run_paths()) or {})}
 
     def __call__(self) -> dict[str, Any]:
         rank = submitit.JobEnvironment().global_rank
@@ -145,33 +157,6 @@ class ProgramTask(submitit.helpers.Checkpointable):
         state = dict(self.__dict__)
         state["_child"] = None  # a process handle does not travel in a pickle
         return state
-
-
-@dataclass
-class TrainTask(ProgramTask):
-    """The project's trainer (``program`` is ``-m hpc_ddp.train ARGS``): told to checkpoint on
-    the forwarded signals and to leave the requeue to submitit; rank 0 returns its result.json."""
-
-    @property
-    def name(self) -> str:
-        return "the trainer"
-
-    @property
-    def trainer_args(self) -> list[str]:
-        assert self.program[:2] == ["-m", TRAIN_MODULE], self.program
-        return self.program[2:]
-
-    def command(self) -> list[str]:
-        signals = ",".join(sig.name for sig in FORWARDED_SIGNALS)
-        return [*super().command(), "--requeue", "none", "--requeue-signal", signals]
-
-    def run_paths(self, workdir: str | Path) -> RunPaths:
-        return trainer_run_paths(self.trainer_args, workdir)
-
-    def summary(self, code: int) -> dict[str, Any]:
-        """The exit code and the trainer's result.json (a submitit task runs in the
-        submitter's directory, or the spec's workdir)."""
-        return {**super().summary(code), **(read_result(self.run_paths(os.getcwd())) or {})}
 
 
 def _exited(pid: int, timeout_s: float) -> bool:
