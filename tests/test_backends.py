@@ -2,14 +2,13 @@
 
 Real parts: sbatch, scontrol and scancel on the project's local Slurm cluster; submitit's
 LocalExecutor running the trainer; pdsh's and clush's ``exec`` workers running a Gloo job on two
-"hosts" of this machine (no second physical host can exist here, see launch_support). Plus the
-structure the interface rests on: deploy never imports the embedded test cluster, and the
-package's import graph has no cycle.
+"hosts" of this machine (no second physical host can exist here, see launch_support). The
+structure the interface rests on (deploy never imports the embedded cluster, no import cycle) is
+tests/test_import_graph.py's.
 """
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -27,87 +26,6 @@ import hpc_ddp as api
 from hpc_ddp.deploy.shell.tool_argv import launch_command
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.localslurm import wait_for
-
-PACKAGE = Path(api.__file__).parent
-
-
-# --- structure --------------------------------------------------------------------------------
-def test_no_deploy_module_imports_the_embedded_cluster() -> None:
-    """Production code takes Slurm from hpc_ddp.slurm_client; the embedded cluster is the CLI's
-    default, started by the command modules (they import it lazily), never by deploy."""
-    code = (
-        "import importlib, pkgutil, sys, hpc_ddp.deploy as d\n"
-        "for m in pkgutil.walk_packages(d.__path__, 'hpc_ddp.deploy.'):\n"
-        "    importlib.import_module(m.name)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('hpc_ddp.localslurm')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the hpc_ddp modules it imports anywhere (top level, functions, TYPE_CHECKING).
-    An import of one of the module's own packages is left out: Python imports those first
-    anyway, and a package's lazy facade (hpc_ddp/__init__.py) only names its submodules."""
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        name = ".".join(parts[:-1] if is_package else parts)
-        modules[name] = (path, name if is_package else name.rpartition(".")[0])
-
-    def known(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {}
-    for name, (path, package) in modules.items():
-        targets: set[str | None] = set()
-        tree = ast.parse(path.read_text())
-        # Imports under `if TYPE_CHECKING:` never run: annotations only, no cycle at run time.
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-            for stmt in node.body
-            for inner in ast.walk(stmt)
-        }
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            elif isinstance(node, ast.Import):
-                targets |= {known(alias.name) for alias in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                base = package
-                for _ in range(node.level - 1):
-                    base = base.rpartition(".")[0]
-                source = f"{base}.{node.module}" if node.level else node.module or ""
-                if source.rstrip(".").startswith("hpc_ddp"):
-                    source = source.rstrip(".")
-                    targets |= {known(f"{source}.{alias.name}") for alias in node.names}
-        graph[name] = {t for t in targets if t and t != name and not name.startswith(t + ".")}
-    return graph
-
-
-def test_the_import_graph_has_no_cycle() -> None:
-    graph = _import_graph()
-    assert "hpc_ddp.deploy.shell.host_scripts" in graph  # the walk found the package
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> None:
-        if module in path:
-            cycle = [*path[path.index(module) :], module]
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
-        if module in done:
-            return
-        for target in sorted(graph[module]):
-            visit(target, [*path, module])
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
 
 
 # --- describe: the script itself, nothing runs --------------------------------------------------

@@ -1,13 +1,12 @@
 """The program hook (hpc_ddp/deploy/program.py): the deployment layer asks a job's program about
 its arguments without importing it. The trainer answers through its hook, found by the CLI and
 the public API (registered, hpc_ddp/programs.py) and by the installed package's entry point; a
-program of the user's plugs in the same way. The lower layers never import the trainer or the
-demo, not even inside a function.
+program of the user's plugs in the same way. That the lower layers never import the trainer, not
+even inside a function, is tests/test_import_graph.py's.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -26,41 +25,6 @@ from hpc_ddp.errors import ConfigError, HpcDdpError
 
 PACKAGE = Path(api.__file__).parent
 ROOT = PACKAGE.parent
-LOWER_LAYERS = ("deploy", "cluster", "runtime", "checkpoint", "localslurm")
-APPLICATIONS = ("hpc_ddp.train", "hpc_ddp.train.cifar")
-
-
-def _imported(path: Path) -> set[str]:
-    """Every module ``path`` imports anywhere: import statements (relative ones resolved) and
-    importlib.import_module / __import__ of a literal name."""
-    package = ".".join(path.relative_to(ROOT).parent.parts)
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            source = f"{base}.{node.module or ''}" if node.level else node.module or ""
-            found |= {f"{source.rstrip('.')}.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Call) and node.args:
-            name = ast.unparse(node.func)
-            if name.endswith(("import_module", "__import__")):
-                first = node.args[0]
-                if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    found.add(first.value)
-    return found
-
-
-def test_no_lower_layer_imports_the_trainer_or_the_demo() -> None:
-    offending = {
-        f"{path.relative_to(ROOT)}: {name}"
-        for layer in LOWER_LAYERS
-        for path in sorted((PACKAGE / layer).rglob("*.py"))
-        for name in _imported(path)
-        if any(name == app or name.startswith(app + ".") for app in APPLICATIONS)
-    }
-    assert (PACKAGE / "deploy" / "program.py").is_file()  # the walk looks where the code is
-    assert not offending, sorted(offending)
 
 
 # --- the trainer's hook ---------------------------------------------------------------------------

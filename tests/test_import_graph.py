@@ -1,0 +1,158 @@
+"""The house's shape, read from the source with ``ast`` (nothing is imported): no module import
+cycle; at the package level (each subpackage and each top-level module one node) no cycle
+either; the trainer is an application on top, imported by no lower layer; the deployment layer
+never imports the embedded cluster. An import inside a function counts (a lazy import is still a
+dependency), and so does ``importlib.import_module`` of a literal name; one under
+``if TYPE_CHECKING:`` does not (annotations only).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hpc_ddp"
+# The nodes allowed to import the trainer: the trainer itself and what sits above it.
+ABOVE_THE_TRAINER = {"hpc_ddp", "hpc_ddp.train", "hpc_ddp.commands", "hpc_ddp.cli"}
+IMPORT_CALLS = ("import_module", "__import__")
+
+
+def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports. An import of one of the module's own
+    packages is left out: Python imports those first anyway, and the package's lazy facade
+    (hpc_ddp/__init__.py) only names its submodules."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        modules[name] = (path, name if is_package else name.rpartition(".")[0])
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, (path, home) in modules.items():
+        targets: set[str | None] = set()
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for stmt in node.body
+            for inner in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.Call) and node.args:
+                # importlib.import_module("hpc_ddp.x") / __import__: an import all the same
+                first, call = node.args[0], ast.unparse(node.func)
+                if isinstance(first, ast.Constant) and call.endswith(IMPORT_CALLS):
+                    targets.add(known(str(first.value)))
+            elif isinstance(node, ast.ImportFrom):
+                base = home
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = f"{base}.{node.module}" if node.level else node.module or ""
+                source = source.rstrip(".")
+                if source.startswith(package.name):
+                    targets |= {known(source)} | {known(f"{source}.{a.name}") for a in node.names}
+        graph[name] = {t for t in targets if t and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def package_graph(modules: dict[str, set[str]]) -> dict[str, dict[str, set[str]]]:
+    """Node -> imported node -> the modules whose imports make that edge; a node is a top-level
+    module or a subpackage (``hpc_ddp.deploy`` for everything under it)."""
+
+    def node(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    edges: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for module, targets in modules.items():
+        for target in targets:
+            if node(target) not in (node(module), "hpc_ddp"):
+                edges[node(module)][node(target)].add(module)
+    return edges
+
+
+def find_cycle(graph: dict[str, set[str]] | dict[str, dict[str, set[str]]]) -> list[str] | None:
+    """One cycle of the graph, as its nodes in order (the first again at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_module_import_cycle() -> None:
+    graph = module_graph()
+    assert "hpc_ddp.deploy.shell.host_scripts" in graph  # the walk found the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_package_level_import_cycle() -> None:
+    edges = package_graph(module_graph())
+    cycle = find_cycle(edges)
+    if cycle:
+        why = [f"{a} -> {b}: {sorted(edges[a][b])}" for a, b in itertools.pairwise(cycle)]
+        raise AssertionError("import cycle " + " -> ".join(cycle) + "\n" + "\n".join(why))
+
+
+def test_no_lower_layer_imports_the_trainer() -> None:
+    edges = package_graph(module_graph())
+    importers = {
+        node: sorted(targets["hpc_ddp.train"])
+        for node, targets in edges.items()
+        if "hpc_ddp.train" in targets and node not in ABOVE_THE_TRAINER
+    }
+    assert not importers, importers
+
+
+def test_no_deploy_module_imports_the_embedded_cluster() -> None:
+    """Production code takes Slurm from hpc_ddp.slurm_client; the embedded cluster is the
+    default of the layer above (hpc_ddp.submission, the commands), never deploy's."""
+    edges = package_graph(module_graph())
+    assert "hpc_ddp.localslurm" not in edges["hpc_ddp.deploy"], edges["hpc_ddp.deploy"]
+
+
+def test_the_reader_sees_lazy_and_relative_imports_not_typing_ones(tmp_path: Path) -> None:
+    package = tmp_path / "hpc_ddp"
+    (package / "deploy").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text("y = 1\n")
+    (package / "cli.py").write_text("x = 1\n")
+    (package / "commands.py").write_text("x = 1\n")
+    (package / "deploy" / "__init__.py").write_text("from .core import f\n")
+    (package / "deploy" / "core.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from hpc_ddp.commands import x\n"
+        "def f():\n    from hpc_ddp.train import y\n"
+        "def g():\n    importlib.import_module('hpc_ddp.cli')\n"
+    )
+    modules = module_graph(package)
+    assert modules["hpc_ddp.deploy.core"] == {"hpc_ddp.train", "hpc_ddp.cli"}
+    assert modules["hpc_ddp.deploy"] == {"hpc_ddp.deploy.core"}
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
