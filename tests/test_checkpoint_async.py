@@ -33,6 +33,7 @@ from trainer_helpers import (
 
 from hpc_ddp.checkpoint import Checkpointer, CheckpointError, UnsafeCheckpointContentError
 from hpc_ddp.checkpoint.asyncsave import SaveWorker, start_snapshot
+from hpc_ddp.slurm_client import wait_for
 
 DEADLINE_S = 60
 
@@ -106,6 +107,47 @@ def test_unsafe_state_is_refused_by_the_background_save(tmp_path: Path) -> None:
     with pytest.raises(UnsafeCheckpointContentError, match="numpy"):
         ck.wait()
     assert not (root / "latest").exists() and entries(root) == []
+
+
+def test_overlapping_saves_of_two_checkpointers_restore_the_interval(tmp_path: Path) -> None:
+    """Two Checkpointers' background saves overlap (each has its own thread), the first ending
+    while the second writes: the interpreter's switch interval stays the saves' while either
+    runs, and is the one from before once both end. Each restoring "its" previous value put the
+    default back under the second save, then left the saves' interval in force for ever."""
+    before = sys.getswitchinterval()
+    second_writing, first_done = threading.Event(), threading.Event()
+    seen: list[float] = []
+
+    def hold_second(phase: str) -> None:
+        if phase == "writing":
+            second_writing.set()
+            assert first_done.wait(60)  # the first save ends while this one writes
+            seen.append(sys.getswitchinterval())
+
+    one = Checkpointer(tmp_path / "a", rank=0, world_size=1, log=lambda _: None)
+    two = Checkpointer(
+        tmp_path / "b", rank=0, world_size=1, log=lambda _: None, on_phase=hold_second
+    )
+    hold = threading.Event()
+    one_started = threading.Event()
+
+    def hold_first(phase: str) -> None:
+        if phase == "writing":
+            one_started.set()
+            assert hold.wait(60)
+
+    one._on_phase = hold_first
+    one.save_async(1, shared=model(1.0), per_rank={}, meta={})
+    assert one_started.wait(60)
+    two.save_async(1, shared=model(2.0), per_rank={}, meta={})
+    assert second_writing.wait(60)
+    hold.set()
+    one.wait()
+    first_done.set()
+    two.wait()
+    assert seen == [SaveWorker.SWITCH_INTERVAL_S]
+    # wait() returns once the save is done; its thread leaves the interval's block just after.
+    wait_for(lambda: sys.getswitchinterval() == before, 10, "the interval from before")
 
 
 def test_background_saves_share_one_thread_which_ends_when_idle_and_comes_back(

@@ -250,13 +250,30 @@ class SaveWorker:
                 job.run()
 
 
+# The interval is the interpreter's, not a thread's: saves of several Checkpointers (several
+# SaveWorker threads) may overlap, and each restoring "its" previous value would leave another's
+# in force. The first save to start sets it, the last to end puts back what was there before.
+_INTERVAL_LOCK = threading.Lock()
+_interval_users = 0
+_interval_before = 0.0
+
+
 @contextmanager
 def _switch_interval(seconds: float | None) -> Iterator[None]:
-    """``sys.setswitchinterval(seconds)`` for the block, the previous interval after it."""
-    before = sys.getswitchinterval()
-    if seconds is not None:
-        sys.setswitchinterval(seconds)
+    """``sys.setswitchinterval(seconds)`` while any save runs, the previous interval after."""
+    global _interval_users, _interval_before
+    if seconds is None:
+        yield
+        return
+    with _INTERVAL_LOCK:
+        if _interval_users == 0:
+            _interval_before = sys.getswitchinterval()
+            sys.setswitchinterval(seconds)
+        _interval_users += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _INTERVAL_LOCK:
+            _interval_users -= 1
+            if _interval_users == 0:
+                sys.setswitchinterval(_interval_before)
