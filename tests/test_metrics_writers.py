@@ -43,6 +43,7 @@ from trainer_helpers import (
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.free_ports import free_ports
 from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.slurm_client import wait_for
 from hpc_ddp.train.metric_records import Record
 from hpc_ddp.train.metrics_csv import COLUMNS, CsvWriter
 from hpc_ddp.train.run_marker import claim_run_dir
@@ -103,6 +104,10 @@ def test_csv_and_tensorboard_continue_across_a_preemption_and_a_kill(
     proc = start(spawn_cmd(run_dir, data_dir, "--debug-hold-at-step", "11"), log2)
     try:
         progress = wait_for_progress(run_dir, holding, proc)
+        # The epoch-end checkpoint (step 8) is saved in the background: killed before its
+        # commit, the run would rightly resume from step 6. Kill once it has committed.
+        committed = run_dir / "checkpoints" / "step-00000008"
+        wait_for(committed.is_dir, 60, "the step-8 checkpoint to commit")
         for pid in progress["pids"]:
             os.kill(pid, signal.SIGKILL)
     except BaseException:

@@ -134,10 +134,18 @@ def test_slurm_layouts_preempted_requeued_resume_bit_identical(
         cwd.mkdir()
         job_id, log = slurm_cluster.sbatch(_render(cwd, launcher), output=cwd / "job.out", cwd=cwd)
         jobs[launcher] = (cwd, job_id, log)
-    for _cwd, job_id, log in jobs.values():
-        text = lambda log=log: log.read_text() if log.exists() else ""  # noqa: E731
-        wait_for(lambda text=text: "epoch 1:" in text(), 120, f"epoch 1 in {log}")
-        slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+    signalled: set[str] = set()
+
+    def signal_each_at_epoch_1() -> bool:
+        """Each job gets its signal as soon as its own first epoch is logged: waiting for one
+        job first would let the other run to its end meanwhile."""
+        for _cwd, job_id, log in jobs.values():
+            if job_id not in signalled and log.exists() and "epoch 1:" in log.read_text():
+                slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+                signalled.add(job_id)
+        return len(signalled) == len(jobs)
+
+    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both jobs", interval_s=0.1)
     for launcher, (cwd, job_id, log) in jobs.items():
         wait_for(
             lambda job_id=job_id, cwd=cwd: slurm_cluster.job_state(job_id) in TERMINAL
