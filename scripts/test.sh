@@ -7,6 +7,8 @@
 # tests first (tests/conftest.py); each worker starts its own local Slurm clusters.
 # `scripts/test.sh -n 0 ...` runs serially. Every 30 s a line says how many tests are done of
 # all, how many failed and the time so far (tests/conftest.py; --progress-every SECONDS).
+# `scripts/test.sh --quick`: the inner loop's tier, the tests under a second each in
+# tests/durations.json (tests/quick_tier.py); `--record-durations` on a full run rewrites it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .

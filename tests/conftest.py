@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import quick_tier
 from launch_support import Launch, kill_leftovers
 from slurm_support import SlurmTestCluster, first_job_id, require_local_slurm
 
@@ -80,6 +81,17 @@ def launches() -> Iterator[list[Launch]]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="only the tests that each took under a second in tests/durations.json (and no "
+        "Slurm, slow or GPU test): the inner loop's tier (tests/quick_tier.py)",
+    )
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write this run's per-test durations to tests/durations.json (a full run)",
+    )
     parser.addoption(
         "--progress-every",
         type=float,
@@ -149,13 +161,18 @@ def pytest_configure(config: pytest.Config) -> None:
     every = config.getoption("progress_every")
     if every > 0 and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Progress(config, every), "hpc-ddp-progress")
+    if config.getoption("record_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(quick_tier.Recorder(), "hpc-ddp-durations")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with more slow tests first, each file's tests together and in their order: under
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--quick``: the quick tier only (tests/quick_tier.py). Then, files with more slow tests
+    first, each file's tests together and in their order: under
     pytest-xdist (scripts/test.sh: whole files per worker, --no-loadscope-reorder) the long
     files start first and the many short ones fill the end, instead of one long file started
     last keeping a worker busy while the others idle."""
+    if config.getoption("quick"):
+        quick_tier.select_quick(config, items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a serial run keeps pytest's order
     slow: dict[Path, int] = {}
