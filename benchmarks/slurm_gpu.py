@@ -207,8 +207,8 @@ class Bench:
         train = [*data, "--epochs", str(a.epochs), "--run-dir", run_dir, "--deterministic"]
         train += ["--log-every", "10", *train_extra, *a.smoke_args, *extra_args]
         # The spec's own arguments first: the trainer's parser keeps the last value of a flag.
-        argv = [*CLI, "render", "--config", str(spec_path), *shape, "-o", str(script), "--force"]
-        argv += ["--", *spec.args, *train]
+        argv = [*CLI, "render", "--config", str(spec_path), *shape, "--script-out", str(script)]
+        argv += ["--force", "--", *spec.args, *train]
         proc = setup.run(argv, env=self.env, cwd=self.work)
         if proc.returncode:
             raise RuntimeError(f"render {layout}: {proc.stdout}{proc.stderr}")

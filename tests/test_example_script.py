@@ -137,7 +137,7 @@ def _render(cwd: Path, name: str, *args: str) -> Path:
     res = hpc_ddp(
         ["render", "--name", name, "--nodes", "2", "--procs-per-node", "2", "--time", "5",
          "--signal-lead-s", "60", "--python", sys.executable, "--script", EXAMPLE,
-         "-o", str(job), "--", *ARGS, "--run-dir", "run", *args]
+         "--script-out", str(job), "--", *ARGS, "--run-dir", "run", *args]
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     return job

@@ -1,6 +1,6 @@
 """sbatch's own spellings on ``hpc-ddp render`` (-J, -N, -p, -A, -t, --chdir, --signal=SIG@N),
-render's script file under a name sbatch users cannot misread (``--script-out``; the old ``-o``
-still works, with a notice), and ``submit --wait-timeout`` (the old ``--timeout`` too)."""
+render's script file under a name sbatch users cannot misread (``--script-out``; ``-o`` is
+no flag of render), and ``submit --wait-timeout``."""
 
 from __future__ import annotations
 
@@ -54,33 +54,25 @@ def test_signal_at_seconds_sets_both_fields_and_a_contradiction_fails() -> None:
         JobSpec.from_mapping({"signal": "KILL@9"})  # split, then refused as an uncatchable signal
 
 
-def test_script_out_writes_the_script_and_old_o_still_works_with_a_notice(
-    tmp_path: Path,
-) -> None:
+def test_script_out_writes_the_script_and_o_is_no_flag(tmp_path: Path) -> None:
     new = tmp_path / "new.sbatch"
     proc = _cli("render", "--nodes", "2", "--script-out", str(new))
     assert proc.returncode == 0 and new.is_file(), proc.stderr
-    assert "deprecated" not in proc.stderr
-    for old in ("-o", "--output-file"):
-        path = tmp_path / f"old{old}.sbatch"
-        proc = _cli("render", "--nodes", "2", old, str(path))
-        assert proc.returncode == 0, proc.stderr
-        # The same script; only the recorded command (line 2) differs.
-        assert path.read_text().splitlines()[2:] == new.read_text().splitlines()[2:]
-        assert f"{old} is deprecated; use --script-out FILE" in proc.stderr, proc.stderr
+    for flag in ("-o", "--output-file"):  # to sbatch users -o is the job's log
+        proc = _cli("render", "--nodes", "2", flag, str(tmp_path / "x.sbatch"))
+        assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr, proc.stderr
     # --output is the job's log, as for sbatch: it lands in the script, it writes no file.
     proc = _cli("render", "--output", "logs/%j.out", cwd=tmp_path)
     assert "--output=logs/%j.out" in _directives(proc.stdout), proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["new.sbatch", "old-o.sbatch", "old--output-file.sbatch"]
-    )
+    assert [p.name for p in tmp_path.iterdir()] == ["new.sbatch"]
 
 
-def test_submit_wait_timeout_and_the_old_name(tmp_path: Path) -> None:
-    """The old name parses to the new destination (with a notice); nothing is submitted: the
-    job file does not exist, so submit stops at its first check."""
+def test_submit_wait_timeout(tmp_path: Path) -> None:
+    """The flag parses; nothing is submitted: the job file does not exist, so submit stops at
+    its first check. ``--timeout`` is no flag of submit."""
     missing = str(tmp_path / "none.toml")
-    for flag, notice in (("--wait-timeout", False), ("--timeout", True)):
-        proc = _cli("submit", missing, flag, "5")
-        assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
-        assert ("--timeout is deprecated; use --wait-timeout" in proc.stderr) == notice
+    proc = _cli("submit", missing, "--wait-timeout", "5")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    proc = _cli("submit", missing, "--timeout", "5")
+    assert proc.returncode == 2, proc.stderr
+    assert "unrecognized arguments: --timeout 5" in proc.stderr, proc.stderr

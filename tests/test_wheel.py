@@ -165,7 +165,7 @@ def test_render_and_launch_script_from_another_directory(wheel_venv: Path, tmp_p
             "8",
             "--launcher",
             "torchrun",
-            "-o",
+            "--script-out",
             "job.sbatch",
         ],
         cwd=tmp_path,

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import schema
-from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.script_file import write_atomic
 from hpc_ddp.deploy.spec import JobSpec, build_spec
@@ -55,12 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--script-out", metavar="FILE", help="write the script here (default: print it)"
     )
-    # sbatch's -o/--output is the job's log (here: --output, a spec field); render's old -o
-    # wrote the script. Kept working, with a notice, until the next major version.
-    add_deprecated(
-        parser, "-o", "--output-file", dest="script_out", use="--script-out FILE (sbatch's "
-        "-o is the job's log: that is --output here)", metavar="FILE",
-    )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true", help="overwrite an existing --script-out file"
     )

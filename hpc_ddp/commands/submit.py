@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from hpc_ddp import schema
-from hpc_ddp.commands.deprecated import add_deprecated
 from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
 from hpc_ddp.deploy.program import result_lines
@@ -42,13 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long this command waits for the job before cancelling it (not the job's "
         "time limit: that is the spec's time)",
-    )
-    add_deprecated(
-        parser,
-        "--timeout",
-        dest="wait_timeout",
-        use="--wait-timeout SECONDS",
-        type=schema.number_type(float, schema.WAIT_S),
     )
     parser.add_argument(
         "--dry-run",

@@ -99,8 +99,8 @@ class SbatchBackend(Backend):
         if _ARRAY_DIRECTIVE.search(script.text):
             raise ConfigError(
                 "hpc_ddp.submit follows one job; an array's tasks are separate jobs",
-                hint="render the spec (hpc-ddp render -o job.sbatch) and run `sbatch job.sbatch`; "
-                "task N trains into <run dir>_N and logs to %x-%A_N.out",
+                hint="render the spec (hpc-ddp render --script-out job.sbatch) and run "
+                "`sbatch job.sbatch`; task N trains into <run dir>_N and logs to %x-%A_N.out",
             )
         path = script.path
         if path is None:  # sbatch copies the script at submission: a temporary file will do
