@@ -205,8 +205,8 @@ def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta
     """A dataclass field with its help text. ``meta``: ``flag`` (its CLI name), ``split`` (a
     separator that lets a list field be one string), ``aliases`` (more spellings of the flag,
     e.g. sbatch's ``("-J", "--job-name")``), ``choices`` (the flag's valid values),
-    ``bool_alias`` ((on, off): a former switch that still takes true/false and --no-FLAG),
-    ``cli=False`` (no flag)."""
+    ``switch`` ((on, off): a choice flag that also reads as a switch, bare ``--FLAG`` meaning
+    on and ``--no-FLAG`` off), ``cli=False`` (no flag)."""
     metadata = {"help": help, **meta}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -257,17 +257,13 @@ def coerce(
     value: Any,
     *,
     split: str | None = None,
-    bool_alias: tuple[str, str] | None = None,
     rng: Range | None = None,
 ) -> Any:
     """``value`` checked against ``kind``; raises TypeError saying what was expected.
 
-    ``bool_alias`` (on, off) lets a str field that used to be a switch take true/false; ``rng``
-    (a number field's Range) is named in a refusal of a value of the wrong type (the class
-    checks the range itself, with its other rules).
+    ``rng`` (a number field's Range) is named in a refusal of a value of the wrong type (the
+    class checks the range itself, with its other rules).
     """
-    if bool_alias and isinstance(value, bool):
-        return bool_alias[0] if value else bool_alias[1]
     kind, optional = _optional(kind)
     if value is None and optional:
         return None
@@ -348,7 +344,6 @@ def from_mapping(
                 kinds[key],
                 value,
                 split=meta[key].get("split"),
-                bool_alias=meta[key].get("bool_alias"),
                 rng=meta[key].get("range"),
             )
         except TypeError as err:
@@ -494,8 +489,8 @@ def add_arguments(
         help_text = help_text.replace("%", "%%")
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         origin = typing.get_origin(kind)
-        if f.metadata.get("bool_alias"):  # --flag [CHOICE] (bare: on) and --no-flag (off)
-            on, off = f.metadata["bool_alias"]
+        if f.metadata.get("switch"):  # --flag [CHOICE] (bare: on) and --no-flag (off)
+            on, off = f.metadata["switch"]
             choices = f.metadata.get("choices")
             parser.add_argument(*flags_of(f), nargs="?", const=on, choices=choices, **kw)
             no_help = f"same as {flag_of(f)} {off}"

@@ -78,8 +78,8 @@ def test_config_file_then_flags_win(tmp_path: Path) -> None:
 
 
 def test_cuda_graphs_setting_flags_and_files(tmp_path: Path) -> None:
-    """auto by default; --cuda-graphs forces it on, --no-cuda-graphs off; config files (and
-    code) written when it was a switch keep their meaning: true is on, false is off."""
+    """auto by default; --cuda-graphs forces it on, --no-cuda-graphs off; a config file names
+    the mode (true/false is no mode: refused)."""
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -93,12 +93,16 @@ def test_cuda_graphs_setting_flags_and_files(tmp_path: Path) -> None:
     assert mode("--no-cuda-graphs") == mode("--cuda-graphs", "off") == "off"
     assert mode("--cuda-graphs", "--no-cuda-graphs") == "off"  # the last flag wins
     assert mode("--cuda-graphs", "auto") == "auto"
-    (tmp_path / "old.toml").write_text("cuda_graphs = true\n")
-    (tmp_path / "off.json").write_text('{"cuda-graphs": false}')
-    assert mode("--config", str(tmp_path / "old.toml")) == "on"
+    (tmp_path / "on.toml").write_text('cuda_graphs = "on"\n')
+    (tmp_path / "off.json").write_text('{"cuda-graphs": "off"}')
+    (tmp_path / "bool.toml").write_text("cuda_graphs = true\n")
+    assert mode("--config", str(tmp_path / "on.toml")) == "on"
     assert mode("--config", str(tmp_path / "off.json")) == "off"
     assert mode("--config", str(tmp_path / "off.json"), "--cuda-graphs", "auto") == "auto"
-    assert TrainConfig(cuda_graphs=True).cuda_graphs == "on"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cuda_graphs: expected a string, got True"):
+        mode("--config", str(tmp_path / "bool.toml"))
+    with pytest.raises(ConfigError, match="cuda_graphs=True is not valid"):
+        TrainConfig(cuda_graphs=True)  # type: ignore[arg-type]
     with pytest.raises(SystemExit):  # argparse: exit 2 naming the choices
         parser.parse_args(["--cuda-graphs", "always"])
 

@@ -158,8 +158,7 @@ class TrainConfig:
         metadata=_opt("auto (GPU-resident when it fits, else torchvision), gpu or torchvision"),
     )
     # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
-    # eager DDP with one log line saying why. True/False (files and code written when this was
-    # a switch) mean on/off.
+    # eager DDP with one log line saying why.
     cuda_graphs: str = field(
         default="auto",
         metadata=_opt(
@@ -167,7 +166,7 @@ class TrainConfig:
             "qualifies: a CUDA GPU per process, adam or sgd, accum 1, no fp16 or SyncBN), "
             "--cuda-graphs forces it (an error where it cannot), --no-cuda-graphs runs eager DDP",
             choices=CUDA_GRAPHS_MODES,
-            bool_alias=("on", "off"),
+            switch=("on", "off"),
         ),
     )
     time_allreduce: bool = field(
@@ -286,8 +285,6 @@ class TrainConfig:
                 f"--synthetic writes CIFAR's files; dataset={self.dataset!r} is a plug-in",
                 hint="drop --synthetic (a plug-in dataset makes its own data)",
             )
-        if isinstance(self.cuda_graphs, bool):
-            self.cuda_graphs = "on" if self.cuda_graphs else "off"
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(
