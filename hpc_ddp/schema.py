@@ -1,6 +1,6 @@
 """One schema helper for every settings dataclass (JobSpec, TrainConfig, the launch options).
 
-A settings class is a dataclass whose fields carry their help in metadata (``setting``). From
+A settings class is a dataclass whose fields carry their help in metadata (``field_doc``). From
 it this module derives, in one way for all of them: type checks of values from files and the
 API (``from_mapping``), TOML/JSON loading (``load_file``) and the argparse flags
 (``add_arguments`` / ``given_values``). Pure Python: no torch.
@@ -201,16 +201,21 @@ def flag_type(cls: type, name: str) -> NumberArg:
     return number_type(kind, rng)
 
 
-def setting(default: Any = MISSING, *, help: str, factory: Any = MISSING, **meta: Any) -> Any:
-    """A dataclass field with its help text. ``meta``: ``flag`` (its CLI name), ``split`` (a
-    separator that lets a list field be one string), ``aliases`` (more spellings of the flag,
-    e.g. sbatch's ``("-J", "--job-name")``), ``choices`` (the flag's valid values),
+def field_doc(text: str, *aliases: str, range: Range | None = None, **meta: Any) -> dict[str, Any]:
+    """The metadata of a settings field, the one way every settings class declares a field:
+    ``x: int = field(default=1, metadata=field_doc("help", "-X", range=Range(1, 9)))``.
+
+    ``text``: its help; ``aliases``: more spellings of its flag (sbatch's ``"-J"``,
+    ``"--job-name"``); ``range``: a number's Range. ``meta``: ``flag`` (its CLI name), ``split``
+    (a separator that lets a list field be one string), ``choices`` (the flag's valid values),
     ``switch`` ((on, off): a choice flag that also reads as a switch, bare ``--FLAG`` meaning
     on and ``--no-FLAG`` off), ``cli=False`` (no flag)."""
-    metadata = {"help": help, **meta}
-    if factory is not MISSING:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    out = {"help": text, **meta}
+    if aliases:
+        out["aliases"] = aliases
+    if range is not None:
+        out["range"] = range
+    return out
 
 
 @cache

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
+from hpc_ddp.schema import field_doc
 
 Runtime = Literal["pyxis", "apptainer"]
 RUNTIMES: tuple[Runtime, ...] = get_args(Runtime)
@@ -33,32 +34,30 @@ _PATH = r"/[^,:\s]*"
 _MOUNT = re.compile(rf"{_PATH}(:{_PATH}(:(ro|rw))?)?")
 
 
-def _doc(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True, kw_only=True)
 class ContainerSpec:
     """The ``[container]`` table of a job spec (flags: ``--container-image`` and so on)."""
 
     runtime: Runtime = field(
         default="apptainer",
-        metadata=_doc(f"container runtime: {' or '.join(RUNTIMES)} (pyxis is srun only)"),
+        metadata=field_doc(f"container runtime: {' or '.join(RUNTIMES)} (pyxis is srun only)"),
     )
     image: str = field(
         default="",
-        metadata=_doc("image: a .sif/.sqsh file or a reference such as docker://pytorch/pytorch"),
+        metadata=field_doc(
+            "image: a .sif/.sqsh file or a reference such as docker://pytorch/pytorch"
+        ),
     )
     mounts: list[str] = field(
         default_factory=list,
-        metadata=_doc("host paths to mount, SRC[:DST[:ro]] each (absolute paths)"),
+        metadata=field_doc("host paths to mount, SRC[:DST[:ro]] each (absolute paths)"),
     )
     workdir: str = field(
-        default="", metadata=_doc("working directory inside; empty = the runtime's default")
+        default="", metadata=field_doc("working directory inside; empty = the runtime's default")
     )
     env: list[str] = field(
         default_factory=list,
-        metadata=_doc("host variables whose value wins over the image's (names only)"),
+        metadata=field_doc("host variables whose value wins over the image's (names only)"),
     )
 
     def problems(self, label: Callable[[str], str] = "container.{}".format) -> list[str]:

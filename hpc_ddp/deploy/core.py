@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from hpc_ddp import schema
 from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
@@ -24,6 +23,7 @@ from hpc_ddp.deploy.program import program_hook as hook_of
 from hpc_ddp.deploy.safe_text import ENV_NAME, control_problem
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.schema import field_doc
 
 # The program a spec runs unless it names another: the project's trainer. Only its name: what
 # deployment asks of it, its hook answers (hpc_ddp.deploy.program).
@@ -31,19 +31,6 @@ TRAIN_MODULE = "hpc_ddp.train"
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 NODES = schema.Range(1, MAX_HOSTS)
 PER_NODE = schema.Range(0, schema.MAX_PER_NODE)
-
-
-def field_doc(
-    text: str, *aliases: str, range: schema.Range | None = None, **meta: Any
-) -> dict[str, Any]:
-    """A spec field's metadata: its help, sbatch's spellings of its flag (``hpc-ddp render -N
-    2``), for a number its Range, and any other key of ``hpc_ddp.schema.setting`` (``flag``)."""
-    meta = {"help": text, **meta}
-    if aliases:
-        meta["aliases"] = aliases
-    if range is not None:
-        meta["range"] = range
-    return meta
 
 
 @dataclass(frozen=True, kw_only=True)

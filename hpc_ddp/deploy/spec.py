@@ -18,9 +18,9 @@ from typing import Any, Literal, get_args
 
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
-from hpc_ddp.deploy.core import field_doc as _doc
 from hpc_ddp.deploy.safe_text import control_problem, directive_problem
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.schema import field_doc as _doc
 
 Launcher = Literal["srun", "torchrun"]
 LAUNCHERS: tuple[Launcher, ...] = get_args(Launcher)

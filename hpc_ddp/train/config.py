@@ -16,6 +16,7 @@ from hpc_ddp.cluster.devices import gpus_per_process_setting
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.preemption import parse_signal
+from hpc_ddp.schema import field_doc
 from hpc_ddp.train import registry
 
 OPTIMIZERS = ("sgd", "adam")
@@ -62,106 +63,112 @@ SYNTHETIC_SAMPLES = schema.Range(1, 1_000_000)
 BATCH = schema.Range(1, 65_536)
 
 
-def _opt(help_text: str, **extra: Any) -> Any:
-    """A field's metadata: its help, and (``range=``) the Range of a number."""
-    return {"help": help_text, **extra}
-
-
 @dataclass
 class TrainConfig:
     """Every trainer setting. Field metadata carries the flag help; see docs/training.md."""
 
     run_dir: str = field(
-        default="runs/train", metadata=_opt("run directory (checkpoints, results)")
+        default="runs/train", metadata=field_doc("run directory (checkpoints, results)")
     )
     data_dir: str = field(
-        default="data", metadata=_opt("directory holding cifar-10-batches-py/ etc.")
+        default="data", metadata=field_doc("directory holding cifar-10-batches-py/ etc.")
     )
     dataset: str = field(
         default="cifar10",
-        metadata=_opt(f"{', '.join(registry.names('dataset'))} or MODULE:FUNCTION (your own)"),
+        metadata=field_doc(f"{', '.join(registry.names('dataset'))} or MODULE:FUNCTION (your own)"),
     )
     synthetic: bool = field(
         default=False,
-        metadata=_opt("write a synthetic, learnable dataset in CIFAR's on-disk format and use it"),
+        metadata=field_doc(
+            "write a synthetic, learnable dataset in CIFAR's on-disk format and use it"
+        ),
     )
     synthetic_train_size: int = field(
-        default=5000, metadata=_opt("synthetic training samples", range=SYNTHETIC_SAMPLES)
+        default=5000, metadata=field_doc("synthetic training samples", range=SYNTHETIC_SAMPLES)
     )
     synthetic_test_size: int = field(
-        default=1000, metadata=_opt("synthetic test samples", range=SYNTHETIC_SAMPLES)
+        default=1000, metadata=field_doc("synthetic test samples", range=SYNTHETIC_SAMPLES)
     )
     synthetic_variant: str = field(
         default="easy",
-        metadata=_opt(
+        metadata=field_doc(
             "synthetic data: easy (learnt in an epoch) or hard "
             "(LeNet on CIFAR-100: about 45 percent in 10 epochs)"
         ),
     )
-    download: bool = field(default=True, metadata=_opt("download the dataset if it is missing"))
+    download: bool = field(
+        default=True, metadata=field_doc("download the dataset if it is missing")
+    )
     model: str = field(
         default="lenet",
-        metadata=_opt(f"{', '.join(registry.names('model'))} or MODULE:FUNCTION (your own)"),
+        metadata=field_doc(f"{', '.join(registry.names('model'))} or MODULE:FUNCTION (your own)"),
     )
     epochs: int = field(
-        default=10, metadata=_opt("training epochs", range=schema.Range(1, 100_000))
+        default=10, metadata=field_doc("training epochs", range=schema.Range(1, 100_000))
     )
-    batch_size: int = field(default=64, metadata=_opt("micro-batch size per process", range=BATCH))
+    batch_size: int = field(
+        default=64, metadata=field_doc("micro-batch size per process", range=BATCH)
+    )
     accum_steps: int = field(
         default=1,
-        metadata=_opt(
+        metadata=field_doc(
             "micro-batches per optimizer step (gradient accumulation)",
             range=schema.Range(1, 65_536),
         ),
     )
     eval_batch_size: int = field(
-        default=256, metadata=_opt("evaluation batch size per process", range=BATCH)
+        default=256, metadata=field_doc("evaluation batch size per process", range=BATCH)
     )
     # AdamW 1e-3 trains both models well out of the box; SGD 0.05 (a ResNet recipe) leaves LeNet
     # oscillating near 20-30 % accuracy. The ResNet jobs in jobs/ ask for SGD explicitly.
-    optimizer: str = field(default="adam", metadata=_opt(f"one of {', '.join(OPTIMIZERS)}"))
+    optimizer: str = field(default="adam", metadata=field_doc(f"one of {', '.join(OPTIMIZERS)}"))
     lr: float = field(
-        default=1e-3, metadata=_opt("peak learning rate", range=schema.Range(0, 100, above=True))
+        default=1e-3,
+        metadata=field_doc("peak learning rate", range=schema.Range(0, 100, above=True)),
     )
-    momentum: float = field(default=0.9, metadata=_opt("SGD momentum", range=schema.Range(0, 1)))
+    momentum: float = field(
+        default=0.9, metadata=field_doc("SGD momentum", range=schema.Range(0, 1))
+    )
     weight_decay: float = field(
-        default=5e-4, metadata=_opt("weight decay", range=schema.Range(0, 10))
+        default=5e-4, metadata=field_doc("weight decay", range=schema.Range(0, 10))
     )
-    lr_schedule: str = field(default="cosine", metadata=_opt(f"one of {', '.join(SCHEDULES)}"))
+    lr_schedule: str = field(default="cosine", metadata=field_doc(f"one of {', '.join(SCHEDULES)}"))
     warmup_steps: int = field(
-        default=0, metadata=_opt("linear warm-up steps", range=schema.Range(0, STEPS))
+        default=0, metadata=field_doc("linear warm-up steps", range=schema.Range(0, STEPS))
     )
-    augment: bool = field(default=True, metadata=_opt("random crop + horizontal flip"))
+    augment: bool = field(default=True, metadata=field_doc("random crop + horizontal flip"))
     amp: str = field(
-        default="auto", metadata=_opt("auto (bf16 on GPU, off on CPU), off, bf16 or fp16")
+        default="auto", metadata=field_doc("auto (bf16 on GPU, off on CPU), off, bf16 or fp16")
     )
-    sync_bn: bool = field(default=False, metadata=_opt("convert BatchNorm to SyncBatchNorm"))
+    sync_bn: bool = field(default=False, metadata=field_doc("convert BatchNorm to SyncBatchNorm"))
     seed: int = field(
         default=0,
-        metadata=_opt(
+        metadata=field_doc(
             "seed for init, data order and augmentation",
             range=schema.Range(0, 2**32 - 1, why="numpy's seeds"),
         ),
     )
     deterministic: bool = field(
         default=False,
-        metadata=_opt(
+        metadata=field_doc(
             "deterministic cuDNN/cuBLAS kernels (slower): two runs on GPUs, or a run and its "
             "preempted-and-resumed twin, end with the same weights bit for bit"
         ),
     )
     num_workers: int = field(
-        default=0, metadata=_opt("DataLoader worker processes", range=schema.Range(0, 256))
+        default=0, metadata=field_doc("DataLoader worker processes", range=schema.Range(0, 256))
     )
     data_path: str = field(
         default="auto",
-        metadata=_opt("auto (GPU-resident when it fits, else torchvision), gpu or torchvision"),
+        metadata=field_doc(
+            "auto (GPU-resident when it fits, else torchvision), gpu or torchvision"
+        ),
     )
     # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
     # eager DDP with one log line saying why.
     cuda_graphs: str = field(
         default="auto",
-        metadata=_opt(
+        metadata=field_doc(
             "capture each step (with its all-reduce) as a CUDA graph: auto (whenever the run "
             "qualifies: a CUDA GPU per process, adam or sgd, accum 1, no fp16 or SyncBN), "
             "--cuda-graphs forces it (an error where it cannot), --no-cuda-graphs runs eager DDP",
@@ -171,14 +178,14 @@ class TrainConfig:
     )
     time_allreduce: bool = field(
         default=False,
-        metadata=_opt(
+        metadata=field_doc(
             "time DDP's gradient all-reduce (a Python comm hook per bucket; on NCCL it costs "
             "host time per step, so it is off unless asked for; Gloo runs always have it)"
         ),
     )
     checkpoint_every_steps: int = field(
         default=0,
-        metadata=_opt(
+        metadata=field_doc(
             "also checkpoint every N optimizer steps (0: epoch ends only)",
             range=schema.Range(0, STEPS),
         ),
@@ -187,7 +194,7 @@ class TrainConfig:
     # each worth a checkpoint that costs a few ms on and beside the training path.
     checkpoint_interval_s: float = field(
         default=1.0,
-        metadata=_opt(
+        metadata=field_doc(
             "epoch-end checkpoints once this many seconds of training have passed since the "
             "newest checkpoint (0: at every epoch end); the last epoch, preemptions and "
             "--checkpoint-every-steps always save",
@@ -196,7 +203,7 @@ class TrainConfig:
     )
     keep_checkpoints: int = field(
         default=2,
-        metadata=_opt(
+        metadata=field_doc(
             "checkpoints to keep",
             range=schema.Range(
                 2, 10_000, why="at least 2, so a torn newest checkpoint falls back to the previous"
@@ -207,18 +214,18 @@ class TrainConfig:
     # every wait point (next save, preemption, end of training) waits for the write to commit.
     async_checkpoint: bool = field(
         default=True,
-        metadata=_opt(
+        metadata=field_doc(
             "copy the state at a save and write it in a background thread "
             "(--no-async-checkpoint: write before training goes on)"
         ),
     )
     log_every: int = field(
         default=20,
-        metadata=_opt("progress line every N steps (rank 0)", range=schema.Range(1, STEPS)),
+        metadata=field_doc("progress line every N steps (rank 0)", range=schema.Range(1, STEPS)),
     )
     metrics: list[str] = field(
         default_factory=lambda: ["jsonl"],
-        metadata=_opt(
+        metadata=field_doc(
             "metrics files beside metrics.jsonl (always written), comma-separated: csv "
             "(metrics.csv), tensorboard (tensorboard/; needs hpc-ddp[tensorboard])",
             split=",",
@@ -226,20 +233,20 @@ class TrainConfig:
     )
     requeue: str = field(
         default="auto",
-        metadata=_opt("after a preemption checkpoint: auto, scontrol (Slurm) or none"),
+        metadata=field_doc("after a preemption checkpoint: auto, scontrol (Slurm) or none"),
     )
     requeue_signals: list[str] = field(
         default_factory=lambda: ["SIGUSR1", "SIGTERM"],
-        metadata=_opt(
+        metadata=field_doc(
             "signals that mean 'checkpoint and requeue' (e.g. USR1,TERM)",
             flag="--requeue-signal",
             split=",",
         ),
     )
-    backend: str | None = field(default=None, metadata=_opt("process-group backend override"))
+    backend: str | None = field(default=None, metadata=field_doc("process-group backend override"))
     gpus_per_process: int | None = field(
         default=None,
-        metadata=_opt(
+        metadata=field_doc(
             f"GPUs one process drives, >1 splits the model (not given or 0: "
             f"${GPUS_PER_PROCESS_VAR}, else 1)",
             range=schema.Range(0, schema.MAX_PER_NODE),
@@ -247,19 +254,19 @@ class TrainConfig:
     )
     timeout_s: float = field(
         default=1800.0,
-        metadata=_opt(
+        metadata=field_doc(
             "collective timeout (seconds)", range=schema.Range(0, schema.YEAR_S, above=True)
         ),
     )
     connect_timeout_s: float = field(
         default=120.0,
-        metadata=_opt(
+        metadata=field_doc(
             "rendezvous timeout (seconds)", range=schema.Range(0, schema.YEAR_S, above=True)
         ),
     )
     debug_hold_at_step: int = field(
         default=0,
-        metadata=_opt(
+        metadata=field_doc(
             "testing: at this global step wait (<=120 s) for a requeue signal",
             range=schema.Range(0, STEPS),
         ),

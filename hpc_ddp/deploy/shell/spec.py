@@ -23,10 +23,11 @@ from typing import Literal, get_args
 from hpc_ddp import schema
 from hpc_ddp.cluster.host_names import is_host_name
 from hpc_ddp.cluster.master_port import derive_port
-from hpc_ddp.deploy.core import NODES, TRAIN_MODULE, ProcessSpec, field_doc, problem_list
+from hpc_ddp.deploy.core import NODES, TRAIN_MODULE, ProcessSpec, problem_list
 from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.shell.host_order import canonical_hosts, check_address
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.schema import field_doc
 
 Tool = Literal["pdsh", "clush"]
 TOOLS: tuple[Tool, ...] = get_args(Tool)
