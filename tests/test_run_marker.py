@@ -26,8 +26,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.run_marker import FORMAT, MARKER, OLDEST_KEYS, claim_run_dir, is_older_run_dir
+from hpc_ddp.train.run_marker import FORMAT, MARKER, claim_run_dir
 
 NOBODY = 65534
 
@@ -53,47 +52,22 @@ def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_di
     assert snapshot(run_dir) == before
 
 
-def test_a_run_dir_is_marked_and_an_older_one_recognised(tmp_path: Path, data_dir: Path) -> None:
-    """The trainer marks the run dir it creates; a run dir of a version without the marker (its
-    config.json is the trainer's) is still accepted, and marked then."""
+def test_a_run_dir_is_marked_and_one_without_its_marker_refused(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """The trainer marks the run dir it creates; the same files without the marker are not a
+    run dir of the trainer's (its config.json included): refused untouched."""
     run_dir = tmp_path / "run"
     done = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
     assert done.returncode == 0, done.stderr
     assert read_json(run_dir / MARKER)["format"] == FORMAT
-    (run_dir / "notes.txt").write_text("the user's own note in the run dir\n")
-    (run_dir / MARKER).unlink()  # as an hpc-ddp older than the marker left it
-    # The finished run's answer only reads (before torch): it writes no marker.
+    (run_dir / MARKER).unlink()
+    (run_dir / "result.json").unlink()  # else the finished run's answer comes first
+    before = snapshot(run_dir)
     again = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
-    assert again.returncode == 0 and "already finished" in again.stdout, again.stderr
-    assert not (run_dir / MARKER).exists()
-    # A run that opens the dir (here: resumes from its checkpoints) recognises and marks it.
-    (run_dir / "result.json").unlink()
-    resumed = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
-    assert resumed.returncode == 0, resumed.stderr
-    assert read_json(run_dir / MARKER)["format"] == FORMAT
-    assert (run_dir / "notes.txt").read_text() == "the user's own note in the run dir\n"
-
-
-def test_the_toolkits_config_json_is_told_from_another(tmp_path: Path) -> None:
-    known = TrainConfig().to_dict()
-    assert set(OLDEST_KEYS) <= set(known)
-    cases = {
-        "current": (known, True),
-        "older, fewer keys": ({k: v for k, v in known.items() if k != "async_checkpoint"}, True),
-        "another tool's": ({"theme": "dark", "model": "x"}, False),
-        "ours plus an unknown key": ({**known, "theme": "dark"}, False),
-        "lacks a key every version wrote": ({k: v for k, v in known.items() if k != "seed"}, False),
-        "not an object": ([1, 2], False),
-    }
-    for name, (content, expected) in cases.items():
-        run_dir = tmp_path / name.replace(" ", "_").replace("'", "")
-        run_dir.mkdir()
-        (run_dir / "config.json").write_text(json.dumps(content))
-        assert is_older_run_dir(run_dir) is expected, name
-    linked = tmp_path / "linked"
-    linked.mkdir()
-    (linked / "config.json").symlink_to(tmp_path / "current" / "config.json")
-    assert not is_older_run_dir(linked)
+    assert again.returncode == 2, again.stderr
+    assert f"run dir {run_dir} is not empty and is not an hpc-ddp run dir" in again.stderr
+    assert snapshot(run_dir) == before
 
 
 def test_the_slurm_jobs_own_log_does_not_make_a_dir_foreign(tmp_path: Path) -> None:

@@ -11,11 +11,13 @@ import pytest
 from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.run_marker import claim_run_dir
 from hpc_ddp.train.rundir import open_run_dir
 
 
 def started_run(run_dir: Path, cfg: TrainConfig, drop: str) -> None:
     """A run dir with a checkpoint, recorded by a version whose config.json lacked ``drop``."""
+    claim_run_dir(run_dir, {})
     (run_dir / "checkpoints" / "step-00000001").mkdir(parents=True)
     saved = cfg.to_dict()
     del saved[drop]

@@ -7,9 +7,6 @@ there (the lock included):
 
 - a missing or empty directory becomes a run dir: ``.hpc-ddp-run`` is created in it;
 - a directory holding ``.hpc-ddp-run`` (a regular file in this format) is a run dir;
-- a directory that an hpc-ddp older than the marker made (its config.json holds only the
-  trainer's settings, with the ones every version recorded) is one too, and gets the marker:
-  runs started before an upgrade must still resume, and their requeued jobs arrive unattended;
 - anything else is refused, naming what the directory holds.
 
 Not counted as content: the lock files of a run that died before writing the marker, and under
@@ -32,16 +29,11 @@ import hpc_ddp
 from hpc_ddp.checkpoint.lock import is_lock_leftover, unwritable
 from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.run_paths import MARKER, RunPaths
-from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.run_paths import MARKER
 
 FORMAT = "hpc-ddp-run/1"
 _FORMAT_PREFIX = "hpc-ddp-run/"
 _MAX_MARKER_BYTES = 4096
-# Settings every config.json since the first version recorded (tests/test_run_marker.py checks
-# that they still exist); together with "no key the trainer does not know" they tell the
-# toolkit's own config.json from someone else's.
-OLDEST_KEYS = ("run_dir", "dataset", "model", "seed", "epochs", "batch_size", "lr")
 _JOB_ID = re.compile(r"[0-9]+")
 _JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID")
 _HINT = "choose an empty or new --run-dir (the trainer creates it)"
@@ -65,7 +57,7 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
     others = sorted(
         e for e in entries if not is_lock_leftover(run_dir / e) and not _job_log(run_dir, e, env)
     )
-    if others and not is_older_run_dir(run_dir):
+    if others:
         raise ConfigError(
             f"run dir {run_dir} is not empty and is not an hpc-ddp run dir (it has no {MARKER}): "
             f"it holds {first_few(others, 5)}",
@@ -111,21 +103,6 @@ def _check_marker(path: Path) -> None:
             f"of the format {FORMAT})",
             hint=f"{_HINT}; the trainer writes only into run dirs it made",
         )
-
-
-def is_older_run_dir(run_dir: Path) -> bool:
-    """A run dir of an hpc-ddp version that wrote no marker: recognised by its config.json."""
-    data = _read_regular(RunPaths(run_dir).config, 1 << 20)
-    try:
-        saved = json.loads(data) if data is not None else None
-    except ValueError:
-        return False
-    known = TrainConfig.__dataclass_fields__
-    return (
-        isinstance(saved, dict)
-        and all(key in saved for key in OLDEST_KEYS)
-        and all(key in known for key in saved)
-    )
 
 
 def _job_log(run_dir: Path, name: str, env: Mapping[str, str]) -> bool:
