@@ -244,17 +244,19 @@ def test_a_fifo_at_the_markers_names_does_not_hang_cluster_down(root: Path) -> N
     assert sorted(p.name for p in root.iterdir()) == [".hpc-ddp-local-cluster", "slurm.conf"]
 
 
-def test_a_cluster_dir_of_an_older_version_is_still_cleaned(root: Path) -> None:
-    """A dir whose slurm.conf an older hpc-ddp wrote (before the marker) is still the cluster's:
-    stop removes what the cluster wrote, and only that."""
+def test_a_cluster_slurm_conf_without_the_marker_is_not_a_cluster(root: Path) -> None:
+    """Only the marker makes a dir the cluster's: a copy of a cluster's slurm.conf (its first
+    line names this very dir) beside entries named like the cluster's does not. Stop refuses
+    and leaves every entry."""
     cfg = ClusterConfig(root=root)
     (root / "slurm.conf").write_text(render_slurm_conf(cfg))
     for name in ("log", "state", "jobs"):
         (root / name).mkdir()
-        (root / name / "x").write_text("cluster's")
-    (root / "notes.txt").write_text("mine")
-    LocalCluster(root).stop()
-    assert {name: data for name, (data, _) in snapshot(root).items()} == {"notes.txt": b"mine"}
+        (root / name / "x").write_text("mine")
+    before = snapshot(root)
+    with pytest.raises(ConfigError, match="nothing stopped, nothing removed"):
+        LocalCluster(root).stop()
+    assert snapshot(root) == before
 
 
 def test_bad_shapes_fail_before_anything_starts() -> None:

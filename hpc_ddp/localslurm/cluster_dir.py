@@ -4,8 +4,7 @@ A cluster names its files plainly (``jobs``, ``log``, ``state``, ``slurm.conf``.
 user points ``--dir`` at may hold entries of the same names: a project root with its own
 ``jobs/``. So a name counts as the cluster's only in a dir that holds the cluster's marker,
 written before anything else and removed after everything else. A dir without it is refused by
-``start`` and left untouched by ``stop``. Clusters started before the marker existed are known
-by the first line of the ``slurm.conf`` they wrote (``config.conf_header``).
+``start`` and left untouched by ``stop``.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import contextlib
 import shutil
 from pathlib import Path
 
-from hpc_ddp.localslurm.config import conf_header
 from hpc_ddp.private_paths import create_file
 from hpc_ddp.regular_file import open_regular
 
@@ -33,10 +31,8 @@ def entries(root: Path) -> list[str]:
 
 
 def holds_cluster(root: Path) -> bool:
-    """Whether ``root`` holds the marker (or, from older versions, the slurm.conf they wrote)."""
-    return _first_line(root / MARKER) == _MARKER_TEXT.rstrip("\n") or _first_line(
-        root / "slurm.conf"
-    ) == conf_header(root)
+    """Whether ``root`` holds the marker."""
+    return _first_line(root / MARKER) == _MARKER_TEXT.rstrip("\n")
 
 
 def foreign_entries(root: Path) -> list[str]:

@@ -183,14 +183,12 @@ class LocalCluster:
     def _daemon_alive(self, pid: int) -> bool:
         """Alive AND still our daemon: the pid file may be stale and the pid reused."""
         argv = procs.cmdline(pid)
-        marks = (str(self.daemon_conf_path), str(self.config.munge_key_path), str(self.conf_path))
+        marks = (str(self.daemon_conf_path), str(self.config.munge_key_path))
         return procs.alive(pid) and any(mark in argv for mark in marks)
 
     def _slurm_daemons(self) -> set[int]:
-        """slurmctld and slurmd of this cluster, also those that never wrote a pid file. Those
-        reading slurm.conf are a cluster an older hpc-ddp started (auth/none): stopped too."""
-        confs = (self.daemon_conf_path, self.conf_path)
-        return set().union(*(procs.pids_with_args("-f", str(conf)) for conf in confs))
+        """slurmctld and slurmd of this cluster, also those that never wrote a pid file."""
+        return procs.pids_with_args("-f", str(self.daemon_conf_path))
 
     def _munged(self) -> set[int]:
         return procs.pids_with_args("--key-file", str(self.config.munge_key_path))
@@ -423,7 +421,9 @@ class LocalCluster:
 
 
 def _cluster_exists(root: Path) -> bool:
-    """Whether the cluster in ``root`` may still be alive: its conf or any of its daemons.
-    (slurm.conf: every cluster has one, also those an older hpc-ddp started.)"""
-    confs = (root / "slurm.conf", root / "daemons.conf")
-    return any(conf.exists() or procs.pids_with_args("-f", str(conf)) for conf in confs)
+    """Whether the cluster in ``root`` may still be alive: its confs (a starting cluster writes
+    them before its /etc/hosts line) or any of its daemons."""
+    conf, daemon_conf = root / "slurm.conf", root / "daemons.conf"
+    if conf.exists() or daemon_conf.exists():
+        return True
+    return bool(procs.pids_with_args("-f", str(daemon_conf)))
