@@ -315,7 +315,7 @@ def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
 @need(1)
 def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
     """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
-    from hpc_ddp.runtime.sampler import ShardPlan
+    from hpc_ddp.runtime.shard_plan import ShardPlan
     from hpc_ddp.train.cifar import gpu_data
     from hpc_ddp.train.cifar.data import LoaderTrainData, load_datasets
     from hpc_ddp.train.config import TrainConfig

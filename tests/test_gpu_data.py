@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.sampler import ShardPlan
+from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train.cifar import gpu_data, synthetic
 from hpc_ddp.train.cifar.data import (
     CifarTensors,

@@ -1,7 +1,5 @@
 """The torch ``Sampler`` over a ``ShardPlan``: a DataLoader's resumable, DistributedSampler-
-ordered shard. The order and the plan themselves are shard_plan.py's (torch-free to import);
-their names are re-exported here, where they used to live, so code written against this module
-keeps working.
+ordered shard. The order and the plan themselves are shard_plan.py's (torch-free to import).
 """
 
 from __future__ import annotations
@@ -10,15 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hpc_ddp.runtime.shard_plan import ShardPlan, epoch_permutation, eval_indices, rank_indices
-
-__all__ = [
-    "ResumableDistributedSampler",
-    "ShardPlan",
-    "epoch_permutation",
-    "eval_indices",
-    "rank_indices",
-]
+from hpc_ddp.runtime.shard_plan import ShardPlan
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
