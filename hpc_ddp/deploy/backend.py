@@ -103,8 +103,8 @@ class Backend(ABC):
 
 
 def read_result(run_paths: RunPaths | None) -> dict[str, Any] | None:
-    """result.json of a run dir, None while it is absent (or unreadable: still being written
-    by an older trainer, or not ours)."""
+    """result.json of a run dir, None while it is absent (or unreadable: not the trainer's, which
+    writes it whole through a rename)."""
     if run_paths is None:
         return None
     try:
