@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from hpc_ddp.env_vars import SLURM_VAR
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.polling import wait_for
 
 T = TypeVar("T")
 
@@ -139,20 +140,6 @@ def reachable_slurm(environ: Mapping[str, str] | None = None) -> SlurmTarget | N
     if NO_CONFIG in text and not conf_var:
         return None  # the tools are installed, but no config file and no configless server
     raise HpcDdpError(f"the Slurm configured by {origin} does not answer: {text}", hint=hint)
-
-
-def wait_for(
-    condition: Callable[[], T], timeout_s: float, what: str = "condition", interval_s: float = 0.1
-) -> T:
-    """Poll ``condition`` until it returns something truthy; raise TimeoutError at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.1f} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 class SlurmTimeoutError(HpcDdpError):

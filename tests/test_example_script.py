@@ -26,7 +26,8 @@ from launch_support import (
 from slurm_support import require_tools
 from trainer_helpers import finish, run, start, torchrun_cmd
 
-from hpc_ddp.slurm_client import TERMINAL, wait_for
+from hpc_ddp.polling import wait_for
+from hpc_ddp.slurm_client import TERMINAL
 
 EXAMPLE = str(REPO / "examples" / "ddp_train.py")
 # 1030 samples: at world 2, 515 per rank = 8 full steps of 2 x 32 and a short one (9 a epoch);

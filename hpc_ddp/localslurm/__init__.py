@@ -7,7 +7,8 @@ its tools reach one, else this cluster. See docs/local-cluster.md.
 
 from hpc_ddp.localslurm.daemons import ClusterStartError, LocalCluster, check_prerequisites
 from hpc_ddp.localslurm.embedded import default_state_dir, ensure_local_cluster
-from hpc_ddp.slurm_client import JobResult, SlurmClient, wait_for
+from hpc_ddp.polling import wait_for
+from hpc_ddp.slurm_client import JobResult, SlurmClient
 
 __all__ = [
     "ClusterStartError",
