@@ -9,7 +9,6 @@ its processes are found by pid. Clients authenticate through the cluster's own m
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import random
@@ -31,7 +30,8 @@ from hpc_ddp.localslurm.config import (
 )
 from hpc_ddp.localslurm.free_ports import free_ports, port_in_use
 from hpc_ddp.localslurm.install import SYSTEM, SYSTEM_PATH, SlurmInstall
-from hpc_ddp.slurm_client import SlurmClient, client_env, wait_for
+from hpc_ddp.polling import poll_until
+from hpc_ddp.slurm_client import SlurmClient, client_env
 
 BINARIES = (
     "munged", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "sbatch", "srun",
@@ -310,32 +310,40 @@ class LocalCluster:
         # but stop waiting as soon as the daemon is gone or cannot bind its port (it would retry).
         pid_file = self.root / "run" / f"{role}.pid"
         log = self.config.log_dir / f"{role}.log"
+        not_started = f"{role} did not start (no pid file {pid_file})"
         seen_at = time.monotonic()
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            now = time.monotonic()
+
+        def pid_written() -> bool:
+            nonlocal seen_at
+            if pid_file.exists() and pid_file.read_text().strip():
+                return True
             if log.exists() and BIND_ERROR in log.read_text(errors="replace"):
                 raise ClusterStartError(f"{role} could not bind its port: {BIND_ERROR}")
+            now = time.monotonic()
             if procs.pids_with_args(*argv):
                 seen_at = now
             # While daemonizing, the process is briefly invisible: only a lasting absence is death.
-            if now - seen_at > DAEMONIZE_GRACE_S or now > deadline:
-                raise ClusterStartError(f"{role} did not start (no pid file {pid_file})")
-            time.sleep(0.02)
+            if now - seen_at > DAEMONIZE_GRACE_S:
+                raise ClusterStartError(not_started)
+            return False
+
+        if not poll_until(pid_written, deadline - time.monotonic(), interval_s=0.02):
+            raise ClusterStartError(not_started)
         with open(self.root / "run" / "pids", "a") as fh:
             fh.write(f"{role} {int(pid_file.read_text().split()[0])}\n")
 
     def _wait_idle(self, deadline: float) -> None:
         client = self.client()
         want = set(self.config.node_names)
-        while True:
+
+        def all_idle() -> bool:
             dead = [r for r, p in self._pids().items() if not self._daemon_alive(p)]
             if dead:
                 raise ClusterStartError(f"{', '.join(dead)} died while starting")
-            if want <= set(client.nodes_in_state("idle")):
-                return
-            if time.monotonic() > deadline:
-                raise ClusterStartError("not every node became idle in time")
-            time.sleep(0.05)
+            return want <= set(client.nodes_in_state("idle"))
+
+        if not poll_until(all_idle, deadline - time.monotonic(), interval_s=0.05):
+            raise ClusterStartError("not every node became idle in time")
 
     def _log_excerpt(self, per_file: int = 12) -> str:
         """The error lines of each daemon log, which say why a start failed."""
@@ -416,8 +424,7 @@ class LocalCluster:
 
         # KillWait=5: a task ignoring SIGTERM gets SIGKILL 5 s later. Past the deadline, the
         # straggler sweep in stop() kills what is left.
-        with contextlib.suppress(TimeoutError):
-            wait_for(queue_empty, timeout_s, what="cancelled jobs to end")
+        poll_until(queue_empty, timeout_s)
 
 
 def _cluster_exists(root: Path) -> bool:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import socket
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.polling import poll_until
 
 HOSTS = Path("/etc/hosts")
 TAG = "# hpc-ddp-localslurm"
@@ -37,19 +37,20 @@ LOCK_WAIT_S = 30.0
 @contextmanager
 def _locked(path: Path) -> Iterator[TextIO]:
     with open(path, "r+") as fh:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
+
+        def locked() -> bool:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise HpcDdpError(
-                        f"{path} has been locked by another process for {LOCK_WAIT_S:.0f} s "
-                        "(flock), so the cluster's node names cannot be added or removed",
-                        hint=f"`fuser -v {path}` names the holder; end it and try again",
-                    ) from None
-                time.sleep(0.05)
+                return False
+            return True
+
+        if not poll_until(locked, LOCK_WAIT_S, interval_s=0.05):
+            raise HpcDdpError(
+                f"{path} has been locked by another process for {LOCK_WAIT_S:.0f} s "
+                "(flock), so the cluster's node names cannot be added or removed",
+                hint=f"`fuser -v {path}` names the holder; end it and try again",
+            )
         try:
             yield fh
         finally:

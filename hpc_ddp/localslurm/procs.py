@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from hpc_ddp.polling import poll_until
 
 PROC = Path("/proc")
 
@@ -125,12 +126,14 @@ def cluster_pids(root: Path, conf: Path) -> set[int]:
 def wait_gone(pids: Iterable[int], timeout_s: float) -> set[int]:
     """Wait until none of ``pids`` is alive; returns those still alive at the deadline."""
     left = set(pids)
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def all_gone() -> bool:
+        nonlocal left
         left = {p for p in left if alive(p)}
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
+        return not left
+
+    poll_until(all_gone, timeout_s, interval_s=0.05)
+    return left
 
 
 def terminate(pids: Iterable[int], grace_s: float = 5.0) -> set[int]:
