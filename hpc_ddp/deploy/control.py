@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.polling import poll_until
 from hpc_ddp.run_paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.slurm_client import (
     MAX_RESTARTS,
@@ -330,20 +330,25 @@ def follow_logs(
     never end."""
     out = _Headers(sink)
     followers: dict[Path, LogFollower] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     lost = LostJobWatch(job.job_id)
-    while True:
-        state = job.status() if follow else ""
-        done = not follow or state in TERMINAL
-        done = done or (deadline is not None and time.monotonic() > deadline)
+
+    def show(final: bool) -> None:
         for path in log_paths(job):
             if path not in followers:
                 followers[path] = LogFollower(path, out.under(path), say_refusal=False)
-            followers[path].poll(final=done)
-        if done:
-            break
+            followers[path].poll(final=final)
+
+    def ended() -> bool:
+        state = job.status()
+        if state in TERMINAL:
+            return True
+        show(final=False)
         lost.answer(state)
-        time.sleep(interval_s)
+        return False
+
+    if follow:
+        poll_until(ended, timeout_s, interval_s)
+    show(final=True)
     refused = [f.refusal() for f in followers.values() if f.refused is not None]
     if refused:
         raise HpcDdpError(
@@ -456,21 +461,25 @@ def _steps(client: SlurmClient, job_id: str) -> list[str]:
 
 def _wait_left_running(client: SlurmClient, job_id: str, before: int, timeout_s: float) -> None:
     """Until the job is no longer RUNNING (or was requeued: PENDING again), or the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def left_running() -> bool:
         info = client.job_info(job_id)
-        if info.get("JobState") != "RUNNING" or restarts(info) > before:
-            return
-        time.sleep(0.1)
+        return info.get("JobState") != "RUNNING" or restarts(info) > before
+
+    poll_until(left_running, timeout_s)
 
 
 def _settled(job: Job, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while (state := job.status()) not in TERMINAL:
-        if time.monotonic() > deadline:
-            raise HpcDdpError(
-                f"job {job.job_id} still {state} {timeout_s:.0f} s after it was cancelled",
-                hint="look at `scontrol show job` and the nodes' slurmd logs",
-            )
-        time.sleep(0.2)
+    state = ""
+
+    def ended() -> bool:
+        nonlocal state
+        state = job.status()
+        return state in TERMINAL
+
+    if not poll_until(ended, timeout_s, interval_s=0.2):
+        raise HpcDdpError(
+            f"job {job.job_id} still {state} {timeout_s:.0f} s after it was cancelled",
+            hint="look at `scontrol show job` and the nodes' slurmd logs",
+        )
     return state

@@ -22,6 +22,7 @@ from hpc_ddp.deploy.backend import Finished
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.polling import poll_until
 from hpc_ddp.schema import read_text_file
 from hpc_ddp.slurm_client import (
     TERMINAL,
@@ -159,24 +160,26 @@ def wait_job(
     (None: no deadline)."""
     client = SlurmClient({**submission_env(), **cluster_env})
     follower = LogFollower(output, follow)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     info: dict[str, str] = {}
     lost = LostJobWatch(job_id)
-    while True:
+
+    def ended() -> bool:
+        nonlocal info
         info = client.job_info(job_id)
         follower.poll()
         if on_poll is not None:
             on_poll(info)
         if info.get("JobState") in TERMINAL:
-            break
+            return True
         lost.answer(info.get("JobState", UNKNOWN))
-        if deadline is not None and time.monotonic() > deadline:
-            client.cancel(job_id)
-            raise HpcDdpError(
-                f"job {job_id} still {info.get('JobState')} after {timeout_s:.0f} s: cancelled it",
-                hint="raise submit --wait-timeout, or look at the job log",
-            )
-        time.sleep(0.2)
+        return False
+
+    if not poll_until(ended, timeout_s, interval_s=0.2):
+        client.cancel(job_id)
+        raise HpcDdpError(
+            f"job {job_id} still {info.get('JobState')} after {timeout_s:.0f} s: cancelled it",
+            hint="raise submit --wait-timeout, or look at the job log",
+        )
     time.sleep(0.1)
     follower.poll(final=True)
     return Finished(job_id, info["JobState"], shell_exit_code(info), restarts(info), output)

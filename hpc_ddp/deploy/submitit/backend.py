@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import shlex
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from hpc_ddp.deploy.submitit.parameters import (
 )
 from hpc_ddp.deploy.submitit.task import FORWARDED_SIGNALS, ProgramTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.polling import poll_until
 from hpc_ddp.private_paths import ensure_private_dir, replace_file
 from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.slurm_client import (
@@ -55,7 +55,6 @@ from hpc_ddp.slurm_client import (
     LostJobWatch,
     SlurmClient,
     restarts,
-    wait_for,
 )
 
 # How long a task's result pickle may lag behind the end Slurm reports (a shared file system's
@@ -248,18 +247,23 @@ class SubmititJob(Job):
         if self._finished is not None:
             return self._finished
         follower = LogFollower(self.output, self.follow)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lost = LostJobWatch(self.job_id)
-        while (state := self.status()) not in TERMINAL:
+
+        def ended() -> str | None:
+            state = self.status()
+            if state in TERMINAL:
+                return state
             follower.poll()
             lost.answer(state)
-            if deadline is not None and time.monotonic() > deadline:
-                self.cancel()
-                raise HpcDdpError(
-                    f"submitit job {self.job_id} not done after {timeout_s:.0f} s: cancelled it",
-                    hint="raise submit --wait-timeout, or look at the job's logs in its folder",
-                )
-            time.sleep(0.2)
+            return None
+
+        state = poll_until(ended, timeout_s, interval_s=0.2)
+        if state is None:
+            self.cancel()
+            raise HpcDdpError(
+                f"submitit job {self.job_id} not done after {timeout_s:.0f} s: cancelled it",
+                hint="raise submit --wait-timeout, or look at the job's logs in its folder",
+            )
         follower.poll(final=True)
         count = restarts(self._info())
         lag = RESULT_LAG_S if state in ("COMPLETED", "FAILED") else RESULT_LAG_UNSURE_S
@@ -299,8 +303,7 @@ class SubmititJob(Job):
                 folder.chmod(folder.stat().st_mode)  # submitit does before it looks
             return all(os.path.lexists(p) for p in paths)
 
-        with contextlib.suppress(TimeoutError):  # a file system may show them after the end
-            wait_for(all_written, lag_s, what="the tasks' result pickles", interval_s=0.2)
+        poll_until(all_written, lag_s, interval_s=0.2)  # a file system may show them after the end
         return [self._outcome(p) for p in paths]
 
     def _outcome(self, path: Path) -> tuple[str, Any] | None:

@@ -23,13 +23,13 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from hpc_ddp import regular_file
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.polling import poll_until
 from hpc_ddp.private_paths import ensure_private_dir, lasting_state_base, replace_file
 
 # Under the lasting state dir: a local job may outlive the login session that submitted it.
@@ -191,23 +191,14 @@ def stop_local(job: Any, *, now: bool, timeout_s: float, on_event: Callable[[str
     else:
         on_event(f"job {job.job_id}: SIGINT to its tasks, waiting for the checkpoint")
         _signal(children(pid), signal.SIGINT)
-    deadline = time.monotonic() + timeout_s
-    while controller_alive(job.job_id):
-        if time.monotonic() > deadline:
-            on_event(f"job {job.job_id}: no end after {timeout_s:.0f} s; SIGKILL")
-            _signal([pid, *_descendants(pid)], signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            if not _gone(job.job_id, 30):
-                raise HpcDdpError(f"local submitit job {job.job_id} survived SIGKILL")
-        time.sleep(0.1)
+    if not _gone(job.job_id, timeout_s):
+        on_event(f"job {job.job_id}: no end after {timeout_s:.0f} s; SIGKILL")
+        _signal([pid, *_descendants(pid)], signal.SIGKILL)
+        if not _gone(job.job_id, 30):
+            raise HpcDdpError(f"local submitit job {job.job_id} survived SIGKILL")
     job.mark_cancelled()
     return str(job.status())
 
 
 def _gone(job_id: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not controller_alive(job_id):
-            return True
-        time.sleep(0.1)
-    return False
+    return bool(poll_until(lambda: not controller_alive(job_id), timeout_s))

@@ -31,7 +31,6 @@ import dataclasses
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from hpc_ddp.deploy.submitit.environment import export_task_env
 from hpc_ddp.deploy.submitit.requeue import ignore_sigterm_before_requeue
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
+from hpc_ddp.polling import poll_until
 from hpc_ddp.run_paths import RunPaths
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL)
@@ -99,14 +99,14 @@ class ProgramTask(submitit.helpers.Checkpointable):
         rank = submitit.JobEnvironment().global_rank
         previous = {sig: self._forward(sig) for sig in FORWARDED_SIGNALS}
         export_task_env(self.env)  # inherited by the child
-        self._child = subprocess.Popen(self.command())
+        child = self._child = subprocess.Popen(self.command())
         # Poll rather than wait(): checkpoint() runs inside a signal handler, and a handler that
         # interrupts Popen.wait() could never take the Popen's wait lock itself.
         try:
-            while (code := self._child.poll()) is None:
-                time.sleep(0.05)
+            poll_until(lambda: child.poll() is not None, None, interval_s=0.05)
         finally:
             self._end_child()
+        code = child.returncode
         requeue = previous[PREEMPT_SIGNAL]  # submitit's handler
         if code == EXIT_REQUEUE and rank == 0 and callable(requeue):
             # The program was stopped by a signal submitit's handler did not see (USR1, TERM):
@@ -161,13 +161,12 @@ class ProgramTask(submitit.helpers.Checkpointable):
 
 def _exited(pid: int, timeout_s: float) -> bool:
     """Wait until ``pid`` has exited (zombie or gone), reading /proc: no Popen lock involved."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def exited() -> bool:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return True
-        if stat[stat.rfind(")") + 2 :].split()[0] in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
+        return stat[stat.rfind(")") + 2 :].split()[0] in ("Z", "X")
+
+    return bool(poll_until(exited, timeout_s, interval_s=0.05))
