@@ -34,6 +34,7 @@ from hpc_ddp.cluster import DistEnv, detect_env
 from hpc_ddp.cluster.master_port import bind_failure_hint
 from hpc_ddp.errors import HpcDdpError, LaunchEnvError
 from hpc_ddp.network import choose_backend
+from hpc_ddp.polling import poll_until
 
 # NCCL reads these when the communicator is created; "3" = tear down on error and let the
 # process exit instead of blocking the next collective forever.
@@ -235,16 +236,18 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
     meet a refusal: the backoff then lengthens a rank's start at random (benchmarks/NOTES.md).
     Other errors (a name that does not resolve, no route) are left for TCPStore to report.
     """
-    while True:
+
+    def listening() -> bool:
         try:
             with socket.create_connection((host, port), timeout=1.0):
-                return
+                return True
         except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listened on {host}:{port}") from None
-            time.sleep(0.01)
+            return False
         except OSError:
-            return
+            return True
+
+    if not poll_until(listening, deadline - time.monotonic(), interval_s=0.01):
+        raise TimeoutError(f"nothing listened on {host}:{port}")
 
 
 _exit_follows = False  # leave_group_to_exit: this process exits once its training is done

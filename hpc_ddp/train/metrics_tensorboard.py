@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.polling import poll_until
 from hpc_ddp.train.metric_records import Record
 
 if TYPE_CHECKING:
@@ -73,9 +74,8 @@ def _wait_to_sort_last(log_dir: Path) -> None:
         (int(m.group(1)) for name in os.listdir(log_dir) if (m := _EVENT_FILE.fullmatch(name))),
         default=-1,
     )
-    deadline = time.monotonic() + _NAME_WAIT_S
-    while int(time.time()) <= newest and time.monotonic() < deadline:
-        time.sleep(0.05)  # the clock's next second; bounded by the deadline (clock skew)
+    # The clock's next second; bounded by the deadline (clock skew).
+    poll_until(lambda: int(time.time()) > newest, _NAME_WAIT_S, interval_s=0.05)
 
 
 class TensorBoardWriter:

@@ -24,6 +24,7 @@ from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.log import before_each_line, get_logger, set_rank
+from hpc_ddp.polling import poll_until
 from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
@@ -141,11 +142,9 @@ class Trainer:
     def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
         self.progress_file.write(progress, "holding")
-        deadline = time.monotonic() + HOLD_TIMEOUT_S
-        while not flag.requested:
-            if time.monotonic() > deadline:
-                raise HpcDdpError(f"debug_hold_at_step: no signal within {HOLD_TIMEOUT_S:.0f} s")
-            time.sleep(0.01)  # polling our own flag, set by the signal handler; deadline above
+        # Polling our own flag, set by the signal handler.
+        if not poll_until(lambda: flag.requested, HOLD_TIMEOUT_S, interval_s=0.01):
+            raise HpcDdpError(f"debug_hold_at_step: no signal within {HOLD_TIMEOUT_S:.0f} s")
 
     def diverged(self, what: str, step: int, progress: Progress) -> NoReturn:
         """Stop every rank: each calls this at the same point, on values all ranks share. A
