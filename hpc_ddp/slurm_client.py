@@ -19,16 +19,13 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from hpc_ddp.env_vars import SLURM_VAR
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.polling import wait_for
-
-T = TypeVar("T")
 
 # The JobState this module reports for a job slurmctld does not answer about (forgotten, or
 # the controller gone).
@@ -333,10 +330,6 @@ class SlurmClient:
     ) -> subprocess.CompletedProcess[str]:
         """``srun`` outside any allocation; returns the finished process whatever its exit code."""
         return self.run(["srun", *argv], timeout_s=timeout_s, check=False, cwd=cwd)
-
-    @staticmethod
-    def wait_for(condition: Callable[[], T], timeout_s: float, what: str = "condition") -> T:
-        return wait_for(condition, timeout_s, what)
 
     def nodes_in_state(self, state: str) -> list[str]:
         proc = self.run(["sinfo", "-h", "-N", "-t", state, "-o", "%N"], check=False, timeout_s=10)

@@ -59,7 +59,7 @@ class SlurmTestCluster(SlurmClient):
     ``env``: a subprocess environment for Slurm commands (SLURM_CONF, venv first on PATH).
     Inherited: ``sbatch_wait(script, *sbatch_args, timeout_s=..., output=...) -> JobResult``
     (job_id, state, exit_code, signal, output), ``job_state(job_id)``, ``srun(argv)``,
-    ``run(argv)``; plus ``wait_for(condition, timeout_s)``.
+    ``run(argv)``.
     """
 
     def __init__(self, cluster: LocalCluster) -> None:

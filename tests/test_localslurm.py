@@ -27,6 +27,7 @@ from hpc_ddp.localslurm import ClusterStartError, LocalCluster, daemons, orphans
 from hpc_ddp.localslurm import etc_hosts as hosts
 from hpc_ddp.localslurm.config import ClusterConfig, render_gres_conf, render_slurm_conf
 from hpc_ddp.localslurm.embedded import ensure_local_cluster, users_slurm
+from hpc_ddp.polling import wait_for
 from hpc_ddp.slurm_client import SlurmTimeoutError
 
 pytestmark = pytest.mark.slurm
@@ -79,7 +80,7 @@ def test_start_stop_leaves_no_processes_or_files(root: Path, tmp_path: Path) -> 
 
     # A running 2-node job: its slurmstepd and tasks would outlive a bare `scontrol shutdown`.
     client.sbatch(_sleep_job(tmp_path), "-N2", output=tmp_path / "out")
-    client.wait_for(lambda: len(_sleeps(cluster)) == 2, 20, "both nodes' tasks to run")
+    wait_for(lambda: len(_sleeps(cluster)) == 2, 20, "both nodes' tasks to run")
     job_pids = procs.cluster_pids(root, cluster.daemon_conf_path)
     assert any(procs.cmdline(p)[0].startswith("slurmstepd") for p in job_pids)
     daemon_pids = set(cluster._pids().values())
@@ -478,7 +479,7 @@ def test_stop_after_daemons_were_killed_cleans_up(root: Path, tmp_path: Path) ->
     cluster.start(timeout_s=30)
     client = SlurmTestCluster(cluster)
     job_id, _ = client.sbatch(_sleep_job(tmp_path), "-N1", output=tmp_path / "out")
-    job_pids = client.wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
+    job_pids = wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
     daemon_pids = set(cluster._pids().values())
     for pid in daemon_pids:
         os.kill(pid, 9)
@@ -500,7 +501,7 @@ def test_following_a_job_ends_once_its_controller_is_gone(root: Path, tmp_path: 
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\necho job started\nsrun sleep 300\n")
     job_id, _ = client.sbatch(script, "-N1", output=tmp_path / "out")
-    client.wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
+    wait_for(lambda: _sleeps(cluster), 20, f"job {job_id}'s task")
     shown = tmp_path / "shown"
     with shown.open("w") as sink:
         follow = subprocess.Popen(
@@ -508,7 +509,7 @@ def test_following_a_job_ends_once_its_controller_is_gone(root: Path, tmp_path: 
             text=True, env=client.env,
         )  # fmt: skip
     try:  # following: the log's line came through
-        client.wait_for(lambda: "job started" in shown.read_text(), 30, "logs -f to show the log")
+        wait_for(lambda: "job started" in shown.read_text(), 30, "logs -f to show the log")
         os.kill(cluster._pids()["slurmctld"], 9)
         _, err = follow.communicate(timeout=60)  # the fault: it polled for ever
     finally:

@@ -183,7 +183,7 @@ def _job_running(cluster: LocalCluster, tmp: Path) -> set[int]:
         return {p for p in pids if procs.cmdline(p)[0].startswith("slurmstepd")}
 
     # The batch step on node1, the srun step on both nodes.
-    return client.wait_for(lambda: len(stepds()) >= 3 and stepds(), 20, "the job's steps")
+    return wait_for(lambda: len(stepds()) >= 3 and stepds(), 20, "the job's steps")
 
 
 def _assert_loopback_only(cluster: LocalCluster, tmp: Path) -> None:
