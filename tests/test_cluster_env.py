@@ -346,7 +346,8 @@ def test_launcher_inside_a_job_is_named_before_srun_forgotten(no_gpu_proc: str) 
 
 # ---- heterogeneous steps -------------------------------------------------------------------
 
-# `srun --het-group=0,1`: component 0 is gpu01 (2 tasks), component 1 cpu01 and cpu02 (1 each).
+# `srun --het-group=0,1`: component 0 is gpu01 (2 tasks), component 1 cpu01 and cpu02 (1 each);
+# tests/test_env_command.py runs the same step through the real command.
 # srun sorted the joint node list and its tasks per node; SLURM_NODEID counts component 0 first.
 HET_STEP = {
     "SLURM_JOB_ID": "500",

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cluster_env import HET_GROUPS, HET_STEP
 
 ENVS = Path(__file__).parent / "data" / "envs"
 BIN = Path(sys.executable).parent
@@ -86,21 +87,6 @@ def test_never_imports_torch_and_is_fast() -> None:
     assert cpu < 0.6  # interpreter start included; importing torch alone would exceed it
 
 
-# `srun --het-group=0,1`, component 0 on gpu01 (2 tasks), component 1 on cpu01 and cpu02: srun
-# sorts the joint node list, SLURM_NODEID counts component 0's nodes first.
-HET_STEP = {
-    "SLURM_JOB_ID": "500",
-    "SLURM_STEP_ID": "0",
-    "SLURM_HET_SIZE": "2",
-    "SLURM_STEP_NODELIST": "cpu[01-02],gpu01",
-    "SLURM_STEP_TASKS_PER_NODE": "1(x2),2",
-    "SLURM_STEP_NUM_TASKS": "4",
-    "SLURM_STEP_NUM_NODES": "3",
-}
-HET_GROUPS = {
-    "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu01",
-    "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu0[1-2]",
-}
 # `srun -m arbitrary` with task 0 on node2, the second node of node[1-2].
 ARBITRARY = {
     "SLURM_JOB_ID": "61",
