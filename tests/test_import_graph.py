@@ -156,3 +156,40 @@ def test_the_reader_sees_lazy_and_relative_imports_not_typing_ones(tmp_path: Pat
     assert modules["hpc_ddp.deploy.core"] == {"hpc_ddp.train", "hpc_ddp.cli"}
     assert modules["hpc_ddp.deploy"] == {"hpc_ddp.deploy.core"}
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def launcher_comparisons(package: Path = PACKAGE / "deploy") -> list[str]:
+    """Where the deployment code compares a launcher (``launcher ==``/``!=``) with a name, as
+    ``path:line``: the Slurm launchers' differences belong in their table
+    (hpc_ddp.deploy.launchers), so that a new one is an entry there, not a branch in each module."""
+
+    def is_launcher(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "launcher") or (
+            isinstance(node, ast.Attribute) and node.attr == "launcher"
+        )
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops
+            ):
+                sides = [node.left, *node.comparators]
+                if any(is_launcher(side) for side in sides) and any(
+                    isinstance(side, ast.Constant) for side in sides
+                ):
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_deployment_code_asks_the_launcher_table_not_the_launchers_name() -> None:
+    assert not launcher_comparisons(), launcher_comparisons()
+
+
+def test_the_launcher_comparison_reader_sees_both_spellings(tmp_path: Path) -> None:
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "m.py").write_text(
+        'if spec.launcher == "torchrun": pass\nif "srun" != launcher: pass\n'
+        'if spec.launcher in LAUNCHERS: pass\nif spec.layout == "cpu": pass\n'
+    )
+    assert launcher_comparisons(tmp_path / "deploy") == ["deploy/m.py:1", "deploy/m.py:2"]

@@ -5,19 +5,22 @@ Pure tests (no Slurm): the rendered scripts are run for real in tests/test_slurm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 from hostile_files import make_fifo, run_child, symlink_to
 
-from hpc_ddp import __version__
+from hpc_ddp import __version__, schema
 from hpc_ddp.cli import main
 from hpc_ddp.deploy import JobSpec, build_spec
+from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.errors import ConfigError
 
@@ -94,6 +97,21 @@ def test_file_then_flags_flags_win(tmp_path: Path) -> None:
 
 
 # --- layouts ------------------------------------------------------------------------------
+def test_the_launcher_table_is_where_the_spec_takes_its_launchers_from() -> None:
+    """JobSpec's launcher field, its help and its layouts come from LAUNCHERS; each entry
+    renders with its own template, which exists."""
+    field = {f.name: f for f in dataclasses.fields(JobSpec)}["launcher"]
+    kind = typing.get_type_hints(JobSpec)["launcher"]
+    assert schema.literal_choices(kind) == tuple(LAUNCHERS) == ("srun", "torchrun")
+    assert field.default == DEFAULT_LAUNCHER in LAUNCHERS
+    for name, launcher in LAUNCHERS.items():
+        assert launcher.name == name and launcher.help in field.metadata["help"]
+        assert (Path(__file__).parents[1] / "templates" / launcher.template).is_file()
+        spec = JobSpec(nodes=2, gpus_per_node=4, launcher=name)
+        assert spec.layout == (launcher.layout or "per-gpu")
+        assert f"--ntasks-per-node={launcher.tasks_per_node(spec)}" in _directives(render(spec))
+
+
 def test_per_gpu_layout_gpus_per_node() -> None:
     text = render(JobSpec(nodes=2, gpus_per_node=8, cpus_per_task=6))
     d = _directives(text)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_ddp.deploy.doctor import FAIL, OK, Check
+from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS, launcher_running
 from hpc_ddp.deploy.program import JobNeeds, program_in_script
 from hpc_ddp.deploy.sbatch.submit import script_workdir
 from hpc_ddp.deploy.spec import JobSpec
@@ -31,7 +32,7 @@ class JobAssumptions:
 
     python: str  # the interpreter as the job names it (a bare name is looked up on PATH)
     program: tuple[str, ...]  # what follows it
-    launcher: str = "srun"
+    launcher: str = DEFAULT_LAUNCHER
     has_setup: bool = False  # setup lines (module load, venv activation) run first
     workdir: str = ""  # "" = the submission directory
     needs: JobNeeds | None = None  # what its program's hook says it needs, if it has a hook
@@ -55,7 +56,7 @@ def of_script(text: str) -> JobAssumptions | None:
     found = program_in_script(text)
     if found is None:
         return None
-    python, launcher = "python", "srun"
+    python, launcher = "python", DEFAULT_LAUNCHER
     for line in text.replace("\\\n", " ").splitlines():
         try:
             words = shlex.split(line, comments=True)
@@ -64,10 +65,10 @@ def of_script(text: str) -> JobAssumptions | None:
         if found.module in words and words.index(found.module) > 1:
             before = [w for w in words[: words.index(found.module) - 1] if w != "-u"]
             python = before[-1] if before else python
-            launcher = "torchrun" if python == "torchrun" else "srun"
+            launcher = launcher_running(python)
             break
-    if launcher == "torchrun":
-        python = "python"  # torchrun's own; the check reads it from torchrun itself
+    if LAUNCHERS[launcher].runs_python is not None:
+        python = "python"  # the launcher's own; the check reads it from the launcher itself
     workdir = str(script_workdir(text, Path(".")))  # its #SBATCH --chdir, if it has one
     program = ("-m", found.module, *found.args)
     needs = found.hook.job_needs(found.args)
@@ -84,17 +85,16 @@ def _where(path: str, workdir: str) -> str:
 def summary_lines(a: JobAssumptions) -> list[str]:
     """What the job will run and assume, for people (render prints it to stderr)."""
     after = "after the spec's setup lines" if a.has_setup else "no setup lines given"
-    if a.launcher == "torchrun":
-        lines = [f"the job runs on every node: torchrun ... {shlex.join(a.program)}"]
-        lines.append(f"  interpreter: torchrun's own, from the compute nodes' PATH ({after})")
+    own = LAUNCHERS[a.launcher].runs_python
+    if own is not None:
+        lines = [f"the job runs on every node: {own} ... {shlex.join(a.program)}"]
+        lines.append(f"  interpreter: {own}'s own, from the compute nodes' PATH ({after})")
     else:
         lines = [f"the job runs (srun starts every process): {shlex.join([a.python, *a.program])}"]
-    if a.launcher == "torchrun":
-        pass  # said above
-    elif "/" in a.python:
-        lines.append(f"  interpreter: {a.python}, which must exist on every compute node")
-    else:
-        lines.append(f"  interpreter: `{a.python}` from the compute nodes' PATH ({after})")
+        if "/" in a.python:
+            lines.append(f"  interpreter: {a.python}, which must exist on every compute node")
+        else:
+            lines.append(f"  interpreter: `{a.python}` from the compute nodes' PATH ({after})")
     if a.needs is not None:
         if a.needs.imports:
             lines.append(f"  assumes: {' and '.join(a.needs.imports)} import with that interpreter")
@@ -113,24 +113,26 @@ def job_checks(a: JobAssumptions, workdir: Path, *, torch: bool = True) -> list[
     return checks
 
 
-def _torchrun_python() -> str | None:
-    """The interpreter torchrun runs its workers with: the one in its #! line."""
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
+def _launcher_python(program: str) -> str | None:
+    """The interpreter a launcher's program (torchrun) runs its workers with: the one in its
+    #! line."""
+    found = shutil.which(program)
+    if found is None:
         return None
     try:
-        first = Path(torchrun).read_text(errors="replace").splitlines()[0]
+        first = Path(found).read_text(errors="replace").splitlines()[0]
     except (OSError, IndexError):
         return None
     return first[2:].split()[0] if first.startswith("#!") and first[2:].split() else None
 
 
 def check_interpreter(a: JobAssumptions, *, torch: bool = True) -> Check:
-    if a.launcher == "torchrun":
-        found = _torchrun_python()
+    own = LAUNCHERS[a.launcher].runs_python
+    if own is not None:
+        found = _launcher_python(own)
         if found is None:
             return Check(
-                FAIL, "job interpreter", "torchrun is not found here (or has no #! line)",
+                FAIL, "job interpreter", f"{own} is not found here (or has no #! line)",
                 "run the job's setup lines first, or install torch into the job's environment",
             )  # fmt: skip
     else:

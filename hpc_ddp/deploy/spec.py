@@ -18,15 +18,16 @@ from typing import Any, Literal, get_args
 
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
+from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS
 from hpc_ddp.deploy.safe_text import control_problem, directive_problem
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.schema import field_doc as _doc
 
-Launcher = Literal["srun", "torchrun"]
-LAUNCHERS: tuple[Launcher, ...] = get_args(Launcher)
+# The launcher's names are the table's keys (hpc_ddp.deploy.launchers).
+Launcher = Literal[tuple(LAUNCHERS)]  # type: ignore[valid-type]
 GpuBinding = Literal["gpus-per-node", "gpus-per-task"]
 GPU_BINDINGS: tuple[GpuBinding, ...] = get_args(GpuBinding)
-# The template family a spec renders to (hpc_ddp.deploy.sbatch.render.TEMPLATES).
+# The template family a spec renders to: its launcher's own, else by its GPUs.
 Layout = Literal["per-gpu", "per-node", "cpu", "torchrun"]
 # Signals a trainer can catch and that Slurm can deliver ahead of the time limit. KILL/STOP
 # cannot be caught; TERM is what Slurm sends at the limit itself, so it is no warning.
@@ -61,8 +62,8 @@ class JobSpec(ProcessSpec):
 
     name: str = field(default="hpc-ddp", metadata=_doc("job name (sbatch -J)", "-J", "--job-name"))
     launcher: Launcher = field(
-        default="srun",
-        metadata=_doc("srun = one Slurm task per process; torchrun = one task per node"),
+        default=DEFAULT_LAUNCHER,
+        metadata=_doc("; ".join(launcher.help for launcher in LAUNCHERS.values())),
     )
     gpu_binding: GpuBinding = field(
         default="gpus-per-node",
@@ -142,8 +143,9 @@ class JobSpec(ProcessSpec):
     @property
     def layout(self) -> Layout:
         """The template family: torchrun, per-node (one process drives G GPUs), per-gpu, cpu."""
-        if self.launcher == "torchrun":
-            return "torchrun"
+        fixed = LAUNCHERS[self.launcher].layout
+        if fixed is not None:
+            return fixed
         if self.gpus_per_node == 0:
             return "cpu"
         return "per-node" if self.gpus_per_process > 1 else "per-gpu"
@@ -176,11 +178,9 @@ def _check(s: JobSpec) -> list[str]:
         p.append(f"launcher {s.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if s.gpu_binding not in GPU_BINDINGS:
         p.append(f"gpu_binding {s.gpu_binding!r} is not one of {', '.join(GPU_BINDINGS)}")
-    if numbers_ok and s.launcher == "torchrun" and s.gpus_per_process > 1:
-        p.append(
-            "launcher torchrun starts one process per GPU; one process driving "
-            f'{s.gpus_per_process} GPUs needs launcher = "srun" (one task per node)'
-        )
+    launcher = LAUNCHERS.get(s.launcher)
+    if numbers_ok and launcher is not None:
+        p += launcher.gpu_problems(s)
     if not _TIME.fullmatch(s.time):
         p.append(f"time {s.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS)")
     elif (
@@ -200,10 +200,8 @@ def _check(s: JobSpec) -> list[str]:
         p.append(
             f"array {s.array!r}: expected Slurm's --array form, e.g. 0-3, 1,3,5, 0-15:4 or 0-7%2"
         )
-    if s.resv_ports and s.launcher != "srun":
-        p.append("resv_ports needs launcher srun (torchrun's port is chosen before any step)")
-    if s.per_rank_logs and s.launcher != "srun":
-        p.append("per_rank_logs needs launcher srun (torchrun writes its own per-worker logs)")
+    if launcher is not None:
+        p += launcher.option_problems(s)
     if not s.script and not s.module:
         p.append("give exactly one of module (python -m) and script")
     p += _check_directives(s)
@@ -239,9 +237,11 @@ def _check_program_args(s: JobSpec) -> list[str]:
         return [f"args: {err.message}"]
     # render reads no files: a run dir only in a --config file is unknown to the batch shell
     config_only = flags.settings_file and not flags.run_dir
-    if s.container and s.launcher == "torchrun" and s.requeue and config_only:
+    launcher = LAUNCHERS.get(s.launcher)
+    reads_marker = launcher is not None and launcher.reads_marker
+    if s.container and reads_marker and s.requeue and config_only:
         return [
-            f"a torchrun job in a container is requeued by its batch shell when {hook.name}'s "
+            f"a {s.launcher} job in a container is requeued by its batch shell when {hook.name}'s "
             "requeue marker is in the run dir, which the script must name: add "
             "'--run-dir runs/NAME' to args (a --config file's run_dir is read only when the "
             "job runs)"

@@ -17,24 +17,14 @@ from hpc_ddp.deploy.container import (
     pyxis_srun_options,
 )
 from hpc_ddp.deploy.flight_recorder import flight_recorder_env
+from hpc_ddp.deploy.launchers import LAUNCHERS
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.templating import get_template
-from hpc_ddp.env_vars import (
-    REQUEUE_BY_BATCH,
-    REQUEUE_BY_BATCH_MARKER,
-    REQUEUE_BY_VAR,
-    launch_environ,
-)
+from hpc_ddp.env_vars import REQUEUE_BY_VAR, launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_paths import requeue_marker_line, requeue_marker_name
 
-TEMPLATES = {
-    "per-gpu": "srun.sbatch.j2",
-    "per-node": "srun.sbatch.j2",
-    "cpu": "srun.sbatch.j2",
-    "torchrun": "torchrun.sbatch.j2",
-}
 DEFAULT_COMMAND = "hpc-ddp render"
 _BLANKS = re.compile(r"\n{3,}")
 
@@ -79,15 +69,14 @@ def layout_text(spec: JobSpec) -> str:
 
 
 def sbatch_directives(spec: JobSpec) -> list[str]:
-    tasks_per_node = 1 if spec.launcher == "torchrun" else spec.ppn
+    tasks_per_node = LAUNCHERS[spec.launcher].tasks_per_node(spec)
     d = [f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks_per_node}"]
     cpt = task_cpus(spec)
     if cpt:
         d.append(f"--cpus-per-task={cpt}")
     if spec.gpus_per_node:
         if spec.gpu_binding == "gpus-per-task":
-            per_task = spec.gpus_per_node if spec.launcher == "torchrun" else spec.gpus_per_process
-            d.append(f"--gpus-per-task={per_task}")
+            d.append(f"--gpus-per-task={LAUNCHERS[spec.launcher].gpus_per_task(spec)}")
         else:
             d.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.mem:
@@ -123,10 +112,8 @@ def log_name(spec: JobSpec, pattern: str) -> str:
 
 
 def task_cpus(spec: JobSpec) -> int:
-    """CPUs of one Slurm task: a torchrun task hosts all of its node's processes."""
-    if not spec.cpus_per_task:
-        return 0
-    return spec.cpus_per_task * (spec.ppn if spec.launcher == "torchrun" else 1)
+    """CPUs of one Slurm task: a task per node (torchrun) hosts all of its node's processes."""
+    return LAUNCHERS[spec.launcher].task_cpus(spec)
 
 
 def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str]]:
@@ -139,9 +126,7 @@ def job_env(spec: JobSpec, *, batch_script: bool = False) -> list[tuple[str, str
         env |= launch_environ(gpus_per_process=spec.gpus_per_process)
     if batch_script and requeue_from_batch(spec):
         # The trainer leaves the requeue to this script's shell (hpc_ddp.runtime.preemption).
-        env[REQUEUE_BY_VAR] = (
-            REQUEUE_BY_BATCH if spec.launcher == "srun" else REQUEUE_BY_BATCH_MARKER
-        )
+        env[REQUEUE_BY_VAR] = LAUNCHERS[spec.launcher].requeue_by
     if spec.gpus_per_node:
         env.update(flight_recorder_env(_given_run_dir(spec)))
     env.update(spec.env)
@@ -158,7 +143,7 @@ def requeue_from_batch(spec: JobSpec) -> bool:
     asks for the requeue, as :func:`hpc_ddp.runtime.preemption.requeue` does without the shell."""
     if not spec.requeue:
         return False
-    return spec.launcher == "srun" or marker_run_dir(spec) is not None
+    return not LAUNCHERS[spec.launcher].reads_marker or marker_run_dir(spec) is not None
 
 
 def marker_run_dir(spec: JobSpec) -> str | None:
@@ -179,7 +164,8 @@ def _given_run_dir(spec: JobSpec) -> str | None:
 def requeue_marker(spec: JobSpec) -> tuple[str, str]:
     """(path, line) of the trainer's requeue marker for the torchrun layout's batch shell, as
     shell words: the job id and restart count are the shell's variables, the rest is quoted."""
-    run_dir = marker_run_dir(spec) if spec.launcher == "torchrun" and spec.requeue else None
+    reads_marker = LAUNCHERS[spec.launcher].reads_marker
+    run_dir = marker_run_dir(spec) if reads_marker and spec.requeue else None
     if run_dir is None:
         return "", ""
     base = shlex.quote(run_dir)
@@ -204,9 +190,20 @@ def _container_exec(spec: JobSpec) -> list[str]:
     return apptainer_exec_argv(c, gpus=spec.gpus_per_node > 0)
 
 
+def _step_exec(spec: JobSpec) -> list[str]:
+    """The container's exec words in front of the step's command, unless the launcher's
+    template puts them in front of each worker (``_task_exec``)."""
+    return [] if LAUNCHERS[spec.launcher].exec_in_template else _container_exec(spec)
+
+
+def _task_exec(spec: JobSpec) -> str:
+    """The container's exec words for the template's workers, as shell words, else ""."""
+    return shlex.join(_container_exec(spec)) if LAUNCHERS[spec.launcher].exec_in_template else ""
+
+
 def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
     argv = ["srun", "--kill-on-bad-exit=1", f"--wait={spec.exit_wait_s}"]
-    tasks_per_node = 1 if spec.launcher == "torchrun" else spec.ppn
+    tasks_per_node = LAUNCHERS[spec.launcher].tasks_per_node(spec)
     argv += [f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks_per_node}"]
     cpt = task_cpus(spec)
     if cpt:
@@ -221,16 +218,8 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
 
 
 def step_command(spec: JobSpec) -> str:
-    if spec.launcher == "torchrun":
-        # torchrun_task is a shell function the template defines and exports.
-        argv = [*_srun_prefix(spec), "bash", "-c", 'torchrun_task "$@"', "torchrun"]
-        argv += spec.program
-    else:
-        # Through `hpc-ddp exec`: srun sets SLURM_PROCID..., a program written for torchrun
-        # reads RANK, WORLD_SIZE, MASTER_ADDR...; exec derives those and becomes the program.
-        exported = [spec.python, "-m", "hpc_ddp", "exec", "--"]
-        argv = [*_srun_prefix(spec), *_container_exec(spec), *exported, spec.python, "-u"]
-        argv += spec.program
+    launcher = LAUNCHERS[spec.launcher]
+    argv = [*_srun_prefix(spec), *_step_exec(spec), *launcher.step_argv(spec)]
     return _wrap(shlex.join(argv)) + array_run_dir(spec)
 
 
@@ -299,12 +288,12 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         preflight_command=preflight_command(spec),
         python_q=shlex.quote(spec.python),
         port_command=port_command(spec),
-        task_exec=shlex.join(_container_exec(spec)) if spec.launcher == "torchrun" else "",
+        task_exec=_task_exec(spec),
         container_env_lines=container_env_lines(spec),
         requeue_from_batch=requeue_from_batch(spec),
         requeue_marker=marker[0],
         requeue_marker_line=marker[1],
     )
-    template = get_template(TEMPLATES[spec.layout])
+    template = get_template(LAUNCHERS[spec.launcher].template)
     # Optional sections leave empty lines behind; keep at most one blank line between sections.
     return _BLANKS.sub("\n\n", template.render(r=ctx))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hpc_ddp.deploy.core import problem_list
+from hpc_ddp.deploy.launchers import LAUNCHERS
 from hpc_ddp.deploy.safe_text import control_problem
 from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
 from hpc_ddp.errors import ConfigError
@@ -110,8 +111,9 @@ def refused(spec: JobSpec, kind: Kind) -> list[str]:
             "container: submitit runs the task with this Python, not in a container image; "
             "submit a spec with a [container] table through --executor sbatch"
         )
-    if spec.launcher != "srun":
-        p.append("launcher: submitit starts one task per process itself; use launcher = 'srun'")
+    if not LAUNCHERS[spec.launcher].by_submitit:
+        fits = " or ".join(f"launcher = {n!r}" for n, ln in LAUNCHERS.items() if ln.by_submitit)
+        p.append(f"launcher: submitit starts one task per process itself; use {fits}")
     if spec.resv_ports:
         p.append("resv_ports: submitit's srun gets no reserved port; set resv_ports = false")
     if not spec.requeue:
