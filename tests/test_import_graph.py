@@ -193,3 +193,50 @@ def test_the_launcher_comparison_reader_sees_both_spellings(tmp_path: Path) -> N
         'if spec.launcher in LAUNCHERS: pass\nif spec.layout == "cpu": pass\n'
     )
     assert launcher_comparisons(tmp_path / "deploy") == ["deploy/m.py:1", "deploy/m.py:2"]
+
+
+def executor_comparisons(
+    packages: tuple[Path, ...] = (PACKAGE / "deploy", PACKAGE / "commands"),
+) -> list[str]:
+    """Where the deployment code or a command compares an executor (``executor ==``/``!=``/
+    ``in``) with a name or a tuple of names, as ``path:line``: what tells the executors apart
+    belongs in their table (hpc_ddp.deploy.executors), so that a new one is an entry there, not
+    a branch in each module."""
+
+    def is_executor(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "executor") or (
+            isinstance(node, ast.Attribute) and node.attr == "executor"
+        )
+
+    def is_names(node: ast.expr) -> bool:
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return bool(node.elts) and all(is_names(elt) for elt in node.elts)
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    found = []
+    for package in packages:
+        for path in sorted(package.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    if any(is_executor(side) for side in sides) and any(
+                        is_names(side) for side in sides
+                    ):
+                        found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_deployment_code_and_commands_ask_the_executor_table_not_the_name() -> None:
+    assert not executor_comparisons(), executor_comparisons()
+
+
+def test_the_executor_comparison_reader_sees_every_spelling(tmp_path: Path) -> None:
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "m.py").write_text(
+        'if job.executor == "local": pass\nif "sbatch" != executor: pass\n'
+        'if executor in ("pdsh", "clush"): pass\nif job.executor not in ["a"]: pass\n'
+        "if executor in EXECUTORS: pass\nif executor not in (None, job.tool): pass\n"
+        'if spec.kind == "local": pass\n'
+    )
+    found = executor_comparisons((tmp_path / "deploy",))
+    assert found == ["deploy/m.py:1", "deploy/m.py:2", "deploy/m.py:3", "deploy/m.py:4"]

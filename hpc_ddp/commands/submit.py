@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 from hpc_ddp import schema
-from hpc_ddp.deploy.api import EXECUTOR_NAMES, as_spec, get_backend
+from hpc_ddp.deploy.api import as_spec, get_backend
 from hpc_ddp.deploy.backend import Finished, Job
+from hpc_ddp.deploy.executors import EXECUTOR_NAMES, EXECUTORS, canonical
 from hpc_ddp.deploy.program import result_lines
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.spec import JobSpec
@@ -22,14 +23,14 @@ from hpc_ddp.slurm_client import SlurmTarget
 from hpc_ddp.submission import choose_slurm_target
 
 # The executors of a JobSpec; pdsh and clush run a LaunchSpec (`hpc-ddp launch`).
-EXECUTORS = tuple(name for name in EXECUTOR_NAMES if name not in ("pdsh", "clush"))
+JOB_EXECUTORS = tuple(name for name in EXECUTOR_NAMES if not EXECUTORS[canonical(name)].launch_spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", type=Path, help="a rendered .sbatch script or a .toml/.json spec")
     parser.add_argument(
         "--executor",
-        choices=EXECUTORS,
+        choices=JOB_EXECUTORS,
         default="sbatch",
         help="sbatch (default); submitit or slurm: submitit's AutoExecutor on Slurm; "
         "local: submitit's LocalExecutor on this machine (spec files only)",
@@ -60,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    executor = "submitit" if args.executor == "slurm" else args.executor
-    spec, executor = as_spec(args.job, executor)
+    spec, executor = as_spec(args.job, canonical(args.executor))
+    info = EXECUTORS[executor]
     options = dict(folder=args.folder, produced_by=f"hpc-ddp submit {args.job}")
     # Described before a cluster is started: whatever is wrong with the job fails first.
     plan = get_backend(executor, **options).describe(spec)
@@ -70,15 +71,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # A rendered script's needs are in its #SBATCH lines, which Slurm itself holds it to.
     nodes, gpus = (spec.nodes, spec.gpus_per_node) if isinstance(spec, JobSpec) else (1, 0)
-    slurm = None if executor == "local" else choose_slurm_target(nodes, gpus)
+    slurm = choose_slurm_target(nodes, gpus) if info.needs_slurm else None
     cluster_env = None if slurm is None else dict(slurm.env)
     follow = None if args.quiet else sys.stdout
     job = get_backend(executor, cluster_env=cluster_env, follow=follow, **options).submit(plan)
-    if executor == "sbatch":
-        print(f"submitted job {job.job_id}; log: {job.output}", flush=True)
-    else:
-        folder = getattr(job, "folder", None)  # a SubmititJob's: its logs and pickles
-        print(f"submitted {executor} job {job.job_id}; logs in {folder}", flush=True)
+    folder = getattr(job, "folder", None)  # a SubmititJob's: its logs and pickles
+    line = info.submitted.format(
+        executor=executor, job_id=job.job_id, log=job.output, folder=folder
+    )
+    print(line, flush=True)
     if args.no_wait:
         _still_running(slurm)
         return 0
@@ -94,7 +95,7 @@ def _report(
     """How the job ended, and where the run's result.json and plot.png are. The result's lines
     only where the job's log was not followed: the trainer prints them at its end."""
     head = f"job {done.job_id}: {done.state}, exit code {done.exit_code}"
-    if executor != "sbatch":  # submitit: rank 0's return value carries the result
+    if not EXECUTORS[executor].batch_report:  # submitit: rank 0's return value carries the result
         if done.error:
             return f"{head}\n  error: {done.error}"
     else:

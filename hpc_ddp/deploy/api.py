@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, TextIO
 
 from hpc_ddp.deploy.backend import Backend, DryRun, Job
+from hpc_ddp.deploy.executors import EXECUTOR_NAMES, executor_info
 from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.deploy.spec import JobSpec, build_spec
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.extras import require
 
-# "slurm" is another name for "submitit" (submitit's AutoExecutor on the Slurm cluster).
-ExecutorName = Literal["sbatch", "submitit", "slurm", "local", "pdsh", "clush"]
-EXECUTOR_NAMES: tuple[ExecutorName, ...] = get_args(ExecutorName)
 SPEC_SUFFIXES = (".toml", ".json")
 PRODUCER = "hpc_ddp.submit"
 
@@ -43,22 +41,18 @@ def get_backend(
 ) -> Backend:
     """The backend of ``executor``; ``follow`` receives the job's log (pdsh/clush: its output)
     as it grows, ``produced_by`` is recorded in a rendered script's header."""
-    if executor == "sbatch":
-        from hpc_ddp.deploy.sbatch.backend import SbatchBackend
-
-        return SbatchBackend(
-            cluster_env=cluster_env, cwd=cwd, follow=follow, produced_by=produced_by
+    info = executor_info(executor)
+    if info is not None:
+        if info.extra is not None:
+            require(info.extra, f"--executor {executor}")
+        return info.backend(
+            info.name,
+            cluster_env=cluster_env,
+            folder=folder,
+            cwd=cwd,
+            follow=follow,
+            produced_by=produced_by,
         )
-    if executor in ("submitit", "slurm", "local"):
-        require("submitit", f"--executor {executor}")
-        from hpc_ddp.deploy.submitit.backend import SubmititBackend
-
-        kind = "local" if executor == "local" else "submitit"
-        return SubmititBackend(kind, folder=folder, cluster_env=cluster_env, cwd=cwd, follow=follow)
-    if executor in ("pdsh", "clush"):
-        from hpc_ddp.deploy.shell.backend import ShellBackend
-
-        return ShellBackend(stdout=follow, stderr=follow, produced_by=produced_by)
     raise ConfigError(
         f"executor {executor!r} is not one of {', '.join(EXECUTOR_NAMES)}",
         hint="sbatch or submitit/local for a JobSpec; a LaunchSpec runs with its tool",
@@ -75,7 +69,8 @@ def as_spec(job: JobLike, executor: str | None) -> tuple[Any, str]:
             )
         return job, job.tool
     executor = executor or "sbatch"
-    if executor in ("pdsh", "clush"):
+    info = executor_info(executor)
+    if info is not None and info.launch_spec:
         raise ConfigError(
             f"executor {executor} needs a LaunchSpec (hosts, tool), not {type(job).__name__}",
             hint="build one with hpc_ddp.make_launch_spec(tool=..., hosts=..., command=[...])",
@@ -87,7 +82,7 @@ def as_spec(job: JobLike, executor: str | None) -> tuple[Any, str]:
         raise ConfigError(f"{path} does not exist", hint="give a jobs/*.sbatch file or a spec")
     if path.suffix in SPEC_SUFFIXES:
         return build_spec(path), executor
-    if executor != "sbatch":
+    if info is None or not info.batch_script:
         raise ConfigError(
             f"--executor {executor} needs a job spec (.toml/.json), got {path}",
             hint="use the spec in jobs/specs/, or --executor sbatch for a rendered script",

@@ -14,6 +14,9 @@ pdsh       shell/backend.py    ShellBackend      the launch script (``--render-s
 clush      (the same, with clush)                the same
 =========  ====================================  ==================================
 
+Which backend an executor has, and what else the code around it asks of one, is its entry in
+``hpc_ddp.deploy.executors.EXECUTORS``.
+
 Job states use Slurm's names for every backend (PENDING, RUNNING, COMPLETED, FAILED,
 CANCELLED, TIMEOUT...). Never imports torch, Slurm or submitit itself.
 """
@@ -24,13 +27,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar
 
 from hpc_ddp import regular_file
 from hpc_ddp.run_paths import RunPaths
-
-Executor = Literal["sbatch", "submitit", "local", "pdsh", "clush"]
-EXECUTORS: tuple[Executor, ...] = get_args(Executor)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from hpc_ddp import regular_file
 from hpc_ddp.deploy.backend import Job, read_result
 from hpc_ddp.deploy.core import TRAIN_MODULE
+from hpc_ddp.deploy.executors import EXECUTORS
 from hpc_ddp.deploy.program import program_in_script, result_lines
 from hpc_ddp.deploy.safe_text import comment_text
 from hpc_ddp.deploy.sbatch.submit import LogFollower
@@ -298,7 +299,7 @@ def log_paths(job: Job) -> list[Path]:
     """The batch log and every rank's log, those that exist (submitit: every task's). What is
     at such a name is only read if it is a regular file (``follow_logs``)."""
     folder = getattr(job, "folder", None)
-    if folder is not None and job.executor != "sbatch":
+    if folder is not None and EXECUTORS[job.executor].submitit:
         found = sorted(Path(folder).glob(f"{job.job_id}_*_log.out"))
         return found + sorted(Path(folder).glob(f"{job.job_id}_*_log.err"))
     if job.output is None:
@@ -398,7 +399,7 @@ def preemption_signal(job: Job, script: str) -> str:
     """The signal on which ``job``'s processes checkpoint: submitit's USR2; for a batch script,
     its ``#SBATCH --signal``, else the first signal its program's hook names (the trainer's:
     USR1), else USR1, Slurm's usual warning."""
-    if job.executor in ("submitit", "local"):
+    if EXECUTORS[job.executor].submitit:
         from hpc_ddp.deploy.submitit.task import PREEMPT_SIGNAL
 
         return PREEMPT_SIGNAL.name.removeprefix("SIG")
@@ -422,7 +423,7 @@ def cancel_job(
     ``now``: SIGKILL to every process of it, no checkpoint."""
     if job.status() in TERMINAL:
         return job.status()
-    if job.executor == "local":
+    if EXECUTORS[job.executor].this_machine:
         from hpc_ddp.deploy.submitit.local_control import stop_local
 
         return stop_local(job, now=now, timeout_s=timeout_s, on_event=on_event)
