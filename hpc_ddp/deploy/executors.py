@@ -14,55 +14,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpc_ddp.deploy.backend import Backend
 
 
-def _sbatch(
-    name: str,
-    *,
-    cluster_env: Mapping[str, str] | None,
-    folder: str | Path | None,
-    cwd: str | Path | None,
-    follow: TextIO | None,
-    produced_by: str,
-) -> Backend:
+# Each builds its backend from get_backend's options (cluster_env, folder, cwd, follow,
+# produced_by), taking the ones it uses; the import happens only then.
+def _sbatch(name: str, **o: Any) -> Backend:
     from hpc_ddp.deploy.sbatch.backend import SbatchBackend
 
-    return SbatchBackend(cluster_env=cluster_env, cwd=cwd, follow=follow, produced_by=produced_by)
+    return SbatchBackend(
+        cluster_env=o["cluster_env"], cwd=o["cwd"], follow=o["follow"], produced_by=o["produced_by"]
+    )
 
 
-def _submitit(
-    name: str,
-    *,
-    cluster_env: Mapping[str, str] | None,
-    folder: str | Path | None,
-    cwd: str | Path | None,
-    follow: TextIO | None,
-    produced_by: str,
-) -> Backend:
+def _submitit(name: str, **o: Any) -> Backend:
     from hpc_ddp.deploy.submitit.backend import SubmititBackend
 
     kind: Any = name  # the executor's name is submitit's kind: submitit or local
-    return SubmititBackend(kind, folder=folder, cluster_env=cluster_env, cwd=cwd, follow=follow)
+    return SubmititBackend(
+        kind, folder=o["folder"], cluster_env=o["cluster_env"], cwd=o["cwd"], follow=o["follow"]
+    )
 
 
-def _shell(
-    name: str,
-    *,
-    cluster_env: Mapping[str, str] | None,
-    folder: str | Path | None,
-    cwd: str | Path | None,
-    follow: TextIO | None,
-    produced_by: str,
-) -> Backend:
+def _shell(name: str, **o: Any) -> Backend:
     from hpc_ddp.deploy.shell.backend import ShellBackend
 
-    return ShellBackend(stdout=follow, stderr=follow, produced_by=produced_by)
+    return ShellBackend(stdout=o["follow"], stderr=o["follow"], produced_by=o["produced_by"])
 
 
 @dataclass(frozen=True)
