@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cluster_env import HET_GROUPS, HET_STEP
+from test_cluster_env import ARBITRARY, HET_GROUPS, HET_STEP
 
 ENVS = Path(__file__).parent / "data" / "envs"
 BIN = Path(sys.executable).parent
@@ -85,18 +85,6 @@ def test_never_imports_torch_and_is_fast() -> None:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu < 0.6  # interpreter start included; importing torch alone would exceed it
-
-
-# `srun -m arbitrary` with task 0 on node2, the second node of node[1-2].
-ARBITRARY = {
-    "SLURM_JOB_ID": "61",
-    "SLURM_STEP_ID": "0",
-    "SLURM_DISTRIBUTION": "arbitrary",
-    "SLURM_STEP_NODELIST": "node[1-2]",
-    "SLURM_STEP_TASKS_PER_NODE": "2,1",
-    "SLURM_STEP_NUM_TASKS": "3",
-    "SLURM_STEP_NUM_NODES": "2",
-}
 
 
 def _tasks(*tasks: tuple[int, int, int, str]) -> list[dict[str, str]]:
