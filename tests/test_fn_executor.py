@@ -212,9 +212,12 @@ def test_the_gpu_binding_reaches_slurm(slurm_gpu_cluster, tmp_path: Path) -> Non
 
 
 README_LINE = """
-import fn_support, hpc_ddp
+import fn_support, hpc_ddp, hpc_ddp.polling
 job = hpc_ddp.Executor({folder!r}, cluster="slurm").submit(fn_support.whoami, "readme")
-print("results", [r["tag"] for r in job.results()], job.state)
+results = [r["tag"] for r in job.results()]
+# The result pickle lands a moment before Slurm marks the job done: wait for that, bounded.
+hpc_ddp.polling.wait_for(lambda: job.state != "RUNNING", 60, "the job's end in Slurm", 0.5)
+print("results", results, job.state)
 """
 
 
