@@ -13,6 +13,9 @@ from typing import Any
 
 from render_examples import JOBS_DIR, examples
 
+from hpc_ddp.deploy.safe_text import DIRECTIVE
+from hpc_ddp.deploy.spec import SLURM_FIELDS
+
 PAYLOADS = {
     "newline, then a command": "a\npwned",
     "trailing newline": "a\n",
@@ -106,12 +109,13 @@ def _directive(key: str, option: str) -> Field:
     return Field(key, _key(key), key, (f"--{option}={{v}}",))
 
 
+# The plain #SBATCH options with a text value (--OPTION=VALUE), from the fields' declarations:
+# a new one is in the table as soon as it is declared.
+PLAIN_OPTIONS = [name for name, s in SLURM_FIELDS.items() if s.plain and s.text == DIRECTIVE]
 RENDER_FIELDS = [
     Field("name", _key("name"), "name", ("--job-name={v}",)),
-    *(_directive(k, k) for k in ("partition", "account", "qos", "constraint", "time", "mem")),
-    _directive("array", "array"),
-    *(_directive(k, k) for k in ("output", "error")),
-    _directive("workdir", "chdir"),
+    *(_directive(k, k) for k in ("time", "mem", "array", "output", "error")),
+    *(_directive(name, SLURM_FIELDS[name].option) for name in PLAIN_OPTIONS),
     Field("extra_sbatch", _key_list("extra_sbatch"), "extra_sbatch[0]", ("{v}",), "--comment={p}"),
     *(Field(k, _key(k), k) for k in ("launcher", "gpu_binding", "signal")),
     Field("module", _key("module"), "module", ("{v}",)),

@@ -38,6 +38,7 @@ from hostile_cases import (
     CONTROL,
     LAUNCH_FIELDS,
     PAYLOADS,
+    PLAIN_OPTIONS,
     RENDER_FIELDS,
     SHELL_BY_DESIGN,
     Case,
@@ -52,6 +53,7 @@ from hpc_ddp.deploy.spec import JobSpec, build_spec, load_spec_file
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "security.md"
+FIELD_TABLE = REPO / "docs" / "job-spec.md"
 
 
 @dataclass
@@ -264,7 +266,7 @@ def _tally(world: World, cases: list[Case], offset: int) -> Tally:
     return tally
 
 
-def _assert_clean(tally: Tally, area: str) -> None:
+def _assert_clean(tally: Tally, area: str, option: str = "") -> None:
     assert not tally.violations, f"{len(tally.violations)} violations:\n" + "\n".join(
         tally.violations[:40]
     )
@@ -272,13 +274,27 @@ def _assert_clean(tally: Tally, area: str) -> None:
     assert counts == (0, 0, 0, 0)
     doc = _doc_counts(area)
     assert (tally.refused, tally.inert) == (doc["refused"], doc["inert"]), (
-        f"docs/security.md states {doc}; the run gave {tally.refused} refused, {tally.inert} inert"
+        f"docs/security.md states {doc} {option}; the run gave {tally.refused} refused, "
+        f"{tally.inert} inert"
     )
 
 
+def _render_cases(plain_option: str | None) -> list[Case]:
+    """The render cases of one plain #SBATCH option, or (None) of every other field."""
+    return [
+        c
+        for c in CASES
+        if c.area == "render"
+        and (c.field.name == plain_option if plain_option else c.field.name not in PLAIN_OPTIONS)
+    ]
+
+
 def test_hostile_values_in_rendered_sbatch_scripts(world: World) -> None:
-    cases = [c for c in CASES if c.area == "render"]
-    _assert_clean(_tally(world, cases, 0), "render")
+    """The other fields together; each plain #SBATCH option alone, where each must end as
+    the doc says every one does (so declaring one more changes no count in the doc)."""
+    _assert_clean(_tally(world, _render_cases(None), 0), "render")
+    for i, name in enumerate(PLAIN_OPTIONS, start=1):
+        _assert_clean(_tally(world, _render_cases(name), 10_000 * i), "plain option", name)
 
 
 def test_hostile_values_in_rendered_launch_scripts(world: World) -> None:
@@ -317,7 +333,8 @@ def test_every_text_flag_of_launch_is_in_the_table() -> None:
 
 
 _DOC_LINE = re.compile(
-    r"(?P<area>render|launch) cases: (?P<tried>\d+) tried \((?P<refused>\d+) refused, "
+    r"(?P<area>render|launch|plain option) cases: (?:each )?(?P<tried>\d+) tried "
+    r"\((?P<refused>\d+) refused, "
     r"(?P<inert>\d+) rendered and inert\), 0 ran code, 0 lost files, 0 hangs, 0 tracebacks"
 )
 
@@ -332,11 +349,17 @@ def _doc_counts(area: str) -> dict[str, int]:
 def test_the_doc_states_the_table() -> None:
     """The counts and the inputs in docs/security.md are this table's, so they cannot drift."""
     text = DOC.read_text()
-    for area in ("render", "launch"):
+    tried = {
+        "render": len(_render_cases(None)),
+        "launch": len([c for c in CASES if c.area == "launch"]),
+        "plain option": len(_render_cases(PLAIN_OPTIONS[0])),
+    }
+    for area, count in tried.items():
         counts = _doc_counts(area)
-        assert counts["tried"] == len([c for c in CASES if c.area == area])
+        assert counts["tried"] == count, (area, counts, count)
         assert counts["tried"] == counts["refused"] + counts["inert"]
     for name in PAYLOADS:
         assert f"| {name} |" in text, f"docs/security.md does not list the input {name!r}"
     for f in (*RENDER_FIELDS, *LAUNCH_FIELDS):
-        assert f"`{f.name.split(' (')[0]}`" in text, f"docs/security.md does not name {f.name}"
+        doc = FIELD_TABLE if f.name in PLAIN_OPTIONS else DOC
+        assert f"`{f.name.split(' (')[0]}`" in doc.read_text(), f"{doc} does not name {f.name}"

@@ -40,6 +40,22 @@ _DIRECTIVE_VALUE = re.compile(r"[^\s'\"\\#]+")
 # sbatch reads these words anywhere in a #SBATCH line as the start of the next component of a
 # heterogeneous job: every directive after that line would leave this job.
 _HETJOB_WORDS = re.compile(r"hetjob|packjob", re.IGNORECASE)
+# What a spec's text field may hold, by class. A field declares its class in its metadata
+# (hpc_ddp.deploy.spec_fields); the checks, the docs' field table and the hostile-input tests
+# read it there.
+DIRECTIVE = "directive"
+WORD = "word"
+SHELL = "shell"
+PATTERN = "pattern"
+CHOICE = "choice"
+TEXT_CLASSES = {
+    DIRECTIVE: "an #SBATCH value: no control character, whitespace, quote, backslash or '#', "
+    "nor the words hetjob/packjob",
+    WORD: "a shell word, quoted where it lands: anything but a control character",
+    SHELL: "shell lines, run as written: one line each (no control character but tab)",
+    PATTERN: "its own full-match form (the field's text says which)",
+    CHOICE: "one of the listed values",
+}
 # Control characters have no Unicode name; these are the ones a user is likely to meet.
 _CONTROL_NAMES = {"\n": "LINE FEED", "\r": "CARRIAGE RETURN", "\t": "TAB", "\x00": "NUL"}
 

@@ -14,12 +14,22 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec, problem_list
 from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS
-from hpc_ddp.deploy.safe_text import control_problem, directive_problem
+from hpc_ddp.deploy.safe_text import (
+    CHOICE,
+    DIRECTIVE,
+    PATTERN,
+    SHELL,
+    WORD,
+    control_problem,
+    directive_problem,
+)
+from hpc_ddp.deploy.spec_fields import Slurm
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.schema import field_doc as _doc
 
@@ -48,87 +58,258 @@ _ARRAY_ITEM = r"\d+(-\d+(:\d+)?)?"
 _ARRAY = re.compile(rf"{_ARRAY_ITEM}(,{_ARRAY_ITEM})*(%\d+)?", re.ASCII)
 # One #SBATCH option, long form: --exclusive or --gres=gpu:a100:8 (the value is checked further).
 _EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
-# Fields written into #SBATCH lines, which sbatch parses (name and extra_sbatch are checked apart).
-_DIRECTIVE_FIELDS = ("partition", "account", "qos", "constraint", "output", "error", "workdir")
 
 
 # Seconds Slurm takes for a signal's lead (sbatch --signal=SIG@0..65535).
 LEAD_S = schema.Range(0, 65535, why="Slurm's limit")
 
 
+# How the fields JobSpec takes from ProcessSpec reach Slurm (its own fields say it themselves).
+_PROCESS_FIELDS: Mapping[str, Slurm] = MappingProxyType(
+    {
+        "nodes": Slurm(sbatch="--nodes", submitit="nodes"),
+        "gpus_per_node": Slurm(
+            sbatch="--gpus-per-node (or --gpus-per-task, gpu_binding)",
+            submitit="gpus_per_node (or slurm_gpus_per_task)",
+            slurm_only=True,
+        ),
+        "gpus_per_process": Slurm(
+            sbatch="--ntasks-per-node, --gpus-per-task",
+            script="the processes' environment (HPC_DDP_GPUS_PER_PROCESS)",
+            submitit="tasks_per_node, slurm_gpus_per_task",
+        ),
+        "procs_per_node": Slurm(sbatch="--ntasks-per-node", submitit="tasks_per_node"),
+        "workdir": Slurm(sbatch="--chdir", plain=True, slurm_only=True, text=DIRECTIVE),
+        "env": Slurm(script="exported before every step", submitit="each task's environment",
+                     text=WORD),
+        "setup": Slurm(script="shell lines before every step", submitit="slurm_setup",
+                       slurm_only=True, text=SHELL),
+        "python": Slurm(
+            script="the interpreter of every process",
+            refused="submitit runs the submitter's interpreter (it unpickles the call); leave "
+            "python at its default",
+            text=WORD,
+        ),
+        "module": Slurm(script="the program (python -m)", submitit="the task's program",
+                        text=PATTERN),
+        "script": Slurm(script="the program", submitit="the task's program", text=WORD),
+        "args": Slurm(script="the program's arguments", submitit="the task's program", text=WORD),
+        "container": Slurm(
+            script="the step's command, in the image",
+            refused="submitit runs the task with this Python, not in a container image; submit a "
+            "spec with a [container] table through --executor sbatch",
+        ),
+    }
+)  # fmt: skip
+_LOGS_IN_FOLDER = "submitit writes every task's log in its folder (<job>_<task>_log.out/.err)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(ProcessSpec):
-    """One Slurm job: the shared core (ProcessSpec) plus its name, limits, launcher, signal."""
+    """One Slurm job: the shared core (ProcessSpec) plus its name, limits, launcher, signal.
+    Each field says in its metadata how it reaches Slurm (``slurm``, hpc_ddp.deploy.spec_fields);
+    ``SLURM_FIELDS`` holds them all."""
 
-    name: str = field(default="hpc-ddp", metadata=_doc("job name (sbatch -J)", "-J", "--job-name"))
+    name: str = field(
+        default="hpc-ddp",
+        metadata=_doc(
+            "job name (sbatch -J)", "-J", "--job-name",
+            slurm=Slurm(sbatch="--job-name", submitit="name", slurm_only=True, text=PATTERN),
+        ),
+    )  # fmt: skip
     launcher: Launcher = field(
         default=DEFAULT_LAUNCHER,
-        metadata=_doc("; ".join(launcher.help for launcher in LAUNCHERS.values())),
+        metadata=_doc(
+            "; ".join(launcher.help for launcher in LAUNCHERS.values()),
+            slurm=Slurm(
+                sbatch="--ntasks-per-node",
+                script="the template and the step's command",
+                submitit="one task per process (only launchers that start one task per "
+                "process fit)",
+                text=CHOICE,
+            ),
+        ),
     )
     gpu_binding: GpuBinding = field(
         default="gpus-per-node",
         metadata=_doc(
             "how GPUs are requested: gpus-per-node (each task sees the node's GPUs) "
-            "or gpus-per-task (each task sees only its own)"
+            "or gpus-per-task (each task sees only its own)",
+            slurm=Slurm(
+                sbatch="--gpus-per-node or --gpus-per-task",
+                submitit="gpus_per_node or slurm_gpus_per_task",
+                slurm_only=True,
+                text=CHOICE,
+            ),
         ),
     )
-    partition: str = field(default="", metadata=_doc("partition; empty = cluster default", "-p"))
-    account: str = field(default="", metadata=_doc("account to charge", "-A"))
-    qos: str = field(default="", metadata=_doc("quality of service"))
-    constraint: str = field(default="", metadata=_doc("node features", "-C"))
+    partition: str = field(
+        default="",
+        metadata=_doc(
+            "partition; empty = cluster default", "-p",
+            slurm=Slurm(sbatch="--partition", plain=True, submitit="slurm_partition",
+                        slurm_only=True, text=DIRECTIVE),
+        ),
+    )  # fmt: skip
+    account: str = field(
+        default="",
+        metadata=_doc(
+            "account to charge", "-A",
+            slurm=Slurm(sbatch="--account", plain=True, submitit="slurm_account",
+                        slurm_only=True, text=DIRECTIVE),
+        ),
+    )  # fmt: skip
+    qos: str = field(
+        default="",
+        metadata=_doc(
+            "quality of service",
+            slurm=Slurm(sbatch="--qos", plain=True, submitit="slurm_qos", slurm_only=True,
+                        text=DIRECTIVE),
+        ),
+    )  # fmt: skip
+    constraint: str = field(
+        default="",
+        metadata=_doc(
+            "node features", "-C",
+            slurm=Slurm(sbatch="--constraint", plain=True, submitit="slurm_constraint",
+                        slurm_only=True, text=DIRECTIVE),
+        ),
+    )  # fmt: skip
     time: str = field(
-        default="01:00:00", metadata=_doc("time limit, Slurm form (D-HH:MM:SS)", "-t")
-    )
+        default="01:00:00",
+        metadata=_doc(
+            "time limit, Slurm form (D-HH:MM:SS)", "-t",
+            slurm=Slurm(sbatch="--time", submitit="timeout_min (whole minutes, rounded up)",
+                        text=PATTERN),
+        ),
+    )  # fmt: skip
     cpus_per_task: int = field(
         default=0,
         metadata=_doc(
-            "CPUs per task; 0 = Slurm's default", range=schema.Range(0, 4 * schema.MAX_PER_NODE)
+            "CPUs per task; 0 = Slurm's default",
+            range=schema.Range(0, 4 * schema.MAX_PER_NODE),
+            slurm=Slurm(sbatch="--cpus-per-task (a task's processes' CPUs)",
+                        submitit="cpus_per_task", slurm_only=True),
         ),
-    )
-    mem: str = field(default="", metadata=_doc("memory per node, e.g. 64G; empty = default"))
+    )  # fmt: skip
+    mem: str = field(
+        default="",
+        metadata=_doc(
+            "memory per node, e.g. 64G; empty = default",
+            slurm=Slurm(sbatch="--mem", submitit="mem (an additional parameter: Slurm's string)",
+                        slurm_only=True, text=PATTERN),
+        ),
+    )  # fmt: skip
     signal: Signal = field(
         default="USR1",
         metadata=_doc(
             f"preemption/time-limit warning signal, one of {SIGNALS}; sbatch's SIG@SECONDS "
-            "(USR1@90) also sets signal_lead_s"
+            "(USR1@90) also sets signal_lead_s",
+            slurm=Slurm(
+                sbatch="--signal=SIG@LEAD",
+                script="forwarded to the tasks",
+                replaced="submitit's warning signal is USR2 (the trainer is told to listen for it)",
+                text=CHOICE,
+            ),
         ),
     )
     signal_lead_s: int = field(
         default=90,
-        metadata=_doc("seconds before the limit the signal comes; 0 = none", range=LEAD_S),
+        metadata=_doc(
+            "seconds before the limit the signal comes; 0 = none",
+            range=LEAD_S,
+            slurm=Slurm(sbatch="--signal=SIG@LEAD",
+                        submitit="slurm_signal_delay_s (local: signal_delay_s)"),
+        ),
+    )  # fmt: skip
+    requeue: bool = field(
+        default=True,
+        metadata=_doc(
+            "allow the job to be requeued",
+            slurm=Slurm(
+                sbatch="--requeue or --no-requeue",
+                script="the requeue after a checkpoint",
+                submitit="--requeue",
+                refused="submitit requeues a preempted job itself (scontrol requeue)",
+            ),
+        ),
     )
-    requeue: bool = field(default=True, metadata=_doc("allow the job to be requeued"))
-    output: str = field(default="%x-%j.out", metadata=_doc("batch log (--output), appended"))
-    error: str = field(default="", metadata=_doc("stderr file; empty = into output"))
+    output: str = field(
+        default="%x-%j.out",
+        metadata=_doc(
+            "batch log (--output), appended",
+            slurm=Slurm(sbatch="--output, --open-mode=append", replaced=_LOGS_IN_FOLDER,
+                        text=DIRECTIVE),
+        ),
+    )  # fmt: skip
+    error: str = field(
+        default="",
+        metadata=_doc(
+            "stderr file; empty = into output",
+            slurm=Slurm(sbatch="--error", replaced=_LOGS_IN_FOLDER, text=DIRECTIVE),
+        ),
+    )
     per_rank_logs: bool = field(
-        default=False, metadata=_doc("srun launcher: one log per rank, <output>.rank<N>")
-    )
+        default=False,
+        metadata=_doc(
+            "srun launcher: one log per rank, <output>.rank<N>",
+            slurm=Slurm(script="srun --output=<output>.rank%t",
+                        replaced="submitit always writes one log per task"),
+        ),
+    )  # fmt: skip
     exit_wait_s: int = field(
         default=120,
         metadata=_doc(
             "srun --wait: end the step this long after the first task exits",
             range=schema.Range(0, 86_400),
+            slurm=Slurm(script="srun --wait=N", submitit="slurm_srun_args --wait=N",
+                        slurm_only=True),
         ),
-    )
+    )  # fmt: skip
     resv_ports: bool = field(
         default=False,
         metadata=_doc(
             "srun launcher: ask Slurm for a reserved port per step (srun --resv-ports=1), used "
-            "as MASTER_PORT; needs MpiParams=ports=... in slurm.conf (`hpc-ddp doctor`)"
+            "as MASTER_PORT; needs MpiParams=ports=... in slurm.conf (`hpc-ddp doctor`)",
+            slurm=Slurm(
+                script="srun --resv-ports=1",
+                refused="submitit's srun gets no reserved port; set resv_ports = false",
+            ),
         ),
     )
     preflight: bool = field(
         default=True,
-        metadata=_doc("first run a torch-free step where every task prints its rank and master"),
-    )
+        metadata=_doc(
+            "first run a torch-free step where every task prints its rank and master",
+            slurm=Slurm(script="a preflight step",
+                        replaced="submitit's sbatch script has no preflight step"),
+        ),
+    )  # fmt: skip
     array: str = field(
         default="",
         metadata=_doc(
-            "job array (--array), e.g. 0-3 or 0,4,8%2; each task trains into <run dir>_<task id>"
+            "job array (--array), e.g. 0-3 or 0,4,8%2; each task trains into <run dir>_<task id>",
+            slurm=Slurm(
+                sbatch="--array",
+                plain=True,
+                script="each task's run dir and log",
+                refused="submitit writes --array itself; use Executor.map_array for a sweep of "
+                "functions, or --executor sbatch for an array of trainer runs",
+                text=PATTERN,
+            ),
         ),
     )
     extra_sbatch: list[str] = field(
-        default_factory=list, metadata=_doc("extra #SBATCH options, e.g. --exclusive")
+        default_factory=list,
+        metadata=_doc(
+            "extra #SBATCH options, e.g. --gres=nic:1",
+            slurm=Slurm(
+                script="an #SBATCH line each, as given",
+                submitit="slurm_additional_parameters (but options submitit writes itself)",
+                slurm_only=True,
+                text=DIRECTIVE,
+            ),
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -211,7 +392,11 @@ def _check(s: JobSpec) -> list[str]:
 
 def _check_directives(s: JobSpec) -> list[str]:
     """An #SBATCH value may hold nothing sbatch would interpret (the core checks the rest)."""
-    found = [directive_problem(name, v) for name in _DIRECTIVE_FIELDS if (v := getattr(s, name))]
+    found = [
+        directive_problem(name, value)
+        for name, slurm in SLURM_FIELDS.items()
+        if slurm.text == DIRECTIVE and isinstance(value := getattr(s, name), str) and value
+    ]
     for i, opt in enumerate(s.extra_sbatch):
         field = f"extra_sbatch[{i}]"
         problem = control_problem(field, opt)
@@ -222,6 +407,12 @@ def _check_directives(s: JobSpec) -> list[str]:
             )
         found.append(problem or directive_problem(field, opt))
     return [problem for problem in found if problem]
+
+
+# How every field of a JobSpec reaches Slurm, in the fields' order (hpc_ddp.deploy.spec_fields).
+SLURM_FIELDS: Mapping[str, Slurm] = MappingProxyType(
+    {f.name: f.metadata.get("slurm") or _PROCESS_FIELDS[f.name] for f in fields(JobSpec)}
+)
 
 
 def _check_program_args(s: JobSpec) -> list[str]:

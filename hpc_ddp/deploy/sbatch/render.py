@@ -19,7 +19,7 @@ from hpc_ddp.deploy.container import (
 from hpc_ddp.deploy.flight_recorder import flight_recorder_env
 from hpc_ddp.deploy.launchers import LAUNCHERS
 from hpc_ddp.deploy.safe_text import comment_text
-from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.deploy.spec import SLURM_FIELDS, JobSpec
 from hpc_ddp.deploy.templating import get_template
 from hpc_ddp.env_vars import REQUEUE_BY_VAR, launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -82,14 +82,7 @@ def sbatch_directives(spec: JobSpec) -> list[str]:
     if spec.mem:
         d.append(f"--mem={spec.mem}")
     d.append(f"--time={spec.time}")
-    if spec.array:
-        d.append(f"--array={spec.array}")
-    # No shell quoting in #SBATCH lines: sbatch parses them itself, and JobSpec has refused
-    # every character it would interpret (hpc_ddp.deploy.safe_text).
-    for key in ("partition", "account", "qos", "constraint"):
-        value = getattr(spec, key)
-        if value:
-            d.append(f"--{key}={value}")
+    d.extend(plain_directives(spec))
     if spec.signal_lead_s:
         # No "B:": Slurm signals every task of the job's steps, i.e. the training processes.
         d.append(f"--signal={spec.signal}@{spec.signal_lead_s}")
@@ -99,10 +92,20 @@ def sbatch_directives(spec: JobSpec) -> list[str]:
     d.append(f"--output={log_name(spec, spec.output)}")
     if spec.error:
         d.append(f"--error={log_name(spec, spec.error)}")
-    if spec.workdir:
-        d.append(f"--chdir={spec.workdir}")
     d.extend(spec.extra_sbatch)
     return d
+
+
+def plain_directives(spec: JobSpec) -> list[str]:
+    """The plain options that are set, in the fields' order: --OPTION=VALUE, a switch --OPTION.
+    No shell quoting: sbatch parses #SBATCH lines itself, and JobSpec has refused every
+    character it would interpret (hpc_ddp.deploy.safe_text)."""
+    out = []
+    for name, slurm in SLURM_FIELDS.items():
+        value = getattr(spec, name)
+        if slurm.plain and value:
+            out.append(slurm.sbatch if value is True else f"{slurm.sbatch}={value}")
+    return out
 
 
 def log_name(spec: JobSpec, pattern: str) -> str:

@@ -17,25 +17,12 @@ from typing import Any, Literal
 from hpc_ddp.deploy.core import problem_list
 from hpc_ddp.deploy.launchers import LAUNCHERS
 from hpc_ddp.deploy.safe_text import control_problem
-from hpc_ddp.deploy.spec import JobSpec, time_limit_seconds
+from hpc_ddp.deploy.spec import SLURM_FIELDS, JobSpec, time_limit_seconds
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.private_paths import private_dir_problem
 
 Kind = Literal["submitit", "local"]
 
-# Fields the rendered sbatch script has and submitit replaces with its own mechanism.
-REPLACED = {
-    "output": "submitit writes every task's log in its folder (<job>_<task>_log.out/.err)",
-    "error": "submitit writes every task's log in its folder (<job>_<task>_log.out/.err)",
-    "per_rank_logs": "submitit always writes one log per task",
-    "signal": "submitit's warning signal is USR2 (the trainer is told to listen for it)",
-    "preflight": "submitit's sbatch script has no preflight step",
-}
-# Slurm settings that mean nothing without Slurm: the local executor ignores them (and says so).
-SLURM_ONLY = (
-    "name", "partition", "account", "qos", "constraint", "mem", "gpus_per_node", "gpu_binding",
-    "cpus_per_task", "workdir", "setup", "extra_sbatch", "exit_wait_s", "requeue",
-)  # fmt: skip
 # #SBATCH options submitit writes itself (its logs, its signal, its arrays): extra_sbatch may not.
 SUBMITIT_OWNED = ("output", "error", "open-mode", "signal", "array", "wckey")
 # submitit's minimum: one minute.
@@ -83,21 +70,20 @@ def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
             params["gpus_per_node"] = spec.gpus_per_node
     if spec.cpus_per_task:
         params["cpus_per_task"] = spec.cpus_per_task
-    if spec.partition:
-        params["slurm_partition"] = spec.partition
     params["slurm_signal_delay_s"] = spec.signal_lead_s or 90
-    for key in ("account", "qos", "constraint"):
-        if value := getattr(spec, key):
-            params[f"slurm_{key}"] = value
+    extra: dict[str, Any] = {"requeue": True}
+    for name, slurm in SLURM_FIELDS.items():  # the plain #SBATCH options that are set
+        if slurm.plain and (value := getattr(spec, name)):
+            if slurm.submitit:
+                params[slurm.submitit] = value
+            else:
+                extra[slurm.option] = value
     if spec.setup:
         params["slurm_setup"] = list(spec.setup)
     # srun --wait as in the rendered scripts: a stuck exit cannot hold the allocation.
     params["slurm_srun_args"] = [f"--wait={spec.exit_wait_s}"]
-    extra: dict[str, Any] = {"requeue": True}
     if spec.mem:
         extra["mem"] = spec.mem
-    if spec.workdir:
-        extra["chdir"] = spec.workdir
     extra.update(extra_sbatch_parameters(spec.extra_sbatch))
     params["slurm_additional_parameters"] = extra
     return params
@@ -105,29 +91,15 @@ def executor_parameters(spec: JobSpec, kind: Kind) -> dict[str, Any]:
 
 def refused(spec: JobSpec, kind: Kind) -> list[str]:
     """Why submitit cannot honour ``spec``, one line per field; empty when it can."""
-    p: list[str] = []
-    if spec.container is not None:
-        p.append(
-            "container: submitit runs the task with this Python, not in a container image; "
-            "submit a spec with a [container] table through --executor sbatch"
-        )
+    default = JobSpec()
+    p = [
+        f"{_shown(name, value)}: {slurm.refused}"
+        for name, slurm in SLURM_FIELDS.items()
+        if slurm.refused and (value := getattr(spec, name)) != getattr(default, name)
+    ]
     if not LAUNCHERS[spec.launcher].by_submitit:
         fits = " or ".join(f"launcher = {n!r}" for n, ln in LAUNCHERS.items() if ln.by_submitit)
         p.append(f"launcher: submitit starts one task per process itself; use {fits}")
-    if spec.resv_ports:
-        p.append("resv_ports: submitit's srun gets no reserved port; set resv_ports = false")
-    if not spec.requeue:
-        p.append("requeue = false: submitit requeues a preempted job itself (scontrol requeue)")
-    if spec.array:
-        p.append(
-            f"array {spec.array!r}: submitit writes --array itself; use Executor.map_array for "
-            "a sweep of functions, or --executor sbatch for an array of trainer runs"
-        )
-    if spec.python != "python":
-        p.append(
-            f"python {spec.python!r}: submitit runs the submitter's interpreter (it unpickles "
-            "the call); leave python at its default"
-        )
     if kind == "local" and spec.nodes != 1:
         p.append(
             f"nodes: the local executor runs on one machine; the spec asks for {spec.nodes} "
@@ -143,6 +115,14 @@ def refused(spec: JobSpec, kind: Kind) -> list[str]:
     return p
 
 
+def _shown(name: str, value: Any) -> str:
+    """A field and its value as a spec file writes them: ``requeue = false``, ``array '0-3'``;
+    a table by its name only."""
+    if isinstance(value, bool):
+        return f"{name} = {str(value).lower()}"
+    return f"{name} {value!r}" if isinstance(value, str | int) else name
+
+
 def extra_sbatch_parameters(options: list[str]) -> dict[str, Any]:
     """``["--exclusive", "--comment=x"]`` -> ``{"exclusive": True, "comment": "x"}``: the form of
     submitit's additional parameters (JobSpec has checked each option already)."""
@@ -156,17 +136,15 @@ def extra_sbatch_parameters(options: list[str]) -> dict[str, Any]:
 def not_used(spec: JobSpec, kind: Kind) -> list[str]:
     """The fields set in ``spec`` that this executor replaces or ignores, each with why."""
     default = JobSpec()
-    notes = [
-        f"{name}: {why}"
-        for name, why in REPLACED.items()
+    changed = [
+        (name, slurm)
+        for name, slurm in SLURM_FIELDS.items()
         if getattr(spec, name) != getattr(default, name)
     ]
+    notes = [f"{name}: {slurm.replaced}" for name, slurm in changed if slurm.replaced]
     if kind == "local":
-        notes += [
-            f"{name}: no Slurm under the local executor"
-            for name in SLURM_ONLY
-            if getattr(spec, name) != getattr(default, name)
-        ]
+        no_slurm = "no Slurm under the local executor"
+        notes += [f"{name}: {no_slurm}" for name, slurm in changed if slurm.slurm_only]
     return notes
 
 
