@@ -29,7 +29,7 @@ from hpc_ddp.deploy.safe_text import (
     control_problem,
     directive_problem,
 )
-from hpc_ddp.deploy.spec_fields import Slurm
+from hpc_ddp.deploy.spec_fields import Slurm, sbatch_option
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.schema import field_doc as _doc
 
@@ -175,6 +175,10 @@ class JobSpec(ProcessSpec):
                         slurm_only=True, text=DIRECTIVE),
         ),
     )  # fmt: skip
+    reservation: str = sbatch_option("--reservation", "run in this reservation")
+    exclusive: bool = sbatch_option("--exclusive", "no other job on the nodes", default=False)
+    mail_type: str = sbatch_option("--mail-type", "mail on these events, e.g. END,FAIL")
+    mail_user: str = sbatch_option("--mail-user", "whom the mail goes to")
     time: str = field(
         default="01:00:00",
         metadata=_doc(
