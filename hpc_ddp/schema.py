@@ -8,7 +8,8 @@ API (``from_mapping``), TOML/JSON loading (``load_file``) and the argparse flags
 Coercion rules (the same for every class): an int field takes an integer (not a bool, not a
 float); a float field takes an int or a float; a bool field takes true/false only; a str field a
 string; ``list[str]`` a list of strings (or, for fields marked ``split=","``, one comma-separated
-string); ``dict[str, str]`` a table whose values are strings or numbers; ``X | None`` also None;
+string); ``dict[str, str]`` a table whose values are strings or numbers; ``int | str`` an
+integer or a string (the class reads the string's form); ``X | None`` also None;
 a ``Literal`` of strings takes a string (the class itself says which ones are valid, so that all
 of its problems are reported together, with its own field names). A field whose type is another
 settings dataclass is a nested table (``[container]`` in TOML) checked by the same rules; its
@@ -322,7 +323,18 @@ def coerce(
                 raise TypeError(f"{k}: expected a string value, got {v!r}")
             out[str(k)] = str(v)
         return out
+    if _number_or_text(kind):
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise TypeError(f"expected an integer or a string, got {_shown(value)}")
     raise TypeError(f"unsupported field type {kind}")  # pragma: no cover - a schema bug
+
+
+def _number_or_text(kind: Any) -> bool:
+    """Whether ``kind`` is ``int | str``: a number, or a text of its own form (a field's class
+    checks which, e.g. JobSpec's nodes "1-4")."""
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    return union and set(typing.get_args(kind)) == {int, str}
 
 
 def from_mapping(
@@ -520,6 +532,8 @@ def add_arguments(
         elif (choices := literal_choices(kind)) is not None:
             # No argparse choices: the class reports a wrong value with its other problems.
             parser.add_argument(*flags_of(f), metavar="{" + ",".join(choices) + "}", **kw)
+        elif _number_or_text(kind):  # the class reads the text ("4", "1-4") itself
+            parser.add_argument(*flags_of(f), type=str, metavar="VALUE", **kw)
         elif kind in (int, float):
             metavar = "N" if kind is int else "X"
             parser.add_argument(*flags_of(f), type=flag_type(cls, f.name), metavar=metavar, **kw)

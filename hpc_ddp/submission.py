@@ -34,7 +34,7 @@ def choose_slurm_target(
 
 
 def _for_spec(spec: JobSpec) -> dict[str, str]:
-    return dict(choose_slurm_target(spec.nodes, spec.gpus_per_node, say=sys.stderr).env)
+    return dict(choose_slurm_target(spec.node_range[0], spec.gpus_per_node, say=sys.stderr).env)
 
 
 class Executor(submitit_executor.Executor):

@@ -114,6 +114,7 @@ def _directive(key: str, option: str) -> Field:
 PLAIN_OPTIONS = [name for name, s in SLURM_FIELDS.items() if s.plain and s.text == DIRECTIVE]
 RENDER_FIELDS = [
     Field("name", _key("name"), "name", ("--job-name={v}",)),
+    Field("nodes", _key("nodes"), "nodes", ("--nodes={v}",)),
     *(_directive(k, k) for k in ("time", "mem", "array", "output", "error")),
     *(_directive(name, SLURM_FIELDS[name].option) for name in PLAIN_OPTIONS),
     Field("extra_sbatch", _key_list("extra_sbatch"), "extra_sbatch[0]", ("{v}",), "--comment={p}"),

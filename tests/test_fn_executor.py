@@ -73,6 +73,7 @@ def test_map_array_runs_one_local_job_per_element(tmp_path: Path, importable: No
         ({"extra_sbatch": ["--output=x.log"]}, r"extra_sbatch\[0\] '--output=x.log'"),
         ({"extra_sbatch": ["--array=0-3"]}, "submitit writes --array itself"),
         ({"mem": "lots"}, "mem 'lots'"),
+        ({"nodes": "1-2"}, "nodes '1-2': submitit counts a job's tasks"),
         ({"slurm_no_such_thing": 1}, "submitit refused the executor's parameters"),
     ],
 )

@@ -74,10 +74,10 @@ def test_all_problems_are_reported_at_once() -> None:
 
 def test_unknown_keys_and_wrong_types_name_the_valid_keys() -> None:
     with pytest.raises(ConfigError) as err:
-        JobSpec.from_mapping({"gpu_per_node": 2, "nodes": "2"})
+        JobSpec.from_mapping({"gpu_per_node": 2, "cpus_per_task": "2"})
     text = str(err.value)
     assert "did you mean 'gpus_per_node'" in text
-    assert "nodes: expected an integer" in text
+    assert "cpus_per_task: expected an integer" in text
     assert "valid keys:" in text and "gpus_per_process" in text
 
 
@@ -182,6 +182,67 @@ def test_optional_directives_only_when_set() -> None:
         "--mem=64G",
     ):
         assert want in full
+
+
+@pytest.mark.parametrize(
+    ("kw", "layout"),
+    [
+        (dict(gpus_per_node=8), "one process per GPU (srun): 1-4 nodes x 8 GPUs = 8-32 processes"),
+        (
+            dict(gpus_per_node=8, gpus_per_process=8),
+            "one process per node driving 8 GPUs: 1-4 nodes = 1-4 processes",
+        ),
+        (dict(procs_per_node=2), "CPU/Gloo (srun): 1-4 nodes x 2 processes = 2-8 processes"),
+        (
+            dict(gpus_per_node=8, launcher="torchrun"),
+            "torchrun, one task per node: 1-4 nodes x 8 GPUs = 8-32 processes",
+        ),
+    ],
+    ids=["per-gpu", "per-node", "cpu", "torchrun"],
+)
+def test_a_range_of_nodes_is_asked_of_slurm_and_read_back_when_the_job_runs(
+    kw: dict, layout: str
+) -> None:
+    """sbatch gets MIN-MAX; every step and torchrun's rendezvous take the number Slurm gave
+    the job, read when it runs; the spec's number appears nowhere else."""
+    text = render(JobSpec(nodes="1-4", **kw))
+    assert "--nodes=1-4" in _directives(text)
+    assert f"# Layout: {layout}\n" in text
+    steps = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(steps) == 2  # the preflight and the training step
+    assert all(' --nodes="${SLURM_JOB_NUM_NODES}" ' in line for line in steps), steps
+    assert re.findall(r"--nodes=\S+", text) == [
+        "--nodes=1-4",
+        *['--nodes="${SLURM_JOB_NUM_NODES}"'] * 2,
+    ]
+    if kw.get("launcher") == "torchrun":
+        assert 'torchrun --nnodes="${SLURM_JOB_NUM_NODES}"' in text
+    proc = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    fixed = render(JobSpec(nodes=4, **kw))  # one number: the script says it
+    assert 'SLURM_JOB_NUM_NODES}" --ntasks' not in fixed and " --nodes=4 " in fixed
+
+
+@pytest.mark.parametrize("nodes", ["0-2", "2-1", "1-65537", "1-", "-2", "1-2-3", "1 - 2", "a", 0])
+def test_a_range_of_nodes_outside_1_to_the_bound_is_refused(nodes: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        JobSpec(nodes=nodes)
+    assert f"nodes={nodes}" in err.value.message or f"nodes {nodes!r}" in err.value.message
+    assert "MIN-MAX" in err.value.message
+
+
+def test_render_says_the_range_of_processes(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    proc = _cli("render", "-N", "1-2", "--procs-per-node", "2", "--script-out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out} (cpu, 2-4 processes)" in proc.stderr
+    assert "#SBATCH --nodes=1-2\n" in out.read_text()
+
+
+def test_nodes_as_text_or_an_equal_range_is_one_number() -> None:
+    assert JobSpec(nodes="3").nodes == 3 and JobSpec(nodes="3-3").nodes == 3
+    spec = build_spec(overrides={"nodes": "2-3"})
+    assert (spec.nodes, spec.node_range, spec.world_text) == ("2-3", (2, 3), "2-3")
 
 
 def test_arguments_are_quoted_once() -> None:

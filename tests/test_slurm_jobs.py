@@ -187,6 +187,31 @@ def test_dead_rank_ends_the_job_instead_of_hanging(slurm_cluster, tmp_path: Path
     assert "task 1: Exited with exit code 3" in out.read_text()
 
 
+def test_a_range_of_nodes_runs_on_what_slurm_gives_and_every_rank_sees_it(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """nodes = "1-3" on this 2-node cluster: Slurm gives the job fewer nodes than its MAX, the
+    batch shell reads how many, and every rank's world, node rank and placement follow that
+    number (the preflight as the program)."""
+    spec = JobSpec(
+        name="range", nodes="1-3", procs_per_node=2, module="hpc_ddp.deploy.preflight",
+        python=sys.executable, output="%x-%j.out", time="5", preflight=False,
+        setup=['echo "hpc-ddp test: Slurm gave ${SLURM_JOB_NUM_NODES} node(s)"'],
+    )  # fmt: skip
+    job_id, out = submit_spec(spec, tmp_path, slurm_cluster.env)
+    done = wait_job(job_id, slurm_cluster.env, timeout_s=60, output=out)
+    log = out.read_text()
+    assert (done.state, done.exit_code) == ("COMPLETED", 0), log
+    given = re.search(r"Slurm gave (\d+) node", log)
+    assert given is not None and 1 <= int(given.group(1)) <= 2, log
+    nodes = int(given.group(1))
+    ranks = _ranks(log)
+    assert sorted(ranks) == list(range(2 * nodes)), log
+    for rank, g in ranks.items():
+        assert (g[1], g[3], g[5]) == (str(2 * nodes), "2", str(nodes)), g  # world, local, nodes
+        assert int(g[4]) == rank // 2 and g[6] == f"node{rank // 2 + 1}", g
+
+
 @pytest.mark.parametrize(
     ("kw", "per_rank"),
     [

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     write_atomic(Path(args.script_out), text, force=args.force, mode=0o755)
-    print(f"wrote {args.script_out} ({spec.layout}, {spec.world_size} processes)", file=sys.stderr)
+    print(f"wrote {args.script_out} ({spec.layout}, {spec.world_text} processes)", file=sys.stderr)
     # Imported here: printing a script to stdout does not pay for it.
     from hpc_ddp.deploy.job_assumptions import of_spec, summary_lines
 

@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.text, end="")
         return 0
-    # A rendered script's needs are in its #SBATCH lines, which Slurm itself holds it to.
-    nodes, gpus = (spec.nodes, spec.gpus_per_node) if isinstance(spec, JobSpec) else (1, 0)
+    # A rendered script's needs are in its #SBATCH lines, which Slurm itself holds it to; a
+    # range of nodes needs its MIN.
+    nodes, gpus = (spec.node_range[0], spec.gpus_per_node) if isinstance(spec, JobSpec) else (1, 0)
     slurm = choose_slurm_target(nodes, gpus) if info.needs_slurm else None
     cluster_env = None if slurm is None else dict(slurm.env)
     follow = None if args.quiet else sys.stdout

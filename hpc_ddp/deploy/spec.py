@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from hpc_ddp import schema
-from hpc_ddp.deploy.core import ProcessSpec, problem_list
+from hpc_ddp.deploy.core import NODES, ProcessSpec, problem_list
 from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS
 from hpc_ddp.deploy.safe_text import (
     CHOICE,
@@ -58,6 +58,8 @@ _ARRAY_ITEM = r"\d+(-\d+(:\d+)?)?"
 _ARRAY = re.compile(rf"{_ARRAY_ITEM}(,{_ARRAY_ITEM})*(%\d+)?", re.ASCII)
 # One #SBATCH option, long form: --exclusive or --gres=gpu:a100:8 (the value is checked further).
 _EXTRA_SBATCH = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.+)?")
+# A number of nodes, or Slurm's range MIN-MAX (at most 8 digits each: any more is out of range).
+_NODES = re.compile(r"(\d{1,8})(?:-(\d{1,8}))?", re.ASCII)
 
 
 # Seconds Slurm takes for a signal's lead (sbatch --signal=SIG@0..65535).
@@ -67,7 +69,6 @@ LEAD_S = schema.Range(0, 65535, why="Slurm's limit")
 # How the fields JobSpec takes from ProcessSpec reach Slurm (its own fields say it themselves).
 _PROCESS_FIELDS: Mapping[str, Slurm] = MappingProxyType(
     {
-        "nodes": Slurm(sbatch="--nodes", submitit="nodes"),
         "gpus_per_node": Slurm(
             sbatch="--gpus-per-node (or --gpus-per-task, gpu_binding)",
             submitit="gpus_per_node (or slurm_gpus_per_task)",
@@ -110,6 +111,15 @@ class JobSpec(ProcessSpec):
     Each field says in its metadata how it reaches Slurm (``slurm``, hpc_ddp.deploy.spec_fields);
     ``SLURM_FIELDS`` holds them all."""
 
+    nodes: int | str = field(
+        default=1,
+        metadata=_doc(
+            f"number of nodes, {NODES.bounds()}, or a range MIN-MAX (1-4): the job starts on "
+            "what Slurm gives it",
+            "-N",
+            slurm=Slurm(sbatch="--nodes", submitit="nodes (a range is refused)", text=PATTERN),
+        ),
+    )
     name: str = field(
         default="hpc-ddp",
         metadata=_doc(
@@ -318,12 +328,56 @@ class JobSpec(ProcessSpec):
 
     def __post_init__(self) -> None:
         self._adopt_container_table()
-        problems = self.core_problems() + _check(self)
+        problems = self._settle_nodes() + self.core_problems() + _check(self)
         if problems:
             raise ConfigError(
                 "invalid job spec:" + problem_list(problems),
                 hint="fix the values above; `hpc-ddp render --help` lists every field",
             )
+
+    def _settle_nodes(self) -> list[str]:
+        """``nodes`` as one number (an int, also from "4" or "4-4"), or a range's text
+        "MIN-MAX" with MIN < MAX; else why not. Called first in ``__post_init__``."""
+        value = self.nodes
+        found = _NODES.fullmatch(value) if isinstance(value, str) else None
+        if found:
+            low, high = int(found.group(1)), int(found.group(2) or found.group(1))
+            if 1 <= low <= high <= NODES.hi:
+                settled = low if low == high else f"{low}-{high}"
+                object.__setattr__(self, "nodes", settled)  # frozen: settled once, here
+                return []
+        elif isinstance(value, int) and not isinstance(value, bool):
+            problem = NODES.problem("nodes", value, int)
+            return [f"{problem}, or a range MIN-MAX such as 1-4"] if problem else []
+        return [
+            f"nodes {value!r}: expected a number of nodes or a range MIN-MAX such as 1-4, "
+            f"with 1 <= MIN <= MAX <= {NODES.hi:g}"
+        ]
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) of the nodes the job may start on; one number gives MIN = MAX."""
+        if isinstance(self.nodes, str):
+            low, _, high = self.nodes.partition("-")
+            return int(low), int(high)
+        return self.nodes, self.nodes
+
+    @property
+    def nodes_vary(self) -> bool:
+        """Whether Slurm chooses the number of nodes (a range): the script must read it then."""
+        return isinstance(self.nodes, str)
+
+    @property
+    def world_size(self) -> int:
+        """The processes of the job on its fewest nodes (a range's world is known only when the
+        job starts; ``world_text`` says both ends)."""
+        return self.node_range[0] * self.ppn
+
+    @property
+    def world_text(self) -> str:
+        """The number of processes, "8", or its range, "4-8"."""
+        low, high = self.node_range
+        return str(low * self.ppn) if low == high else f"{low * self.ppn}-{high * self.ppn}"
 
     @property
     def layout(self) -> Layout:

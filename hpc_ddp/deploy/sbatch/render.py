@@ -54,7 +54,7 @@ class RenderContext:
 
 def layout_text(spec: JobSpec) -> str:
     n, g, ppn = spec.nodes, spec.gpus_per_node, spec.ppn
-    total = f"{spec.world_size} process{'es' if spec.world_size != 1 else ''}"
+    total = f"{spec.world_text} process{'es' if spec.world_text != '1' else ''}"
     if spec.layout == "torchrun":
         dev = f"{g} GPUs" if g else f"{ppn} CPU processes"
         return f"torchrun, one task per node: {n} nodes x {dev} = {total}"
@@ -205,6 +205,15 @@ def _task_exec(spec: JobSpec) -> str:
 
 
 def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
+    """srun and its options, as shell words: quoted, but for the number of nodes of a range,
+    which only Slurm knows once the job runs."""
+    spec_nodes = f"--nodes={spec.nodes}"
+    runtime = '--nodes="${SLURM_JOB_NUM_NODES}"' if spec.nodes_vary else spec_nodes
+    options = _srun_options(spec, logs=logs)
+    return [runtime if word == spec_nodes else shlex.quote(word) for word in options]
+
+
+def _srun_options(spec: JobSpec, *, logs: bool) -> list[str]:
     argv = ["srun", "--kill-on-bad-exit=1", f"--wait={spec.exit_wait_s}"]
     tasks_per_node = LAUNCHERS[spec.launcher].tasks_per_node(spec)
     argv += [f"--nodes={spec.nodes}", f"--ntasks-per-node={tasks_per_node}"]
@@ -222,8 +231,8 @@ def _srun_prefix(spec: JobSpec, *, logs: bool = True) -> list[str]:
 
 def step_command(spec: JobSpec) -> str:
     launcher = LAUNCHERS[spec.launcher]
-    argv = [*_srun_prefix(spec), *_step_exec(spec), *launcher.step_argv(spec)]
-    return _wrap(shlex.join(argv)) + array_run_dir(spec)
+    argv = [*_step_exec(spec), *launcher.step_argv(spec)]
+    return _wrap([*_srun_prefix(spec), *map(shlex.quote, argv)]) + array_run_dir(spec)
 
 
 def array_run_dir(spec: JobSpec) -> str:
@@ -242,8 +251,8 @@ def preflight_command(spec: JobSpec) -> str:
     """The same task geometry as the training step, running the torch-free preflight."""
     if not spec.preflight:
         return ""
-    argv = [*_srun_prefix(spec, logs=False), *_container_exec(spec), spec.python]
-    return _wrap(shlex.join([*argv, "-m", "hpc_ddp.deploy.preflight"]))
+    argv = [*_container_exec(spec), spec.python, "-m", "hpc_ddp.deploy.preflight"]
+    return _wrap([*_srun_prefix(spec, logs=False), *map(shlex.quote, argv)])
 
 
 def container_env_lines(spec: JobSpec) -> list[str]:
@@ -262,12 +271,10 @@ def port_command(spec: JobSpec) -> str:
     return shlex.join(argv)
 
 
-def _wrap(line: str, width: int = 100) -> str:
-    """Break a long command at argument boundaries, with ``\\`` continuations."""
-    words = shlex.split(line)
-    quoted = [shlex.quote(w) for w in words]
+def _wrap(words: list[str], width: int = 100) -> str:
+    """Shell words (quoted already) as one command, broken at word boundaries with ``\\``."""
     lines, cur = [], ""
-    for word in quoted:
+    for word in words:
         if cur and len(cur) + 1 + len(word) > width - 2:
             lines.append(cur)
             cur = "  " + word

@@ -100,7 +100,13 @@ def refused(spec: JobSpec, kind: Kind) -> list[str]:
     if not LAUNCHERS[spec.launcher].by_submitit:
         fits = " or ".join(f"launcher = {n!r}" for n, ln in LAUNCHERS.items() if ln.by_submitit)
         p.append(f"launcher: submitit starts one task per process itself; use {fits}")
-    if kind == "local" and spec.nodes != 1:
+    if spec.nodes_vary:
+        p.append(
+            f"nodes {spec.nodes!r}: submitit counts a job's tasks (nodes x tasks per node) when "
+            "it submits it and waits for the result of each; give one number of nodes, or "
+            "use --executor sbatch, whose script reads the number Slurm gave the job"
+        )
+    elif kind == "local" and spec.nodes != 1:
         p.append(
             f"nodes: the local executor runs on one machine; the spec asks for {spec.nodes} "
             "nodes (set nodes = 1, or use --executor submitit)"
