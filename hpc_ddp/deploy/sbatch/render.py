@@ -46,6 +46,7 @@ class RenderContext:
     task_exec: str
     container_env_lines: list[str]
     requeue_from_batch: bool
+    reads_marker: bool  # the launcher does not pass its workers' exit status on
     requeue_marker: str  # torchrun layout: the marker's path, as shell words; else ""
     requeue_marker_line: str  # what the marker must hold, in double quotes
     exit_requeue: int = EXIT_REQUEUE
@@ -301,6 +302,7 @@ def render(spec: JobSpec, *, command: str = DEFAULT_COMMAND) -> str:
         task_exec=_task_exec(spec),
         container_env_lines=container_env_lines(spec),
         requeue_from_batch=requeue_from_batch(spec),
+        reads_marker=LAUNCHERS[spec.launcher].reads_marker,
         requeue_marker=marker[0],
         requeue_marker_line=marker[1],
     )
