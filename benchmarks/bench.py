@@ -251,7 +251,7 @@ class Bench:
                 "before": written - res["result"]["wall_seconds"],
                 "after": res["wall_s"] - written,
             }
-            from hpc_ddp.run_paths import RunPaths
+            from hpc_ddp.run_dir.paths import RunPaths
 
             # Each epoch's seconds and their split: where a slower repeat's time went.
             rows = RunPaths(run_dir).metrics.read_text().splitlines()

@@ -83,7 +83,7 @@ T_TORCH = time.time()
 import hpc_ddp.dist as hdist  # noqa: E402
 from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.checkpoint import checkpointer  # noqa: E402
-from hpc_ddp.run_paths import RunPaths  # noqa: E402
+from hpc_ddp.run_dir.paths import RunPaths  # noqa: E402
 from hpc_ddp.train import (  # noqa: E402
     config,
     cuda_graphs,

@@ -51,7 +51,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "DryRun": ("hpc_ddp.deploy.backend", "DryRun"),
     "Job": ("hpc_ddp.deploy.backend", "Job"),
     "Finished": ("hpc_ddp.deploy.backend", "Finished"),
-    "RunPaths": ("hpc_ddp.run_paths", "RunPaths"),
+    "RunPaths": ("hpc_ddp.run_dir", "RunPaths"),
     # job control after submission (torch-free)
     "attach_job": ("hpc_ddp.deploy.control", "attach_job"),
     "job_report": ("hpc_ddp.deploy.control", "job_report"),
@@ -173,7 +173,7 @@ if TYPE_CHECKING:
     from hpc_ddp.localslurm.daemons import LocalCluster
     from hpc_ddp.localslurm.embedded import ensure_local_cluster
     from hpc_ddp.node_checks import Check, doctor
-    from hpc_ddp.run_paths import RunPaths
+    from hpc_ddp.run_dir import RunPaths
     from hpc_ddp.runtime.evaluation import evaluate
     from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
     from hpc_ddp.runtime.preemption import Preemption

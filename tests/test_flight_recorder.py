@@ -30,7 +30,7 @@ from hpc_ddp.deploy.flight_recorder import flight_recorder_env, read_dump, repor
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import NCCL_TRACE
+from hpc_ddp.run_dir.paths import NCCL_TRACE
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_DIST = "/venv/lib/python3.12/site-packages/torch/distributed"

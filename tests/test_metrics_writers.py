@@ -42,11 +42,11 @@ from trainer_helpers import (
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.free_ports import free_ports
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.marker import claim_run_dir
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.slurm_client import wait_for
 from hpc_ddp.train.metric_records import Record
 from hpc_ddp.train.metrics_csv import COLUMNS, CsvWriter
-from hpc_ddp.train.run_marker import claim_run_dir
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 FORMATS = "csv,tensorboard" if HAVE_TENSORBOARD else "csv"

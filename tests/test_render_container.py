@@ -25,7 +25,7 @@ from hpc_ddp.deploy.shell.host_scripts import host_script, payload_argv
 from hpc_ddp.deploy.shell.spec import make_spec
 from hpc_ddp.deploy.spec import JobSpec, build_spec
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.runtime.preemption import requeue
 from hpc_ddp.train.config import TrainConfig
 
@@ -253,7 +253,7 @@ def test_launch_cli_takes_the_container_flags(tmp_path: Path, capsys) -> None:
 # marker and then success (exit 0: nothing to requeue, whatever the marker says).
 TORCHRUN_STUB = """import os, sys
 from hpc_ddp.runtime.preemption import requeue
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 if os.environ["CASE"] != "crashed":
     print(requeue("auto", run_paths=RunPaths("run")))
 sys.exit(0 if os.environ["CASE"] == "finished" else 1)

@@ -26,7 +26,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train.run_marker import FORMAT, MARKER, claim_run_dir
+from hpc_ddp.run_dir.marker import FORMAT, MARKER, claim_run_dir
 
 NOBODY = 65534
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from trainer_helpers import job_env, train_args
 
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 
 def test_import_is_torch_free() -> None:
-    code = "import sys, hpc_ddp.run_paths; print('torch' in sys.modules)"
+    code = "import sys, hpc_ddp.run_dir; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -48,21 +48,21 @@ def test_a_real_run_leaves_every_file_where_run_paths_says(tmp_path: Path, data_
     assert os.fspath(paths) == str(paths.root)
 
 
-def test_each_name_is_spelled_only_in_run_paths() -> None:
+def test_each_name_is_spelled_only_in_the_run_dir_paths() -> None:
     """No other module of the package spells a run dir name: the trainer, the checkpoints and
     deploy read them from RunPaths, so the layout cannot drift between them."""
-    from hpc_ddp import run_paths
+    from hpc_ddp.run_dir import paths
 
-    names = [run_paths.MARKER, run_paths.LOCK, run_paths.LOCK_OWNER, run_paths.CONFIG]
-    names += [run_paths.PROGRESS, run_paths.METRICS, run_paths.RESULT, run_paths.PLOT]
-    names += [run_paths.METRICS_CSV]  # TENSORBOARD is also the format's and package's name
-    names += [run_paths.CHECKPOINTS, run_paths.LATEST, run_paths.MANIFEST]
-    names += [run_paths.REQUEUE_MARKER_PREFIX]
-    package = Path(run_paths.__file__).parent
+    names = [paths.MARKER, paths.LOCK, paths.LOCK_OWNER, paths.CONFIG]
+    names += [paths.PROGRESS, paths.METRICS, paths.RESULT, paths.PLOT]
+    names += [paths.METRICS_CSV]  # TENSORBOARD is also the format's and package's name
+    names += [paths.CHECKPOINTS, paths.LATEST, paths.MANIFEST]
+    names += [paths.REQUEUE_MARKER_PREFIX]
+    package = Path(paths.__file__).parents[1]
     spelled = [
         f"{path.relative_to(package)}:{node.lineno}: {node.value}"
         for path in sorted(package.rglob("*.py"))
-        if path.name != "run_paths.py"
+        if path != Path(paths.__file__)
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant) and node.value in names
     ]

@@ -1,4 +1,4 @@
-"""The run directory's identity check (train/rundir.py) across versions of config.json."""
+"""The run directory's identity check (train/run_dir_rules.py) across versions of config.json."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.run_dir import RunDirLock, claim_run_dir
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.run_marker import claim_run_dir
-from hpc_ddp.train.rundir import open_run_dir
+from hpc_ddp.train.run_dir_rules import open_run_dir
 
 
 def started_run(run_dir: Path, cfg: TrainConfig, drop: str) -> None:

@@ -1,4 +1,9 @@
-"""Atomic, verified, barrier-safe checkpoints for DDP jobs. See docs/checkpoints.md."""
+"""Atomic, verified, barrier-safe checkpoints for DDP jobs. See docs/checkpoints.md.
+
+The run directory's lock is exported here too, as the checkpoints' users take it beside them
+(it lives with the run directory, ``hpc_ddp.run_dir``)."""
+
+from hpc_ddp.run_dir import RunDirLock, RunDirLockedError, RunDirUnwritableError
 
 from .checkpointer import Checkpointer, Staged
 from .errors import (
@@ -6,12 +11,9 @@ from .errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointWriteError,
-    RunDirLockedError,
-    RunDirUnwritableError,
     UnsafeCheckpointContentError,
 )
 from .loader import Loaded
-from .lock import RunDirLock
 
 __all__ = [
     "CheckpointCorruptError",

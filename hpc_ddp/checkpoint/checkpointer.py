@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpc_ddp.log import get_logger
 
-from . import layout
+from . import committed
 from .asyncsave import BackgroundSave, SaveWorker, Snapshot, start_snapshot
 from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
@@ -149,7 +149,7 @@ class Checkpointer:
             check_plain(per_rank, "per_rank")
             if self.rank == 0:
                 state["shared"] = prepare_shared(shared)
-                layout.clean_leftovers(self.root, self.log)
+                committed.clean_leftovers(self.root, self.log)
                 with raising_io("create", tmp):
                     tmp.mkdir()
                     fsync_dir(self.root)
@@ -312,7 +312,7 @@ class Checkpointer:
             raise
         self._on_phase("renamed")
         try:
-            layout.write_latest(self.root, final.name)
+            committed.write_latest(self.root, final.name)
         except BaseException:
             # Not committed: drop the directory so the next load does not have to explain it.
             remove_tree(final, self.log)
@@ -321,8 +321,8 @@ class Checkpointer:
         nbytes = sum(size for size, _ in files.values())
         self.log(f"checkpoint: saved {final} ({nbytes / 2**20:.1f} MiB, {len(files)} files)")
         try:
-            layout.clean_leftovers(self.root, self.log)
-            layout.prune(self.root, step, self.keep, self.log)
+            committed.clean_leftovers(self.root, self.log)
+            committed.prune(self.root, step, self.keep, self.log)
         except OSError as exc:  # the checkpoint is committed; pruning can wait for next time
             self.warn(f"checkpoint: pruning failed ({exc}); will retry at the next save")
 

@@ -23,11 +23,3 @@ class CheckpointMismatchError(CheckpointError):
 
 class UnsafeCheckpointContentError(CheckpointError):
     """Part of the state is not plain data: ``torch.load(weights_only=True)`` would refuse it."""
-
-
-class RunDirLockedError(HpcDdpError):
-    """Another process holds the run directory."""
-
-
-class RunDirUnwritableError(HpcDdpError):
-    """The run directory cannot be written (permissions, a read-only file system)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import committed
 from .comm import Agreement, dist_ready, dist_same_int
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .manifest import (
@@ -59,7 +59,7 @@ class Loaded:
 def candidates(root: Path, log: Log) -> list[Path]:
     """Directories to try, best first, with a log line for every one skipped up front."""
     dirs = step_dirs(root)
-    name, problem = layout.read_latest(root)
+    name, problem = committed.read_latest(root)
     if problem:
         log(f"checkpoint: {problem}; trying every step directory, newest first")
         return [path for _, path in dirs]
@@ -175,7 +175,7 @@ def load_latest(
 ) -> Loaded | None:
     """Load on every rank; all ranks must end on the same checkpoint or all raise."""
     if rank == 0 and root.is_dir():
-        layout.clean_leftovers(root, log)
+        committed.clean_leftovers(root, log)
     loaded = _choose(root, rank, map_location, expect, agree, log) if root.is_dir() else None
     step = loaded.step if loaded else -1
     if world_size > 1 and dist_ready(world_size) and not dist_same_int(step):

@@ -1,4 +1,4 @@
-"""Names inside a checkpoint directory (the run dir's are hpc_ddp.run_paths'), and the
+"""Names inside a checkpoint directory (the run dir's are hpc_ddp.run_dir.paths'), and the
 manifest that makes a checkpoint self-verifying.
 
 ``manifest.json`` is written last, after every payload file is on disk and hashed, and it
@@ -23,7 +23,7 @@ import torch
 
 import hpc_ddp
 from hpc_ddp.regular_file import open_regular, read_small
-from hpc_ddp.run_paths import MANIFEST, STEP_PREFIX, step_dir_name
+from hpc_ddp.run_dir.paths import MANIFEST, STEP_PREFIX, step_dir_name
 
 from .errors import CheckpointError
 from .fsutil import sha256_stream

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hpc_ddp import regular_file
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 
 @dataclass(frozen=True)

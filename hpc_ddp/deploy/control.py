@@ -34,7 +34,7 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.submission_env import submission_env
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.polling import poll_until
-from hpc_ddp.run_paths import PROGRESS_SLURM_JOB, RunPaths
+from hpc_ddp.run_dir.paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.slurm_client import (
     MAX_RESTARTS,
     TERMINAL,

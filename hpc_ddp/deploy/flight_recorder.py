@@ -46,7 +46,7 @@ from typing import Any
 from hpc_ddp import regular_file
 from hpc_ddp.deploy import plain_pickle
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import FR_DUMP_FILE_VAR, NCCL_TRACE, RunPaths
+from hpc_ddp.run_dir.paths import FR_DUMP_FILE_VAR, NCCL_TRACE, RunPaths
 
 DUMP_PREFIX = "rank_"
 # Entries kept per rank: enough to cover a few training steps of a DDP model (one all-reduce

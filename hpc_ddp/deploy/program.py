@@ -35,7 +35,7 @@ from hpc_ddp.errors import HpcDdpError
 
 if TYPE_CHECKING:
     from hpc_ddp.deploy.doctor import Check
-    from hpc_ddp.run_paths import RunPaths
+    from hpc_ddp.run_dir.paths import RunPaths
 
 ENTRY_POINT_GROUP = "hpc_ddp.programs"
 # The most lines a result.json of a program without its own lines shows (its scalar fields).
@@ -87,7 +87,7 @@ class ProgramHook:
         """Its run dir when it starts in ``workdir`` with ``args`` (a settings file read as the
         program reads it, relative to ``workdir``); None if it has none. Raises ConfigError for
         arguments the program would refuse, or a settings file it could not read."""
-        from hpc_ddp.run_paths import RunPaths
+        from hpc_ddp.run_dir.paths import RunPaths
 
         run_dir = self.flags(args).run_dir or self.default_run_dir
         return None if run_dir is None else RunPaths(Path(workdir) / run_dir)

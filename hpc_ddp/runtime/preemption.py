@@ -21,7 +21,7 @@ from hpc_ddp.env_vars import REQUEUE_BY_BATCH, REQUEUE_BY_BATCH_MARKER, REQUEUE_
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.run_paths import RunPaths, requeue_marker_line
+from hpc_ddp.run_dir.paths import RunPaths, requeue_marker_line
 
 _COUNT = re.compile(r"[0-9]{1,20}", re.ASCII)  # a Slurm job id or restart count
 

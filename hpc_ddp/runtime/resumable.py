@@ -33,7 +33,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from hpc_ddp.checkpoint import Checkpointer
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
 from hpc_ddp.runtime.preemption import Preemption, requeue

@@ -32,7 +32,7 @@ METRICS_FORMATS = ("jsonl", "csv", "tensorboard")
 
 # Settings that define *which* run this is. Resuming (or re-entering a finished run dir) with any
 # of them changed would silently mix two experiments, so the trainer refuses instead. ``epochs``
-# is where the run ends, not which run it is: a run continues to a new end (rundir.py).
+# is where the run ends, not which run it is: a run continues to a new end (run_dir_rules.py).
 IDENTITY_KEYS = (
     "dataset",
     "synthetic",

@@ -2,7 +2,7 @@
 
 ``hpc-ddp train`` (alone or with ``--nproc-per-node``) asks :func:`finished_result` before it
 imports torch. A run dir whose ``result.json`` belongs to a run with this command's identity
-settings (``config.IDENTITY_KEYS``, the rule ``rundir.open_run_dir`` applies) that trained at
+settings (``config.IDENTITY_KEYS``, the rule ``run_dir_rules.open_run_dir`` applies) that trained at
 least this command's ``--epochs`` is finished: ``result.json`` is written after the last
 checkpoint committed, and stays until a trainer continues the run to more epochs (removed with
 that trainer's first checkpoint, written again at the new end); the run dir rules never let
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import finished_epochs, read_json, summary_lines
 
@@ -47,7 +47,7 @@ def finished_result(cfg: TrainConfig) -> dict[str, Any] | None:
         return None
     done = finished_epochs(result)
     if done is None or done < cfg.epochs or not isinstance(recorded, dict):
-        return None  # more epochs: the trainer continues the run (rundir.open_run_dir)
+        return None  # more epochs: the trainer continues the run (run_dir_rules.open_run_dir)
     if cfg.identity_changes(recorded):
         return None
     return result

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_ddp import extras, regular_file
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.metric_records import Record, records_at
 

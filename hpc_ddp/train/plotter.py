@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train import results
 
 log = get_logger("train")

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from hpc_ddp.deploy.doctor import FAIL, OK, WARN, Check
 from hpc_ddp.deploy.program import JobNeeds, ProgramFlags, ProgramHook
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train import config, results
 
 

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_paths import PROGRESS_SLURM_JOB, RunPaths
+from hpc_ddp.run_dir.paths import PROGRESS_SLURM_JOB, RunPaths
 from hpc_ddp.runtime.preemption import slurm_job_to_requeue
 from hpc_ddp.slurm_client import MAX_RESTARTS, is_job_id
 from hpc_ddp.train import results

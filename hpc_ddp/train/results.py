@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from hpc_ddp import regular_file
 from hpc_ddp.private_paths import replace_file
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 # What a finished run shows of its result.json: the trainer at its end, a re-run of a finished
 # run's command (hpc_ddp.train.finished) and ``hpc-ddp submit`` print these lines.

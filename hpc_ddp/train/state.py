@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpc_ddp.checkpoint import Checkpointer
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.shard_plan import ShardPlan

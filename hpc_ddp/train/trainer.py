@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from hpc_ddp.checkpoint import RunDirLock, Staged
-from hpc_ddp.checkpoint.layout import read_latest
+from hpc_ddp.checkpoint import Staged
+from hpc_ddp.checkpoint.committed import read_latest
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.log import before_each_line, get_logger, set_rank
 from hpc_ddp.polling import poll_until
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir import RunDirLock, RunPaths
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.evaluation import evaluate
 from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
@@ -44,7 +44,7 @@ from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
 from hpc_ddp.train.resume import Clock, restore, save, stage
-from hpc_ddp.train.rundir import open_run_dir
+from hpc_ddp.train.run_dir_rules import open_run_dir
 from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
 from hpc_ddp.train.step_rate import LatencyAdvice
@@ -79,7 +79,7 @@ class Trainer:
         self.metrics = MetricWriters([])  # rank 0's, once training starts (metric_writers.py)
         self.epoch_end_saves = EpochEndSaves(cfg.checkpoint_interval_s)  # from the restored step
         self.latency = LatencyAdvice(enabled=ctx.device.type == "cuda" and self.rank == 0)
-        # A run continued past its old end (rundir.py) drops the old end's result.json with its
+        # A run continued past its old end (run_dir_rules) drops the old end's result.json with its
         # first new checkpoint: until then it still describes the newest checkpoint.
         self.drop_old_result = self.rank == 0
 

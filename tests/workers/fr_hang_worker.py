@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace
 
 from hpc_ddp.dist import init_distributed, run_main
-from hpc_ddp.run_paths import FR_DUMP_FILE_VAR, RunPaths
+from hpc_ddp.run_dir.paths import FR_DUMP_FILE_VAR, RunPaths
 from hpc_ddp.slurm_client import wait_for
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.report import ProgressFile

@@ -4,7 +4,7 @@ For tests/test_checkpoint_async.py: with background saves (the default), the run
 success (result.json) or a preemption (the requeue, exit 75) before its last checkpoint is
 committed. Two wrappers, applied before ``--nproc-per-node`` forks the workers:
 
-- ``layout.write_latest`` (the commit point, on the saving thread) waits ``COMMIT_DELAY_S``
+- ``committed.write_latest`` (the commit point, on the saving thread) waits ``COMMIT_DELAY_S``
   first: a slow ``latest`` rename, not a wait for anything in the test;
 - at the two reporting points (``results.write_json`` of result.json, ``trainer.requeue``) the
   worker appends what ``checkpoints/latest`` names at that moment to ``<run-dir>/reports.jsonl``.
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp import run_paths
-from hpc_ddp.checkpoint import layout
+from hpc_ddp.checkpoint import committed
+from hpc_ddp.run_dir import paths as run_dir_paths
 from hpc_ddp.train import cli as command
 from hpc_ddp.train import results, trainer
 
@@ -33,7 +33,7 @@ def record(run_dir: Path, event: str) -> None:
         fh.write(json.dumps({"event": event, "latest": named}) + "\n")
 
 
-write_latest, write_json, requeue = layout.write_latest, results.write_json, trainer.requeue
+write_latest, write_json, requeue = committed.write_latest, results.write_json, trainer.requeue
 
 
 def slow_write_latest(root: Path, name: str) -> None:
@@ -42,7 +42,7 @@ def slow_write_latest(root: Path, name: str) -> None:
 
 
 def recording_write_json(path: Path, data: Any) -> None:
-    if path.name == run_paths.RESULT:
+    if path.name == run_dir_paths.RESULT:
         record(path.parent, "result")
     write_json(path, data)
 
@@ -52,7 +52,7 @@ def recording_requeue(mode: str, *args: Any, **kwargs: Any) -> str:
     return requeue(mode, *args, **kwargs)
 
 
-layout.write_latest = slow_write_latest
+committed.write_latest = slow_write_latest
 results.write_json = recording_write_json
 trainer.requeue = recording_requeue
 

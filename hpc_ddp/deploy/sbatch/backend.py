@@ -26,7 +26,7 @@ from hpc_ddp.deploy.sbatch.submit import sbatch, script_workdir, wait_job
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import submission_env, with_this_python
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.schema import read_text_file
 from hpc_ddp.slurm_client import SlurmClient
 

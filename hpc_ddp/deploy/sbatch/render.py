@@ -23,7 +23,7 @@ from hpc_ddp.deploy.spec import SLURM_FIELDS, JobSpec
 from hpc_ddp.deploy.templating import get_template
 from hpc_ddp.env_vars import REQUEUE_BY_VAR, launch_environ
 from hpc_ddp.exit_codes import EXIT_REQUEUE
-from hpc_ddp.run_paths import requeue_marker_line, requeue_marker_name
+from hpc_ddp.run_dir.paths import requeue_marker_line, requeue_marker_name
 
 DEFAULT_COMMAND = "hpc-ddp render"
 _BLANKS = re.compile(r"\n{3,}")

@@ -15,7 +15,7 @@ from hpc_ddp.deploy.shell.script import render_launch_script
 from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.deploy.shell.tool_argv import launch_command
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 DEFAULT_PRODUCER = "hpc_ddp.submit"
 

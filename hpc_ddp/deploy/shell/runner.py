@@ -31,7 +31,7 @@ from hpc_ddp.deploy.backend import Finished, Job
 from hpc_ddp.deploy.shell.spec import LaunchSpec
 from hpc_ddp.deploy.shell.tool_argv import ToolCommand, launch_command, stop_command
 from hpc_ddp.errors import ConfigError, HpcDdpError
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 TAG = "hpc-ddp launch:"
 # The tools' own per-host failure lines (pdsh on stderr, clush on stderr; clush may fold hosts

@@ -47,7 +47,7 @@ from hpc_ddp.deploy.submitit.task import FORWARDED_SIGNALS, ProgramTask
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.polling import poll_until
 from hpc_ddp.private_paths import ensure_private_dir, replace_file
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.slurm_client import (
     ENDED,
     TERMINAL,

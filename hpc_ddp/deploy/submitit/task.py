@@ -45,7 +45,7 @@ from hpc_ddp.deploy.submitit.requeue import ignore_sigterm_before_requeue
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.polling import poll_until
-from hpc_ddp.run_paths import RunPaths
+from hpc_ddp.run_dir.paths import RunPaths
 
 PREEMPT_SIGNAL = signal.SIGUSR2  # submitit's (SUBMITIT_PREEMPT_SIGNAL)
 # What a task passes on to its program: Slurm's usual warning, submitit's, and the time limit's.

@@ -20,14 +20,22 @@ from types import TracebackType
 
 import filelock
 
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.private_paths import replace_file
 from hpc_ddp.regular_file import read_json, read_small
-from hpc_ddp.run_paths import LOCK, LOCK_OWNER, RunPaths
 
-from .errors import CheckpointWriteError, RunDirLockedError, RunDirUnwritableError
-from .fsutil import raising_io, write_bytes_durably
+from .paths import LOCK, LOCK_OWNER, RunPaths
 
 OWNER_MAX_BYTES = 64 << 10  # pid, host, time, argv, job id
 _OWNER_KEYS = frozenset({"pid", "host", "since"})  # in every owner file acquire() wrote
+
+
+class RunDirLockedError(HpcDdpError):
+    """Another process holds the run directory."""
+
+
+class RunDirUnwritableError(HpcDdpError):
+    """The run directory cannot be written (permissions, a read-only file system)."""
 
 
 def unwritable(root: Path, path: Path, exc: OSError) -> RunDirUnwritableError:
@@ -79,8 +87,14 @@ class RunDirLock:
         self._lock = filelock.FileLock(str(self.paths.lock), timeout=0)
 
     def acquire(self) -> RunDirLock:
-        with raising_io("create the run directory", self.root):
+        try:
             self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirUnwritableError(
+                f"cannot create the run directory {self.root}: {exc.strerror or exc}",
+                hint="create it writable by this user, or give this run another run directory "
+                "(--run-dir)",
+            ) from None
         try:
             self._lock.acquire(timeout=0)
         except filelock.Timeout:
@@ -99,12 +113,13 @@ class RunDirLock:
         }
         try:
             # Replaced, not written in place: a symlink planted under this name is swapped out,
-            # never followed into a file this toolkit did not write.
-            write_bytes_durably(self.paths.lock_owner, (json.dumps(owner) + "\n").encode())
+            # never followed into a file this toolkit did not write. Informational, so not
+            # fsynced: the lock itself is the OS's.
+            replace_file(self.paths.lock_owner, (json.dumps(owner) + "\n").encode())
         except BaseException as exc:
             self._lock.release()
-            if isinstance(exc, CheckpointWriteError) and isinstance(exc.__cause__, OSError):
-                raise unwritable(self.root, self.paths.lock_owner, exc.__cause__) from None
+            if isinstance(exc, OSError):
+                raise unwritable(self.root, self.paths.lock_owner, exc) from None
             raise
         return self
 

@@ -1,4 +1,6 @@
-"""The run directory's bookkeeping: the ``latest`` pointer, stale leftovers, pruning."""
+"""Which checkpoints are committed: the ``latest`` pointer (moving it is the commit), the
+directories an interrupted save leaves, and pruning to ``keep``. The names are the run dir's
+(``hpc_ddp.run_dir.paths``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.regular_file import read_small
-from hpc_ddp.run_paths import LATEST, STEP_PREFIX
+from hpc_ddp.run_dir.paths import LATEST, STEP_PREFIX
 
 from .fsutil import fsync_dir, remove_tree, write_bytes_durably
 from .manifest import TMP_PREFIX, TRASH_PREFIX, parse_step, step_dirs

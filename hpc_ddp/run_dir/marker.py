@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import hpc_ddp
-from hpc_ddp.checkpoint.lock import is_lock_leftover, unwritable
 from hpc_ddp.errors import ConfigError, first_few
 from hpc_ddp.private_paths import create_file
-from hpc_ddp.run_paths import MARKER
+from hpc_ddp.regular_file import read_small
+
+from .lock import is_lock_leftover, unwritable
+from .paths import MARKER
 
 FORMAT = "hpc-ddp-run/1"
 _FORMAT_PREFIX = "hpc-ddp-run/"
@@ -78,24 +80,10 @@ def claim_run_dir(run_dir: Path, environ: Mapping[str, str] | None = None) -> No
         ) from None
 
 
-def _read_regular(path: Path, limit: int) -> bytes | None:
-    """The bytes of ``path`` if it is a regular file (not a link) of at most ``limit`` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = f.read(limit + 1)
-    return data if len(data) <= limit else None
-
-
 def _check_marker(path: Path) -> None:
-    data = _read_regular(path, _MAX_MARKER_BYTES)
     try:
-        marker: Any = json.loads(data) if data is not None else None
-    except ValueError:
+        marker: Any = json.loads(read_small(path, _MAX_MARKER_BYTES))  # never through a link
+    except (OSError, ValueError):
         marker = None
     if not isinstance(marker, dict) or not str(marker.get("format", "")).startswith(_FORMAT_PREFIX):
         raise ConfigError(

@@ -1,6 +1,6 @@
 """The run directory's rules: one run at a time, never two experiments mixed, never overwritten.
 
-- A lock (the checkpoint package's RunDirLock, taken by rank 0) is held for the whole run: a
+- A lock (hpc_ddp.run_dir's RunDirLock, taken by rank 0) is held for the whole run: a
   second run pointed at the same directory fails at once, naming the holder.
 - ``config.json`` records the resolved config of the run. Once a checkpoint or a result exists,
   a later start whose identity settings (model, data, optimizer, seed, ...: ``IDENTITY_KEYS``)
@@ -9,8 +9,8 @@
   unless the start asks for more epochs than it trained: then it continues from its newest
   checkpoint to the new end, and its first new checkpoint removes the old ``result.json``
   (Trainer.save), so that a ``result.json`` always describes the newest checkpoint.
-- Only a directory the trainer made is used (run_marker.py): one holding other files is refused
-  before anything is written into it.
+- Only a directory the trainer made is used (hpc_ddp.run_dir's marker): one holding other files
+  is refused before anything is written into it.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hpc_ddp.checkpoint import RunDirLock
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_paths import STEP_PREFIX, RunPaths
+from hpc_ddp.run_dir import RunDirLock, RunPaths, claim_run_dir
+from hpc_ddp.run_dir.paths import STEP_PREFIX
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.results import finished_epochs, read_json, write_json
-from hpc_ddp.train.run_marker import claim_run_dir
 
 log = get_logger("train")
 

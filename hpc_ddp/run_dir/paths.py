@@ -1,28 +1,6 @@
-"""``RunPaths``: the one owner of a run directory's layout (the trainer's ``--run-dir``).
-
-Everything a run leaves in its directory, by name::
-
-    <run dir>/
-      .hpc-ddp-run        marker: the trainer made this directory (train/run_marker.py)
-      .run.lock           the lock rank 0 holds for the whole run (checkpoint/lock.py)
-      .run.lock.owner     who holds it: pid, host, Slurm job
-      .requeue-job-J-restart-R   checkpointed, requeue left to the batch shell (torchrun layout):
-                          rank 0 writes it, the job's batch shell reads and removes it
-      config.json         the resolved settings of the run
-      progress.json       where training stands, for monitors (rank 0, updated while it runs),
-                          and under Slurm the job and restart count that wrote it
-      metrics.jsonl       one line per finished epoch
-      metrics.csv         with --metrics csv: one row per progress line and per epoch
-      tensorboard/        with --metrics tensorboard: TensorBoard event files, one per attempt
-      result.json         the outcome, written once at the end
-      plot.png            loss and accuracy per epoch
-      checkpoints/
-        latest            name of the newest committed checkpoint (a plain file, not a link)
-        step-00000040/    one committed checkpoint: manifest.json, shared.pt, rank-00000.pt...
-
-Pure Python and torch-free: the deploy layer (which reports a job's result) and the monitors
-use it as well as the trainer.
-"""
+"""``RunPaths``: every name in a run directory, and the path of each (nothing is read or
+created here). Pure Python and torch-free: the deploy layer (which reports a job's result) and
+the monitors use it as well as the trainer and the checkpoints."""
 
 from __future__ import annotations
 
