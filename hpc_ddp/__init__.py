@@ -61,8 +61,8 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "cancel_job": ("hpc_ddp.deploy.control", "cancel_job"),
     "run_dir_report": ("hpc_ddp.deploy.control", "run_dir_report"),
     # checks of a node or allocation, and of a hang after the fact (torch-free)
-    "doctor": ("hpc_ddp.node_checks", "doctor"),
-    "Check": ("hpc_ddp.node_checks", "Check"),
+    "doctor": ("hpc_ddp.doctor_checks", "doctor"),
+    "Check": ("hpc_ddp.doctor_checks", "Check"),
     "nccl_dump_report": ("hpc_ddp.deploy.flight_recorder", "report"),
     "ensure_local_cluster": ("hpc_ddp.localslurm.embedded", "ensure_local_cluster"),
     # the embedded local Slurm cluster: `hpc-ddp cluster up|down|status|env` (torch-free)
@@ -161,6 +161,7 @@ if TYPE_CHECKING:
     from hpc_ddp.deploy.spec import build_spec as load_job_spec
     from hpc_ddp.dist import DistContext, init_distributed, run_main
     from hpc_ddp.dist import shutdown_and_exit as shutdown
+    from hpc_ddp.doctor_checks import Check, doctor
     from hpc_ddp.errors import ConfigError, HpcDdpError
     from hpc_ddp.exit_codes import EXIT_DIVERGED, EXIT_REQUEUE
     from hpc_ddp.localslurm.control import (
@@ -172,7 +173,6 @@ if TYPE_CHECKING:
     )
     from hpc_ddp.localslurm.daemons import LocalCluster
     from hpc_ddp.localslurm.embedded import ensure_local_cluster
-    from hpc_ddp.node_checks import Check, doctor
     from hpc_ddp.run_dir import RunPaths
     from hpc_ddp.runtime.evaluation import evaluate
     from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
@@ -190,7 +190,7 @@ if TYPE_CHECKING:
 # The modules of the names that describe, submit or inspect jobs: their deployment layer asks a
 # job's program about its arguments through the program's hook, so the trainer's is registered
 # first (hpc_ddp/programs.py).
-_JOB_MODULES = ("hpc_ddp.deploy.", "hpc_ddp.node_checks", "hpc_ddp.submission")
+_JOB_MODULES = ("hpc_ddp.deploy.", "hpc_ddp.doctor_checks", "hpc_ddp.submission")
 
 
 def __getattr__(name: str) -> Any:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.deploy.job_assumptions import job_checks, of_script, of_spec, summary_lines
+from hpc_ddp.deploy.job_assumptions import of_script, of_spec, summary_lines
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.spec import JobSpec
+from hpc_ddp.doctor_checks.job import job_checks
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from hpc_ddp import schema
 from hpc_ddp.deploy.core import ProcessSpec
-from hpc_ddp.deploy.doctor import FAIL, WARN
-from hpc_ddp.node_checks import doctor
+from hpc_ddp.doctor_checks import FAIL, WARN, doctor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

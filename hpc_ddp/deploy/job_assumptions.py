@@ -4,26 +4,21 @@ A batch script names an interpreter (``python`` from PATH unless the spec says o
 a program with it (the trainer, with its data and run dirs) and relies on ``setup`` lines for
 everything else. ``render`` prints this summary (``summary_lines``) so that a job that could
 not run is seen before it is queued; ``hpc-ddp doctor --job`` checks it where the job will run,
-inside an allocation (``job_checks``). What the program itself needs (the trainer: hpc_ddp and
-torch, its run and data dirs) its hook says (``ProgramHook.job_needs``, hpc_ddp.deploy.program),
-reading the arguments with the program's own parser. Torch-free.
+inside an allocation (hpc_ddp/doctor_checks/job.py). What the program itself needs (the trainer:
+hpc_ddp and torch, its run and data dirs) its hook says (``ProgramHook.job_needs``,
+hpc_ddp.deploy.program), reading the arguments with the program's own parser. Torch-free.
 """
 
 from __future__ import annotations
 
 import shlex
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.deploy.doctor import FAIL, OK, Check
 from hpc_ddp.deploy.launchers import DEFAULT_LAUNCHER, LAUNCHERS, launcher_running
 from hpc_ddp.deploy.program import JobNeeds, program_in_script
 from hpc_ddp.deploy.sbatch.submit import script_workdir
 from hpc_ddp.deploy.spec import JobSpec
-
-IMPORT_TIMEOUT_S = 120.0  # a cold import of torch on a network file system takes a while
 
 
 @dataclass(frozen=True)
@@ -103,68 +98,3 @@ def summary_lines(a: JobAssumptions) -> list[str]:
         lines += a.needs.summary_lines(lambda path: _where(path, a.workdir))
     lines.append("  check it inside an allocation: srun -N1 hpc-ddp doctor --job THIS_FILE")
     return lines
-
-
-def job_checks(a: JobAssumptions, workdir: Path, *, torch: bool = True) -> list[Check]:
-    """Doctor's checks of the job's assumptions, here (run it on a compute node)."""
-    checks = [check_interpreter(a, torch=torch)]
-    if a.needs is not None:
-        checks += a.needs.checks(workdir)
-    return checks
-
-
-def _launcher_python(program: str) -> str | None:
-    """The interpreter a launcher's program (torchrun) runs its workers with: the one in its
-    #! line."""
-    found = shutil.which(program)
-    if found is None:
-        return None
-    try:
-        first = Path(found).read_text(errors="replace").splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    return first[2:].split()[0] if first.startswith("#!") and first[2:].split() else None
-
-
-def check_interpreter(a: JobAssumptions, *, torch: bool = True) -> Check:
-    own = LAUNCHERS[a.launcher].runs_python
-    if own is not None:
-        found = _launcher_python(own)
-        if found is None:
-            return Check(
-                FAIL, "job interpreter", f"{own} is not found here (or has no #! line)",
-                "run the job's setup lines first, or install torch into the job's environment",
-            )  # fmt: skip
-    else:
-        found = shutil.which(a.python)
-    if found is None:
-        return Check(
-            FAIL,
-            "job interpreter",
-            f"{a.python!r} is not found here (PATH, or no such executable)",
-            "run the job's setup lines first (module load, source venv/bin/activate) or set "
-            "the spec's python to an absolute path that exists on every node",
-        )
-    needed = [m for m in (a.needs.imports if a.needs else ()) if torch or m != "torch"]
-    if not needed:
-        return Check(OK, "job interpreter", found)
-    modules = ", ".join(needed)
-    try:
-        proc = subprocess.run(
-            [found, "-c", f"import {modules}"],
-            capture_output=True,
-            text=True,
-            timeout=IMPORT_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return Check(FAIL, "job interpreter", f"{found}: `import {modules}` took too long")
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no error output"])[-1]
-        return Check(
-            FAIL,
-            "job interpreter",
-            f"{found} cannot `import {modules}`: {last}",
-            "install hpc-ddp (with torch) into that interpreter's environment, or point the "
-            "spec's python / setup lines at the one that has it",
-        )
-    return Check(OK, "job interpreter", f"{found} imports {modules}")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hpc_ddp.errors import HpcDdpError
 
 if TYPE_CHECKING:
-    from hpc_ddp.deploy.doctor import Check
+    from hpc_ddp.doctor_checks import Check
     from hpc_ddp.run_dir.paths import RunPaths
 
 ENTRY_POINT_GROUP = "hpc_ddp.programs"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_ddp.deploy.doctor import FAIL, OK, WARN, Check
 from hpc_ddp.deploy.program import JobNeeds, ProgramFlags, ProgramHook
+from hpc_ddp.doctor_checks import FAIL, OK, WARN, Check
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train import config, results

@@ -1,4 +1,5 @@
-"""``hpc-ddp doctor``: does this machine (login node or inside an allocation) have what a job needs?
+"""The doctor's checks of this machine (login node or inside an allocation): Slurm, the
+allocation, its node list, GPUs, torch, the network, the port and the run dir.
 
 Each check returns one ``Check`` (OK / WARN / FAIL, a detail, a hint). torch is imported only by
 the torch check, lazily, so ``--no-torch`` answers in well under a second on a login node.

@@ -1,7 +1,11 @@
-"""``hpc_ddp.doctor()``: every check of ``hpc-ddp doctor`` from Python, as a list of ``Check``s.
+"""The doctor: does this machine (a login node, or inside an allocation) have what a job needs?
 
-It composes the deploy layer's node checks (hpc_ddp/deploy/doctor.py) with a job's own
-assumptions and the embedded cluster's whereabouts, which the deploy layer never asks itself.
+``hpc_ddp.doctor()`` gives every check of ``hpc-ddp doctor`` as a list of ``Check``s (OK / WARN /
+FAIL, a detail, a hint); the command only prints them. The checks of the node are in
+``node.py``, those of a job's own assumptions (``--job FILE``) in ``job.py``; here they are
+composed, and told where the embedded cluster runs (the layer above deploy and localslurm, as
+``hpc_ddp.submission`` is). A program's hook adds its own (``ProgramHook``'s ``JobNeeds.checks``:
+the trainer's data dir). Torch-free: torch is imported only by the torch check, lazily.
 """
 
 from __future__ import annotations
@@ -9,13 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_ddp.deploy.doctor import Check as Check
-from hpc_ddp.deploy.doctor import EmbeddedCluster, Options, run_checks
-from hpc_ddp.deploy.job_assumptions import JobAssumptions, job_checks, of_script, of_spec
-from hpc_ddp.deploy.spec import build_spec
-from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.programs import register as register_programs
-from hpc_ddp.schema import read_text_file
+
+from .job import job_assumptions, job_checks
+from .node import FAIL, OK, WARN, Check, EmbeddedCluster, Options, Status, run_checks
 
 register_programs()  # a job's program is asked about its arguments through its hook
 
@@ -32,7 +34,7 @@ def doctor(
     """What ``hpc-ddp doctor`` checks, each a ``Check`` (``status`` OK/WARN/FAIL, ``name``,
     ``detail``, ``hint``; ``line()`` as printed). ``job``: a rendered .sbatch or a spec file,
     whose interpreter, data dir and run dir are checked too (``run_dir`` then comes from it)."""
-    found = _job_assumptions(Path(job)) if job is not None else None
+    found = job_assumptions(Path(job)) if job is not None else None
     if found is not None and found.needs is not None and found.needs.run_dir is not None:
         run_dir = Path(found.workdir or ".") / found.needs.run_dir
     options = Options(
@@ -49,20 +51,6 @@ def doctor(
     return checks
 
 
-def _job_assumptions(path: Path) -> JobAssumptions:
-    """What the job in ``path`` (a spec or a rendered script) assumes of the node."""
-    if path.suffix in (".toml", ".json"):
-        return of_spec(build_spec(path))
-    found = of_script(read_text_file(path, what="batch script"))
-    if found is None:
-        raise ConfigError(
-            f"{path} does not run the hpc_ddp trainer (or another program with a hook): "
-            "nothing to check for --job",
-            hint="give a script rendered by hpc-ddp render, or its spec file",
-        )
-    return found
-
-
 def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:
     """The embedded local cluster `hpc-ddp submit` would use here, if it is running."""
     from hpc_ddp.localslurm import LocalCluster, default_state_dir
@@ -75,3 +63,6 @@ def embedded_cluster(environ: Mapping[str, str]) -> EmbeddedCluster | None:
     except HpcDdpError:  # an unusable state dir just means no embedded cluster runs there
         return None
     return EmbeddedCluster(cluster.root, cluster.config.nodes) if cluster.is_running() else None
+
+
+__all__ = ["FAIL", "OK", "WARN", "Check", "Status", "doctor"]
