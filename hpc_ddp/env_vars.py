@@ -1,10 +1,10 @@
 """Every ``HPC_DDP_*`` environment variable, named here and nowhere else.
 
-**The launch contract.** The project's own launchers put these in the environment of each
-process they start. :func:`launch_environ` is their one writer (the host script's bash exports
-are rendered from its result), :mod:`hpc_ddp.cluster.launcher` their reader, and
-:data:`LAUNCH_VARS` what :mod:`hpc_ddp.deploy.submission_env` removes before a submission: a
-job submitted from inside another must not inherit its place in that job.
+**The launch contract.** The project's own starters (pdsh, clush, spawn) put these in the
+environment of each process they start. :func:`launch_environ` is their one writer (the host
+script's bash exports are rendered from its result), :mod:`hpc_ddp.cluster.launch_contract`
+their reader, and :data:`LAUNCH_VARS` what :mod:`hpc_ddp.deploy.submission_env` removes before
+a submission: a job submitted from inside another must not inherit its place in that job.
 
 | variable                   | written by                       | meaning                        |
 |----------------------------|----------------------------------|--------------------------------|
@@ -15,7 +15,8 @@ job submitted from inside another must not inherit its place in that job.
 | `HPC_DDP_GPUS_PER_PROCESS` | host script, spawn, sbatch jobs  | GPUs one process drives: the   |
 |                            | of the one-process-per-node      | default of `detect_env`'s      |
 |                            | layout                           | `gpus_per_process`             |
-| `HPC_DDP_LAUNCHER`         | host script*, spawn              | pdsh, clush or spawn           |
+| `HPC_DDP_STARTED_BY`       | host script*, spawn              | pdsh, clush or spawn: which    |
+|                            |                                  | starter started the process    |
 | `HPC_DDP_JOB_ID`           | host script*                     | the job id `DistEnv` reports   |
 | `HPC_DDP_NUM_NODES`        | host script*, spawn              | number of nodes                |
 | `HPC_DDP_NODE_RANK`        | host script*, spawn              | this node's rank               |
@@ -72,7 +73,7 @@ from typing import Literal, get_args
 LAUNCH_ID_VAR = "HPC_DDP_LAUNCH_ID"
 LAUNCH_TAG_VAR = "HPC_DDP_LAUNCH_TAG"
 GPUS_PER_PROCESS_VAR = "HPC_DDP_GPUS_PER_PROCESS"
-LAUNCHER_VAR = "HPC_DDP_LAUNCHER"
+STARTED_BY_VAR = "HPC_DDP_STARTED_BY"
 JOB_ID_VAR = "HPC_DDP_JOB_ID"
 NUM_NODES_VAR = "HPC_DDP_NUM_NODES"
 NODE_RANK_VAR = "HPC_DDP_NODE_RANK"
@@ -96,7 +97,7 @@ LAUNCH_VARS: tuple[str, ...] = (
     LAUNCH_ID_VAR,
     LAUNCH_TAG_VAR,
     GPUS_PER_PROCESS_VAR,
-    LAUNCHER_VAR,
+    STARTED_BY_VAR,
     JOB_ID_VAR,
     NUM_NODES_VAR,
     NODE_RANK_VAR,
@@ -110,10 +111,12 @@ LAUNCH_VARS: tuple[str, ...] = (
 # submitted from inside must not inherit it either.
 JOB_SHELL_VARS: tuple[str, ...] = (PROCTRACK_VAR, REQUEUE_BY_VAR)
 
-# The values of HPC_DDP_LAUNCHER: `hpc-ddp launch pdsh|clush`, and the workers that
-# `hpc-ddp train --nproc-per-node N` forks (hpc_ddp.spawn).
-Launcher = Literal["pdsh", "clush", "spawn"]
-LAUNCHERS: tuple[Launcher, ...] = get_args(Launcher)
+# The values of HPC_DDP_STARTED_BY, the toolkit's own starters: how a process reached its host
+# without a scheduler (`hpc-ddp launch pdsh|clush`, and the workers that
+# `hpc-ddp train --nproc-per-node N` forks, hpc_ddp.spawn). Not a JobSpec's launcher (srun or
+# torchrun inside a Slurm job, hpc_ddp.deploy.launchers).
+Starter = Literal["pdsh", "clush", "spawn"]
+STARTERS: tuple[Starter, ...] = get_args(Starter)
 
 # --- settings -----------------------------------------------------------------------------
 TEMPLATES_VAR = "HPC_DDP_TEMPLATES"
@@ -140,7 +143,7 @@ def launch_environ(
     launch_id: str | None = None,
     launch_tag: str | None = None,
     gpus_per_process: int | None = None,
-    launcher: Launcher | None = None,
+    started_by: Starter | None = None,
     job_id: str | None = None,
     num_nodes: int | None = None,
     node_rank: int | str | None = None,
@@ -157,13 +160,13 @@ def launch_environ(
     agent adds it per process), the node agent the local rank and size, spawn a whole worker.
     ``node_rank`` may be text the launching tool substitutes (pdsh/clush's ``%n``).
     """
-    if launcher is not None and launcher not in LAUNCHERS:
-        raise ValueError(f"launcher {launcher!r} is not one of {LAUNCHERS}")  # a caller's bug
+    if started_by is not None and started_by not in STARTERS:
+        raise ValueError(f"starter {started_by!r} is not one of {STARTERS}")  # a caller's bug
     values = (
         launch_id,
         launch_tag,
         gpus_per_process,
-        launcher,
+        started_by,
         job_id,
         num_nodes,
         node_rank,

@@ -18,9 +18,9 @@ N is bounded before anything starts by what the machine can run: the visible GPU
 CPU_WORKERS_PER_CORE per CPU core this process may use (``MAX_NPROC_VAR`` overrides that),
 and always the descriptors the parent may open (it watches each worker through one).
 
-Workers see the launch contract of the "spawn" launcher (hpc_ddp.env_vars, read back by
-hpc_ddp.cluster.launcher) plus the standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT,
-like torchrun's workers.
+Workers see the launch contract of the "spawn" starter (hpc_ddp.env_vars, read back by
+hpc_ddp.cluster.launch_contract) plus the standard RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/
+MASTER_PORT, like torchrun's workers.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ NPROC_PER_NODE = schema.Range(1, schema.MAX_PER_NODE)
 
 
 def worker_environ(rank: int, nproc: int, port: int, gpus_per_process: int) -> dict[str, str]:
-    """The variables one worker gets: the launch contract (hpc_ddp.cluster.launcher reads it)
+    """The variables one worker gets: the launch contract (hpc_ddp.cluster.launch_contract reads it)
     and torch's own."""
     return {
         **launch_environ(
-            launcher="spawn",
+            started_by="spawn",
             gpus_per_process=gpus_per_process,
             num_nodes=1,
             node_rank=0,

@@ -91,7 +91,7 @@ def test_captures_agree_within_a_job(no_gpu_proc: str) -> None:
 # A real srun task (slurm_srun_2x2, rank 3) to break in the error table.
 SRUN = json.loads((ENVS / "slurm_srun_2x2.json").read_text())["processes"][3]["environ"]
 TORCHRUN = json.loads((ENVS / "torchrun_standalone.json").read_text())["processes"][1]["environ"]
-LAUNCHER = json.loads((ENVS / "hpc_ddp_pdsh_2x2.json").read_text())["processes"][3]["environ"]
+STARTED = json.loads((ENVS / "hpc_ddp_pdsh_2x2.json").read_text())["processes"][3]["environ"]
 OMPI = json.loads((ENVS / "openmpi_mpirun_2x2.json").read_text())["processes"][3]["environ"]
 
 
@@ -149,14 +149,14 @@ ERRORS = [
     ("torchrun missing master", _with(TORCHRUN, MASTER_ADDR=None), "MASTER_ADDR/MASTER_PORT"),
     ("torchrun rank outside", _with(TORCHRUN, RANK="2"), "rank 2 is outside its size 2"),
     ("torchrun port", _with(TORCHRUN, MASTER_PORT="-5"), "not a TCP port"),
-    ("launcher unknown", _with(LAUNCHER, HPC_DDP_LAUNCHER="ssh"), "not a known launcher"),
-    ("launcher no master", _with(LAUNCHER, HPC_DDP_MASTER_ADDR=None), "HPC_DDP_MASTER_ADDR"),
-    ("launcher no port", _with(LAUNCHER, HPC_DDP_MASTER_PORT=None), "HPC_DDP_MASTER_PORT"),
-    ("launcher two ports", _with(LAUNCHER, MASTER_PORT="1234"), "disagree"),
-    ("launcher node outside", _with(LAUNCHER, HPC_DDP_NODE_RANK="2"), "node rank 2 is outside"),
+    ("starter unknown", _with(STARTED, HPC_DDP_STARTED_BY="ssh"), "not a known starter"),
+    ("starter no master", _with(STARTED, HPC_DDP_MASTER_ADDR=None), "HPC_DDP_MASTER_ADDR"),
+    ("starter no port", _with(STARTED, HPC_DDP_MASTER_PORT=None), "HPC_DDP_MASTER_PORT"),
+    ("starter two ports", _with(STARTED, MASTER_PORT="1234"), "disagree"),
+    ("starter node outside", _with(STARTED, HPC_DDP_NODE_RANK="2"), "node rank 2 is outside"),
     (
         "launcher missing node",
-        _with(LAUNCHER, HPC_DDP_NODE_RANK=None),
+        _with(STARTED, HPC_DDP_NODE_RANK=None),
         "HPC_DDP_NODE_RANK is not set",
     ),
     ("mpi no master", _with(OMPI, MASTER_ADDR=None), "MASTER_ADDR is not set"),
@@ -200,7 +200,7 @@ def test_gpus_per_process_argument_conflicts_with_env(no_gpu_proc: str) -> None:
 
 def test_precedence_is_one_list() -> None:
     names = [m.__name__.rsplit(".", 1)[1] for m in PRECEDENCE]
-    assert names == ["torchrun", "launcher", "submitit_local", "slurm", "mpi", "single"]
+    assert names == ["torchrun", "launch_contract", "submitit_local", "slurm", "mpi", "single"]
 
 
 @pytest.mark.parametrize(
@@ -211,8 +211,8 @@ def test_precedence_is_one_list() -> None:
         (_with(SRUN, TORCHELASTIC_RUN_ID="x", RANK="0"), "torchrun"),  # srun torchrun
         (_with(SRUN, PMIX_RANK="3"), "slurm"),  # srun --mpi=pmix
         (OMPI, "mpi"),
-        (_with(LAUNCHER, TORCHELASTIC_RUN_ID="x"), "torchrun"),  # pdsh runs torchrun per node
-        (LAUNCHER, "launcher"),  # leftover batch-shell SLURM_* beside it
+        (_with(STARTED, TORCHELASTIC_RUN_ID="x"), "torchrun"),  # pdsh runs torchrun per node
+        (STARTED, "launch_contract"),  # leftover batch-shell SLURM_* beside it
         (_with(TORCHRUN, SUBMITIT_LOCAL_JOB_ID="1"), "torchrun"),
         (
             {

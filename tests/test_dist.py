@@ -23,7 +23,7 @@ WORKER = Path(__file__).parent / "workers" / "dist_worker.py"
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return job_env(
-        HPC_DDP_LAUNCHER="pdsh",
+        HPC_DDP_STARTED_BY="pdsh",
         HPC_DDP_NODE_RANK="0",
         HPC_DDP_NUM_NODES="1",
         HPC_DDP_LOCAL_RANK=str(rank),

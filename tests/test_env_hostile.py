@@ -27,7 +27,7 @@ def _capture(name: str, index: int) -> dict[str, str]:
 
 SRUN = _capture("slurm_srun_2x2", 3)  # a real srun task: rank 3 of 4 on node2
 TORCHRUN = _capture("torchrun_standalone", 1)
-LAUNCHER = _capture("hpc_ddp_pdsh_2x2", 3)
+STARTED = _capture("hpc_ddp_pdsh_2x2", 3)
 OMPI = _capture("openmpi_mpirun_2x2", 3)
 # The real batch shell of a 3-node, 6-task job (Slurm 22.05 gives it no SLURM_STEP_ID).
 BATCH = _capture("slurm_batch_shell", 0)
@@ -67,10 +67,10 @@ HOSTILE = [
     ("torchrun empty master", _with(TORCHRUN, MASTER_ADDR=""), "MASTER_ADDR='' is empty"),
     ("srun empty master", _with(SRUN, MASTER_ADDR=""), "MASTER_ADDR='' is empty"),
     ("mpi blank master", _with(OMPI, MASTER_ADDR=" "), "MASTER_ADDR=' ' is empty"),
-    ("launcher empty master", _with(LAUNCHER, HPC_DDP_MASTER_ADDR=""), "HPC_DDP_MASTER_ADDR=''"),
+    ("starter empty master", _with(STARTED, HPC_DDP_MASTER_ADDR=""), "HPC_DDP_MASTER_ADDR=''"),
     (
         "launcher master newline",
-        _with(LAUNCHER, HPC_DDP_MASTER_ADDR="node1\nrm -rf /"),
+        _with(STARTED, HPC_DDP_MASTER_ADDR="node1\nrm -rf /"),
         "is not a host name or IP address",
     ),
     ("master escape", _with(SRUN, MASTER_ADDR="node1\x1b[2J"), "is not a host name"),
@@ -95,7 +95,7 @@ HOSTILE = [
     # Launchers' free-text job ids reach terminals and logs: printable ASCII only.
     ("mpi job id escape", _with(OMPI, OMPI_MCA_ess_base_jobid="1\x1b[2J"), "is not a job id"),
     ("torchrun run id space", _with(TORCHRUN, TORCHELASTIC_RUN_ID="a b"), "is not a job id"),
-    ("launcher job id", _with(LAUNCHER, HPC_DDP_JOB_ID="j\u00f6b"), "HPC_DDP_JOB_ID="),
+    ("starter job id", _with(STARTED, HPC_DDP_JOB_ID="j\u00f6b"), "HPC_DDP_JOB_ID="),
     ("step id digits", _with(SRUN, SLURM_STEP_ID="\u0660"), "is not a Slurm step id"),
     # Heterogeneous jobs: component counts and lists are read before anything is expanded.
     ("het size huge", _with(SRUN, SLURM_HET_SIZE="1000000"), "at most 128 components"),

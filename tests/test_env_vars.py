@@ -1,5 +1,5 @@
 """The HPC_DDP_* variables have one owner (hpc_ddp/env_vars.py), and what every launcher writes
-through it is what the reader (hpc_ddp.cluster.launcher, detect_env) understands.
+through it is what the reader (hpc_ddp.cluster.launch_contract, detect_env) understands.
 
 The writers run for real: spawn's forked workers, and `hpc-ddp launch pdsh --mode processes`
 (its host script's exports, then the node agent's children) with pdsh's exec worker standing in
@@ -69,14 +69,14 @@ def test_a_submission_drops_the_launch_contract_and_keeps_the_settings() -> None
 
 def test_the_writer_writes_only_what_it_is_given_in_one_order() -> None:
     assert env_vars.launch_environ() == {}
-    written = env_vars.launch_environ(master_port=29500, launcher="pdsh", node_rank="%n")
+    written = env_vars.launch_environ(master_port=29500, started_by="pdsh", node_rank="%n")
     assert list(written.items()) == [
-        (env_vars.LAUNCHER_VAR, "pdsh"),
+        (env_vars.STARTED_BY_VAR, "pdsh"),
         (env_vars.NODE_RANK_VAR, "%n"),
         (env_vars.MASTER_PORT_VAR, "29500"),
     ]
     with pytest.raises(ValueError, match="ssh"):
-        env_vars.launch_environ(launcher="ssh")  # type: ignore[arg-type]
+        env_vars.launch_environ(started_by="ssh")  # type: ignore[arg-type]
 
 
 # --- every writer satisfies the reader ----------------------------------------------------

@@ -313,7 +313,7 @@ def _real_hang(run_dir: Path, world: int = 2) -> None:
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return {
-        "HPC_DDP_LAUNCHER": "pdsh",
+        "HPC_DDP_STARTED_BY": "pdsh",
         "HPC_DDP_NODE_RANK": "0",
         "HPC_DDP_NUM_NODES": "1",
         "HPC_DDP_LOCAL_RANK": str(rank),

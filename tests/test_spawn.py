@@ -80,7 +80,7 @@ def test_the_job_exits_with_the_failed_workers_code(
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text())["env"] for r in range(3)]
     assert [s["RANK"] for s in seen] == ["0", "1", "2"]
     assert {s["WORLD_SIZE"] for s in seen} == {"3"}
-    assert {s["HPC_DDP_LAUNCHER"] for s in seen} == {"spawn"}
+    assert {s["HPC_DDP_STARTED_BY"] for s in seen} == {"spawn"}
     assert len({s["MASTER_PORT"] for s in seen}) == 1  # one rendezvous port for all
 
 

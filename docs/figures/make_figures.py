@@ -391,7 +391,7 @@ def no_scheduler(ax: Axes) -> None:
     processes_mode = """hpc_ddp.deploy.shell.node_agent
         starts the 2 processes; each
         process sees:
-         HPC_DDP_LAUNCHER=pdsh|clush
+         HPC_DDP_STARTED_BY=pdsh|clush
          HPC_DDP_NODE_RANK
          HPC_DDP_NUM_NODES
          HPC_DDP_LOCAL_RANK

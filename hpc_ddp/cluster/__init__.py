@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from types import ModuleType
 
-from hpc_ddp.cluster import launcher, mpi, single, slurm, submitit_local, torchrun
+from hpc_ddp.cluster import launch_contract, mpi, single, slurm, submitit_local, torchrun
 from hpc_ddp.cluster._vars import check_part_of_world, check_rank
 from hpc_ddp.cluster.devices import assign_gpus, count_visible_gpus, resolve_gpus_per_process
 from hpc_ddp.cluster.distenv import SOURCES, DistEnv
@@ -23,7 +23,7 @@ __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source", "t
 # it; the innermost launcher set its variables for this very process, so it is believed first:
 # 1. torchrun/elastic: under `srun torchrun` or pdsh+torchrun its per-worker RANK is the truth;
 #    SLURM_PROCID there numbers the torchrun agents.
-# 2. hpc-ddp's own launchers (pdsh/clush, and the fork spawner of --nproc-per-node): started
+# 2. hpc-ddp's own starters (pdsh/clush, and the fork spawner of --nproc-per-node): started
 #    inside an allocation or from a login node, so any SLURM_* beside them are the enclosing
 #    shell's leftovers.
 # 3. submitit's LocalExecutor: it sets SUBMITIT_LOCAL_* per task; SLURM_* beside them can only
@@ -33,7 +33,7 @@ __all__ = ["PRECEDENCE", "SOURCES", "DistEnv", "detect_env", "detect_source", "t
 #    refuses an MPI world size that disagrees (mpirun inside an allocation).
 # 5. MPI (mpirun/mpiexec) outside Slurm.
 # 6. Nothing: one process.
-PRECEDENCE: tuple[ModuleType, ...] = (torchrun, launcher, submitit_local, slurm, mpi, single)
+PRECEDENCE: tuple[ModuleType, ...] = (torchrun, launch_contract, submitit_local, slurm, mpi, single)
 
 
 def detect_source(environ: Mapping[str, str]) -> ModuleType:

@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from hpc_ddp.env_vars import Launcher
+from hpc_ddp.env_vars import Starter
 
 # The launcher whose variables were believed; `hpc-ddp env --json` prints these strings.
-Source = Literal["torchrun", "slurm", "mpi", Launcher, "submitit", "single"]
+Source = Literal["torchrun", "slurm", "mpi", Starter, "submitit", "single"]
 SOURCES: tuple[Source, ...] = get_args(Source)
 
 

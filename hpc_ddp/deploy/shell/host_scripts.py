@@ -91,7 +91,7 @@ def host_script(spec: LaunchSpec) -> str:
     """The bash text every host runs: check rank and state dir, cd, export, set up, start,
     record, wait."""
     q = shlex.quote
-    launcher_env = launch_environ(
+    contract_env = launch_environ(
         launch_id=spec.launch_id,
         launch_tag=f"{spec.launch_id}/{_H}",  # what `stop` looks for (per host)
         # detect_env's default for gpus_per_process (the trainer reads it), in both modes
@@ -100,8 +100,8 @@ def host_script(spec: LaunchSpec) -> str:
     if spec.mode == "processes":
         # The rest of the contract; the node agent adds the local rank. (Under torchrun,
         # torchrun gives its workers their places.)
-        launcher_env |= launch_environ(
-            launcher=spec.tool,
+        contract_env |= launch_environ(
+            started_by=spec.tool,
             job_id=spec.launch_id,
             num_nodes=spec.num_nodes,
             node_rank=_N,
@@ -137,7 +137,7 @@ def host_script(spec: LaunchSpec) -> str:
             f'{{ {step}\n}} || {{ echo "{tag} $host: setup step failed:" {q(step)} >&2;'
             f" exit {EXIT_SETUP_FAILED}; }}"
         )
-    lines += [f"export {k}={q(v)}" for k, v in launcher_env.items()]
+    lines += [f"export {k}={q(v)}" for k, v in contract_env.items()]
     if spec.container is not None:  # host values that win over the image's
         lines += apptainer_env_lines(spec.container)
     lines += [

@@ -1,4 +1,5 @@
-"""The project's own launchers: the launch contract of :mod:`hpc_ddp.env_vars`, read back.
+"""The launch contract of :mod:`hpc_ddp.env_vars`, read back: a process the toolkit's own
+starters (pdsh, clush, spawn) started.
 
 ``hpc-ddp launch pdsh|clush`` across hosts, and ``hpc-ddp train --nproc-per-node N`` forking one
 node's workers (hpc_ddp.spawn).
@@ -16,35 +17,35 @@ from hpc_ddp.cluster.distenv import DistEnv
 from hpc_ddp.cluster.master_port import parse_port
 from hpc_ddp.env_vars import (
     JOB_ID_VAR,
-    LAUNCHER_VAR,
-    LAUNCHERS,
     LOCAL_RANK_VAR,
     LOCAL_WORLD_SIZE_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
     NODE_RANK_VAR,
     NUM_NODES_VAR,
-    Launcher,
+    STARTED_BY_VAR,
+    STARTERS,
+    Starter,
 )
 from hpc_ddp.errors import LaunchEnvError
 
 
 def detect(environ: Mapping[str, str]) -> bool:
-    return LAUNCHER_VAR in environ
+    return STARTED_BY_VAR in environ
 
 
-def _launcher(environ: Mapping[str, str]) -> Launcher:
-    launcher = environ[LAUNCHER_VAR]
-    if launcher in LAUNCHERS:
-        return cast(Launcher, launcher)
+def _starter(environ: Mapping[str, str]) -> Starter:
+    starter = environ[STARTED_BY_VAR]
+    if starter in STARTERS:
+        return cast(Starter, starter)
     raise LaunchEnvError(
-        f"{LAUNCHER_VAR}={launcher!r} is not a known launcher (valid: {', '.join(LAUNCHERS)})",
-        hint=f"start jobs with `hpc-ddp launch`, which sets it, or unset {LAUNCHER_VAR}",
+        f"{STARTED_BY_VAR}={starter!r} is not a known starter (valid: {', '.join(STARTERS)})",
+        hint=f"start jobs with `hpc-ddp launch`, which sets it, or unset {STARTED_BY_VAR}",
     )
 
 
 def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
-    launcher = _launcher(environ)
+    starter = _starter(environ)
     node_rank = get_int(environ, NODE_RANK_VAR)
     num_nodes = get_int(environ, NUM_NODES_VAR, minimum=1)
     local_rank = get_opt_int(environ, LOCAL_RANK_VAR) or 0
@@ -52,14 +53,14 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
     addr = get_address(environ, MASTER_ADDR_VAR)
     if addr is None:
         raise LaunchEnvError(
-            f"{LAUNCHER_VAR}={launcher} but {MASTER_ADDR_VAR} is not set",
+            f"{STARTED_BY_VAR}={starter} but {MASTER_ADDR_VAR} is not set",
             hint=f"the launch command must export {MASTER_ADDR_VAR}=<first host of -w>",
         )
     port_name = MASTER_PORT_VAR if environ.get(MASTER_PORT_VAR) else "MASTER_PORT"
     port_text = environ.get(port_name)
     if port_text is None:
         raise LaunchEnvError(
-            f"{LAUNCHER_VAR}={launcher} but neither {MASTER_PORT_VAR} nor MASTER_PORT is set",
+            f"{STARTED_BY_VAR}={starter} but neither {MASTER_PORT_VAR} nor MASTER_PORT is set",
             hint=f"the launch command must export {MASTER_PORT_VAR} (the same on every host)",
         )
     port = parse_port(port_text, port_name)
@@ -69,7 +70,7 @@ def read(environ: Mapping[str, str], *, gpus_per_process: int) -> DistEnv:
             hint=f"set only one of them (hpc-ddp launch sets {MASTER_PORT_VAR})",
         )
     return DistEnv(
-        source=launcher,
+        source=starter,
         rank=node_rank * local_world + local_rank,
         local_rank=local_rank,
         world_size=num_nodes * local_world,
