@@ -53,24 +53,24 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "Finished": ("hpc_ddp.deploy.backend", "Finished"),
     "RunPaths": ("hpc_ddp.run_dir", "RunPaths"),
     # job control after submission (torch-free)
-    "attach_job": ("hpc_ddp.deploy.control", "attach_job"),
-    "job_report": ("hpc_ddp.deploy.control", "job_report"),
-    "JobReport": ("hpc_ddp.deploy.control", "JobReport"),
-    "log_paths": ("hpc_ddp.deploy.control", "log_paths"),
-    "follow_logs": ("hpc_ddp.deploy.control", "follow_logs"),
-    "cancel_job": ("hpc_ddp.deploy.control", "cancel_job"),
-    "run_dir_report": ("hpc_ddp.deploy.control", "run_dir_report"),
+    "attach_job": ("hpc_ddp.deploy.job_control", "attach_job"),
+    "job_report": ("hpc_ddp.deploy.job_control", "job_report"),
+    "JobReport": ("hpc_ddp.deploy.job_control", "JobReport"),
+    "log_paths": ("hpc_ddp.deploy.job_control", "log_paths"),
+    "follow_logs": ("hpc_ddp.deploy.job_control", "follow_logs"),
+    "cancel_job": ("hpc_ddp.deploy.job_control", "cancel_job"),
+    "run_dir_report": ("hpc_ddp.deploy.job_control", "run_dir_report"),
     # checks of a node or allocation, and of a hang after the fact (torch-free)
     "doctor": ("hpc_ddp.doctor_checks", "doctor"),
     "Check": ("hpc_ddp.doctor_checks", "Check"),
     "nccl_dump_report": ("hpc_ddp.deploy.flight_recorder", "report"),
     "ensure_local_cluster": ("hpc_ddp.localslurm.embedded", "ensure_local_cluster"),
     # the embedded local Slurm cluster: `hpc-ddp cluster up|down|status|env` (torch-free)
-    "cluster_up": ("hpc_ddp.localslurm.control", "cluster_up"),
-    "cluster_down": ("hpc_ddp.localslurm.control", "cluster_down"),
-    "running_cluster": ("hpc_ddp.localslurm.control", "running_cluster"),
-    "cluster_env": ("hpc_ddp.localslurm.control", "cluster_env"),
-    "ClusterUp": ("hpc_ddp.localslurm.control", "ClusterUp"),
+    "cluster_up": ("hpc_ddp.localslurm.lifecycle", "cluster_up"),
+    "cluster_down": ("hpc_ddp.localslurm.lifecycle", "cluster_down"),
+    "running_cluster": ("hpc_ddp.localslurm.lifecycle", "running_cluster"),
+    "cluster_env": ("hpc_ddp.localslurm.lifecycle", "cluster_env"),
+    "ClusterUp": ("hpc_ddp.localslurm.lifecycle", "ClusterUp"),
     "LocalCluster": ("hpc_ddp.localslurm.daemons", "LocalCluster"),
     # errors and exit codes (torch-free)
     "HpcDdpError": ("hpc_ddp.errors", "HpcDdpError"),
@@ -143,7 +143,8 @@ if TYPE_CHECKING:
     from hpc_ddp.cluster import DistEnv, detect_env, torch_contract
     from hpc_ddp.deploy.api import describe, get_backend, submit
     from hpc_ddp.deploy.backend import Backend, DryRun, Finished, Job
-    from hpc_ddp.deploy.control import (
+    from hpc_ddp.deploy.flight_recorder import report as nccl_dump_report
+    from hpc_ddp.deploy.job_control import (
         JobReport,
         attach_job,
         cancel_job,
@@ -152,7 +153,6 @@ if TYPE_CHECKING:
         log_paths,
         run_dir_report,
     )
-    from hpc_ddp.deploy.flight_recorder import report as nccl_dump_report
     from hpc_ddp.deploy.sbatch.render import render
     from hpc_ddp.deploy.shell.runner import stop_all as stop_launch
     from hpc_ddp.deploy.shell.spec import LaunchSpec
@@ -164,15 +164,15 @@ if TYPE_CHECKING:
     from hpc_ddp.doctor_checks import Check, doctor
     from hpc_ddp.errors import ConfigError, HpcDdpError
     from hpc_ddp.exit_codes import EXIT_DIVERGED, EXIT_REQUEUE
-    from hpc_ddp.localslurm.control import (
+    from hpc_ddp.localslurm.daemons import LocalCluster
+    from hpc_ddp.localslurm.embedded import ensure_local_cluster
+    from hpc_ddp.localslurm.lifecycle import (
         ClusterUp,
         cluster_down,
         cluster_env,
         cluster_up,
         running_cluster,
     )
-    from hpc_ddp.localslurm.daemons import LocalCluster
-    from hpc_ddp.localslurm.embedded import ensure_local_cluster
     from hpc_ddp.run_dir import RunPaths
     from hpc_ddp.runtime.evaluation import evaluate
     from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce

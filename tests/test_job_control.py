@@ -27,7 +27,7 @@ from hostile_files import evil_pickle, make_fifo, run_child, symlink_to
 
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.submitit.local_control import children
+from hpc_ddp.deploy.submitit.local_jobs import children
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
@@ -465,7 +465,7 @@ LOG_MEMORY = 128 << 20  # what printing it may add to the reader's address space
 PRINT_LOGS = """
 import json, sys
 from pathlib import Path
-from hpc_ddp.deploy.control import follow_logs
+from hpc_ddp.deploy.job_control import follow_logs
 from hpc_ddp.deploy.sbatch.backend import SlurmJob
 from hpc_ddp.errors import HpcDdpError
 

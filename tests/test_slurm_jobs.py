@@ -32,7 +32,7 @@ from deploy_support import (
 from slurm_support import late_reply_scontrol_path
 
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.control import run_dir_report
+from hpc_ddp.deploy.job_control import run_dir_report
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for

@@ -13,7 +13,7 @@ import sys
 
 from hpc_ddp import schema
 from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
-from hpc_ddp.deploy.control import STOP_TIMEOUT_S, cancel_job
+from hpc_ddp.deploy.job_control import STOP_TIMEOUT_S, cancel_job
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """``hpc-ddp cluster up|down|status|env``: the embedded local Slurm cluster (the work is
-hpc_ddp.localslurm.control's, which the Python API shares; this prints it)."""
+hpc_ddp.localslurm.lifecycle's, which the Python API shares; this prints it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpc_ddp import schema
 from hpc_ddp.env_vars import LOCAL_SLURM_DIR_VAR
-from hpc_ddp.localslurm import LocalCluster, control
+from hpc_ddp.localslurm import LocalCluster, lifecycle
 from hpc_ddp.localslurm.config import NODE_ADDR, ClusterConfig
 from hpc_ddp.localslurm.gpus import AUTO
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    up = control.cluster_up(
+    up = lifecycle.cluster_up(
         args.dir,
         nodes=args.nodes,
         cpus_per_node=args.cpus_per_node,
@@ -104,15 +104,15 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    root = control.cluster_root(args.dir)
-    existed = control.cluster_down(root)
+    root = lifecycle.cluster_root(args.dir)
+    existed = lifecycle.cluster_down(root)
     print(f"stopped the local cluster in {root}" if existed else f"no local cluster in {root}")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    root = control.cluster_root(args.dir)
-    cluster = control.running_cluster(root)
+    root = lifecycle.cluster_root(args.dir)
+    cluster = lifecycle.running_cluster(root)
     if cluster is None:
         print(f"not running ({root})")
         return 1
@@ -122,7 +122,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    print(control.cluster_env_script(args.dir))
+    print(lifecycle.cluster_env_script(args.dir))
     return 0
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hpc_ddp.deploy.backend import Job
-from hpc_ddp.deploy.control import attach_job, check_job_id, is_local_job
+from hpc_ddp.deploy.job_control import attach_job, check_job_id, is_local_job
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, what: str = "JOB") -> None:

@@ -8,7 +8,7 @@ import sys
 
 from hpc_ddp import schema
 from hpc_ddp.commands.job_target import add_job_arguments, find_job, say_notes
-from hpc_ddp.deploy.control import follow_logs, log_paths
+from hpc_ddp.deploy.job_control import follow_logs, log_paths
 from hpc_ddp.errors import HpcDdpError
 
 

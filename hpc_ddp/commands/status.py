@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from hpc_ddp.commands.job_target import add_job_arguments, find_job
-from hpc_ddp.deploy.control import job_report, run_dir_job, run_dir_report
+from hpc_ddp.deploy.job_control import job_report, run_dir_job, run_dir_report
 from hpc_ddp.errors import HpcDdpError
 
 

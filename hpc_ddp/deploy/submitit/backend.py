@@ -7,7 +7,7 @@ what the program's hook adds: the trainer's submitit flags and run dir), checked
 out without creating anything. submit: the executor (made only then, in ``folder``, a private
 directory of this user's: submitit keeps the job's pickles there, and ``pickles`` loads them
 only from such a folder) submits the task; a local job is recorded
-(``local_control.remember_local_jobs``) so that a later cancel can prove it is the toolkit's.
+(``local_jobs.remember_local_jobs``) so that a later cancel can prove it is the toolkit's.
 ``SubmititJob`` reads the job's state from ``scontrol`` on Slurm, because submitit's own watcher
 asks sacct, which clusters without accounting (like the local one) do not answer: a job that
 died before writing its result would be waited on forever.
@@ -32,7 +32,7 @@ from hpc_ddp.deploy.sbatch.submit import LogFollower
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
 from hpc_ddp.deploy.submitit import pickles
-from hpc_ddp.deploy.submitit.local_control import (
+from hpc_ddp.deploy.submitit.local_jobs import (
     cancellable_by_sigint,
     local_records,
     remember_local_jobs,
@@ -227,10 +227,10 @@ class SubmititJob(Job):
 
     def _local_running(self) -> bool:
         """The controller runs: asked through its Popen, or /proc for a job re-attached from
-        another process (hpc_ddp.deploy.control.attach)."""
+        another process (hpc_ddp.deploy.job_control.attach_job)."""
         if getattr(self.job, "_process", None) is not None:
             return not self.job.done()
-        from hpc_ddp.deploy.submitit.local_control import controller_alive
+        from hpc_ddp.deploy.submitit.local_jobs import controller_alive
 
         return controller_alive(self.job_id)
 
@@ -239,7 +239,7 @@ class SubmititJob(Job):
 
     def mark_cancelled(self) -> None:
         """Remember that the job was cancelled: no scheduler does for a local job, so a file
-        beside submitit's own says it to later ``status`` calls (hpc_ddp.deploy.control)."""
+        beside submitit's own says it to later ``status`` calls (hpc_ddp.deploy.job_control)."""
         self._cancelled = True
         replace_file(self._cancel_marker(), b"")  # never through a link planted there
 

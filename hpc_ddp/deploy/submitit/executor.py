@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpc_ddp.deploy.sbatch.render import job_env
 from hpc_ddp.deploy.spec import JobSpec
 from hpc_ddp.deploy.submission_env import scrubbed_environ, submission_env, with_this_python
-from hpc_ddp.deploy.submitit.local_control import (
+from hpc_ddp.deploy.submitit.local_jobs import (
     cancellable_by_sigint,
     local_records,
     remember_local_jobs,

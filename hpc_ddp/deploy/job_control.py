@@ -78,7 +78,7 @@ def attach_job(
     the Slurm to ask (None: this environment's)."""
     job_id = check_job_id(str(job_id))
     if folder is not None and is_local_job(Path(folder), job_id):
-        from hpc_ddp.deploy.submitit.local_control import controller_cwd
+        from hpc_ddp.deploy.submitit.local_jobs import controller_cwd
 
         return _submitit_job(job_id, Path(folder), None, controller_cwd(job_id))
     env = dict(cluster_env or {})
@@ -424,7 +424,7 @@ def cancel_job(
     if job.status() in TERMINAL:
         return job.status()
     if EXECUTORS[job.executor].this_machine:
-        from hpc_ddp.deploy.submitit.local_control import stop_local
+        from hpc_ddp.deploy.submitit.local_jobs import stop_local
 
         return stop_local(job, now=now, timeout_s=timeout_s, on_event=on_event)
     client = _client(job)
