@@ -1,11 +1,13 @@
 """Draw the diagrams of docs/ as PNGs into docs/img/ (boxes and arrows, matplotlib only).
 
     .venv/bin/python docs/figures/make_figures.py          # writes docs/img/*.png
+    .venv/bin/python docs/figures/make_figures.py house.png   # only the ones named
 
-Every picture uses the same colours (see ``C``) and shows 2 nodes x 2 GPUs: 8 GPUs per node work
-the same way, with more boxes. The variable values drawn are the ones the local Slurm cluster's
-fake-GPU tests check (tests/test_slurm_jobs.py::test_gpu_layouts_bind_gpus_as_intended) and the
-ones `hpc-ddp launch ... --rcmd exec` prints; keep them in step with the code.
+The house (``house``) is the package's import graph, read from the tree each time it is drawn.
+The other pictures show 2 nodes x 2 GPUs: 8 GPUs per node work the same way, with more boxes.
+All use the same colours (see ``C``). The variable values drawn are the ones the local Slurm
+cluster's fake-GPU tests check (tests/test_slurm_jobs.py::test_gpu_layouts_bind_gpus_as_intended)
+and the ones `hpc-ddp launch ... --rcmd exec` prints; keep them in step with the code.
 
 The first half holds the shapes (box, arrow, node, process pair, GPU row, legend); each figure
 function below them only says what goes where. Coordinates are inches on the canvas, y upwards.
@@ -14,7 +16,9 @@ function below them only says what goes where. Coordinates are inches on the can
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
+from functools import cache
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,8 @@ from matplotlib.transforms import Bbox
 
 matplotlib.use("Agg")
 
-OUT = Path(__file__).resolve().parent.parent / "img"
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "docs" / "img"
 DPI = 100
 MONO = "DejaVu Sans Mono"
 
@@ -635,12 +640,91 @@ def captured_step(ax: Axes) -> None:
     )
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------- the house
+def import_layers() -> tuple[list[list[str]], dict[str, set[str]]]:
+    """The package-level import graph of the tree as it is now, read by the same ``ast`` reader
+    as tests/test_import_graph.py: its rows (row 0 imports nothing of the package; every node
+    sits one row above the highest node it imports) and its arrows, an arrow left out where a
+    longer path already implies it (the transitive reduction). Nothing is hard-coded: the
+    picture follows the tree."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_import_graph import module_graph, package_graph
+
+    modules = module_graph()
+    edges = {node: set(targets) for node, targets in package_graph(modules).items()}
+    for module in modules:  # a node that imports nothing of the package is drawn too
+        edges.setdefault(".".join(module.split(".")[:2]), set())
+
+    @cache
+    def row(node: str) -> int:
+        return 1 + max((row(t) for t in edges[node]), default=-1)
+
+    @cache
+    def below(node: str) -> frozenset[str]:
+        return frozenset().union(*({t} | below(t) for t in edges[node]))
+
+    arrows = {
+        node: {t for t in targets if not any(t in below(o) for o in targets - {t})}
+        for node, targets in edges.items()
+    }
+    rows: list[list[str]] = [[] for _ in range(1 + max(map(row, edges)))]
+    for node in sorted(edges):
+        rows[row(node)].append(node)
+    for _ in range(2):  # order each row by where what it imports sits: fewer crossings
+        for k in range(1, len(rows)):
+            place = {n: i / max(1, len(r) - 1) for r in rows[:k] for i, n in enumerate(r)}
+            rows[k].sort(key=lambda n: sum(place[t] for t in arrows[n]) / max(1, len(arrows[n])))
+    return rows, arrows
+
+
+def node_label(node: str) -> str:
+    name = node.removeprefix("hpc_ddp.") if node != "hpc_ddp" else "__init__"
+    return f"{name}/" if (ROOT / "hpc_ddp" / name).is_dir() else f"{name}.py"
+
+
+@figure("house.png", 10.4)
+def house(ax: Axes) -> None:
+    """The house: hpc_ddp's modules and subpackages, each above what it imports"""
+    rows, arrows = import_layers()
+    gap = (10.4 - 2.2) / len(rows)
+    boxes: dict[str, Box] = {}
+    for k, members in enumerate(rows):
+        widths = [0.35 + 0.085 * len(node_label(n)) for n in members]
+        x = (13 - sum(widths) - 0.35 * (len(members) - 1)) / 2
+        for node, w in zip(members, widths, strict=True):
+            label = node_label(node)
+            kind = "rank0" if node == "hpc_ddp.train" else "agent" if label[-1] == "/" else "note"
+            boxes[node] = box(ax, x, 1.55 + (k + 0.5) * gap, w, kind, text=label, h=0.34,
+                              size=9, align="center")  # fmt: skip
+            x += w + 0.35
+    row_of = {n: k for k, members in enumerate(rows) for n in members}
+    for node, targets in arrows.items():
+        for target in targets:
+            # An arrow past a row bends, so that it does not run through that row's boxes.
+            leftwards = top(boxes[target])[0] < bottom(boxes[node])[0]
+            bend = (0.12 if leftwards else -0.12) if row_of[node] - row_of[target] > 1 else 0
+            arrow(ax, bottom(boxes[node]), top(boxes[target]), lw=0.8, color="#777777",
+                  mutation_scale=8, connectionstyle=f"arc3,rad={bend}")  # fmt: skip
+    footer(
+        ax,
+        "Read from the source by tests/test_import_graph.py's reader: an arrow is an import, lazy "
+        "ones included; an arrow a longer path implies is left out.",
+        y=0.95,
+        items=[("agent", "subpackage"), ("note", "module"), ("rank0", "the trainer")],
+    )
+
+
+def main(names: list[str]) -> None:
+    unknown = set(names) - {name for name, _, _ in FIGURES}
+    if unknown:
+        raise SystemExit(f"no figure named {', '.join(sorted(unknown))}")
     for name, h, draw in FIGURES:
+        if names and name not in names:
+            continue
         fig, ax = canvas(13, h, draw.__doc__ or "")
         draw(ax)
         save(fig, name)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
