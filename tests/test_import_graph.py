@@ -138,6 +138,15 @@ def test_no_deploy_module_imports_the_embedded_cluster() -> None:
     assert "hpc_ddp.localslurm" not in edges["hpc_ddp.deploy"], edges["hpc_ddp.deploy"]
 
 
+def test_the_run_dir_sits_under_every_layer_that_uses_it() -> None:
+    """One owner of a run directory (its names, marker and lock), torch-free and below the
+    checkpoints, the runtime, deploy and the trainer, which all use it."""
+    modules = module_graph()
+    assert "hpc_ddp.run_dir" in modules
+    users = {"hpc_ddp.checkpoint", "hpc_ddp.runtime", "hpc_ddp.deploy", "hpc_ddp.train"}
+    assert not set(package_graph(modules)["hpc_ddp.run_dir"]) & users
+
+
 def test_the_reader_sees_lazy_and_relative_imports_not_typing_ones(tmp_path: Path) -> None:
     package = tmp_path / "hpc_ddp"
     (package / "deploy").mkdir(parents=True)
@@ -240,3 +249,51 @@ def test_the_executor_comparison_reader_sees_every_spelling(tmp_path: Path) -> N
     )
     found = executor_comparisons((tmp_path / "deploy",))
     assert found == ["deploy/m.py:1", "deploy/m.py:2", "deploy/m.py:3", "deploy/m.py:4"]
+
+
+def launcher_definitions(package: Path = PACKAGE) -> list[str]:
+    """Where the package defines a launcher outside the deployment layer, as ``path[:line]``: a
+    module named after one, or a type or table of them (``Launcher``, ``LAUNCHERS``, a class
+    ending in ``Launcher``). "Launcher" is a JobSpec's (srun, torchrun: deploy/launchers.py); the
+    toolkit's own starters (pdsh, clush, spawn) and their contract's reader have their own names.
+    """
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package.parent)
+        if where.parts[1] == "deploy":
+            continue
+        if "launcher" in path.stem:
+            found.append(str(where))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.name] if isinstance(node, ast.ClassDef) else []
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            found += [
+                f"{where}:{node.lineno}"
+                for name in names
+                if name in ("Launcher", "LAUNCHERS") or name.endswith("Launcher")
+            ]
+    return found
+
+
+def test_launcher_means_a_jobspecs_launcher_only() -> None:
+    assert not launcher_definitions(), launcher_definitions()
+
+
+def test_the_launcher_definition_reader_sees_modules_types_and_tables(tmp_path: Path) -> None:
+    (tmp_path / "hpc_ddp" / "cluster").mkdir(parents=True)
+    (tmp_path / "hpc_ddp" / "deploy").mkdir()
+    (tmp_path / "hpc_ddp" / "cluster" / "launcher.py").write_text("x = 1\n")
+    (tmp_path / "hpc_ddp" / "env_vars.py").write_text(
+        'Launcher = Literal["pdsh"]\nLAUNCHERS: tuple = ()\nclass ShellLauncher: pass\n'
+        "launcher_env = {}\n"
+    )
+    (tmp_path / "hpc_ddp" / "deploy" / "launchers.py").write_text("LAUNCHERS = {}\n")
+    found = launcher_definitions(tmp_path / "hpc_ddp")
+    assert found == [
+        "hpc_ddp/cluster/launcher.py",
+        "hpc_ddp/env_vars.py:1",
+        "hpc_ddp/env_vars.py:2",
+        "hpc_ddp/env_vars.py:3",
+    ]
