@@ -109,7 +109,7 @@ def _standin_env(tmp_path: Path, base: dict[str, str]) -> dict[str, str]:
 def test_container_jobs_run_and_the_batch_shell_requeues_them(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """Two jobs at once (their ~11 s requeue waits overlap), each preempted at step 3 with USR1:
+    """Two jobs at once (their ~6 s requeue waits overlap), each preempted at step 3 with USR1:
 
     * per-process srun under the apptainer stand-in;
     * per-process srun under the pyxis stand-in.

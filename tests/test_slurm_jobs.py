@@ -73,7 +73,7 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
 def test_preemption_checkpoints_requeues_resumes_same_weights(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """Both launch styles at once (their ~11 s requeue waits overlap):
+    """Both launch styles at once (their ~6 s requeue waits overlap):
 
     * srun layout: USR1 to the step tasks (``scancel --signal=USR1``, what ``--signal=USR1@N``
       does);

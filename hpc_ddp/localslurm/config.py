@@ -198,8 +198,10 @@ def render_slurm_conf(
         # for nothing, and only processes that can reach the socket can authenticate at all.
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        # cred_expire: a requeued job may start again after 10 s (default 120).
-        f"AuthInfo=cred_expire=10,socket={cfg.munge_socket}",
+        # cred_expire: slurmctld holds a requeued job back until its old launch credential has
+        # expired (cred_expire + 1 s; 120 by default), so the least Slurm accepts, 5: a local
+        # cluster's credential crosses loopback to a slurmd on this machine, well within it.
+        f"AuthInfo=cred_expire=5,socket={cfg.munge_socket}",
         f"StateSaveLocation={r}/state",
         f"SlurmdSpoolDir={r}/spool/%n",
         f"SlurmctldPidFile={r}/run/slurmctld.pid",
