@@ -29,6 +29,7 @@ from deploy_support import (
 )
 
 from hpc_ddp.deploy.container import ContainerSpec
+from hpc_ddp.deploy.control import run_dir_report
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
@@ -109,28 +110,28 @@ def _standin_env(tmp_path: Path, base: dict[str, str]) -> dict[str, str]:
 def test_container_jobs_run_and_the_batch_shell_requeues_them(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """Two jobs at once (their ~6 s requeue waits overlap), each preempted at step 3 with USR1:
+    """Two jobs at once, per-process srun, each in a container stand-in:
 
-    * per-process srun under the apptainer stand-in;
-    * per-process srun under the pyxis stand-in.
-
-    Inside the "container" there is no scontrol, so the trainer cannot requeue its job; its step
-    exits 75 and the batch shell, on the host, runs ``scontrol requeue``. Each job comes back
-    (restart 1), resumes, and ends with the uninterrupted reference's weights. On the code before
-    the batch-shell requeue the step's 75 ended the job (FAILED, never requeued)."""
+    * apptainer, preempted at step 3 with USR1. Inside the "container" there is no scontrol,
+      so the trainer cannot requeue its job; its step exits 75 and the batch shell, on the
+      host, runs ``scontrol requeue``. The job comes back (restart 1), resumes, and ends with
+      the uninterrupted reference's weights. On the code before the batch-shell requeue the
+      step's 75 ended the job (FAILED, never requeued).
+    * pyxis, uninterrupted: its tasks run under srun's --container-* options and end with the
+      reference's weights. Its preemption would take the apptainer job's path: the step's 75,
+      then the same batch shell on the host."""
     env = _standin_env(tmp_path, slurm_cluster.env)
     jobs = {}
-    for runtime in ("apptainer", "pyxis"):
+    for runtime, hold in (("apptainer", ["--debug-hold-at-step", "3"]), ("pyxis", [])):
         cwd = tmp_path / runtime
         cwd.mkdir()
         container = ContainerSpec(runtime=runtime, image=IMAGE, mounts=["/tmp:/scratch:ro"])
         spec = train_spec(f"ctr-{runtime}", container=container)
-        spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+        spec = spec.replace(args=[*spec.args, *hold])
         jobs[runtime] = (cwd, *submit_spec(spec, cwd, env))
-    for runtime, (cwd, _, _) in jobs.items():
-        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{runtime} hold")
-    for _, job_id, _ in jobs.values():
-        slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+    cwd, job_id, _ = jobs["apptainer"]
+    wait_for(lambda: progress_status(cwd / "run") == "holding", 120, "apptainer hold")
+    slurm_cluster.run(["scancel", "--signal=USR1", job_id])
     states: dict[str, list[str]] = {job_id: [] for _, job_id, _ in jobs.values()}
 
     def all_ended() -> bool:
@@ -138,11 +139,15 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
             seen.append(slurm_cluster.job_state(job_id))
         return all(seen[-1] in TERMINAL for seen in states.values())
 
-    wait_for(all_ended, 180, "both preempted container jobs to finish", interval_s=0.2)
+    wait_for(all_ended, 180, "both container jobs to finish", interval_s=0.2)
     reference = read_result(reference_run[0] / "run")["params_sha256"]
     for runtime, (cwd, job_id, out) in jobs.items():
         done = wait_job(job_id, env, timeout_s=10, output=out)
         log = out.read_text()
+        if runtime == "pyxis":
+            assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 0), log
+            assert read_result(cwd / "run")["params_sha256"] == reference
+            continue
         assert "PENDING" in states[job_id], states[job_id]
         assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
         assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
@@ -150,7 +155,7 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
         assert "resumed from" in log, log
         result = read_result(cwd / "run")
         assert (result["interruptions"], result["world_size"]) == (1, 4)
-        assert result["params_sha256"] == reference, runtime
+        assert result["params_sha256"] == reference
     calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
     apptainer = [c for c in calls if c.startswith("apptainer ")]
     pyxis = [c for c in calls if c.startswith("srun ")]
@@ -161,7 +166,8 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
     assert sum("-m hpc_ddp.deploy.preflight" in c for c in apptainer) == 8
     assert sum("-u -m hpc_ddp.train" in c for c in apptainer) == 8
     pyxis_head = f"srun --container-image={IMAGE} --container-mounts=/tmp:/scratch:ro -- "
-    assert len(pyxis) == 4 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
+    # one run: the preflight step and the training step
+    assert len(pyxis) == 2 and all(c.startswith(pyxis_head) for c in pyxis), pyxis
 
 
 @pytest.mark.slow
@@ -170,11 +176,13 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
 ) -> None:
     """torchrun layout, two jobs at once, each in the apptainer stand-in, holding at step 3:
 
-    * ``preempted``: USR1 as in the test above. The workers checkpoint and exit 75, which
-      torchrun reports as 1; rank 0 (no scontrol in the image) left the requeue marker in the
-      run dir, so the batch shell on the host requeues. The job resumes and ends with the
-      uninterrupted reference's weights. On the code before the marker no one could requeue:
-      the job ended FAILED after its first run.
+    * ``preempted``: USR1 to the batch shell only (``scancel --batch``, what
+      ``--signal=B:USR1@N`` does), which the template forwards to the tasks; torchrun ignores
+      it, its workers checkpoint and exit 75, which torchrun reports as 1; rank 0 (no scontrol
+      in the image) left the requeue marker in the run dir, so the batch shell on the host
+      requeues. The job resumes and ends with the uninterrupted reference's weights. On the
+      code before the marker no one could requeue: the job ended FAILED after its first run.
+      (The torchrun layout's one preemption test: test_slurm_jobs.py runs the srun layout's.)
     * ``crashed``: one worker dies (SIGKILL, as the OOM killer does) and torchrun stops the
       others with SIGTERM, which the trainer takes for a preemption signal; but no checkpoint
       can commit without the dead rank, so there is no marker and the job ends FAILED, never
@@ -194,7 +202,7 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
         jobs[case] = (cwd, env, *submit_spec(spec, cwd, env))
     for case, (cwd, *_) in jobs.items():
         wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{case} hold")
-    slurm_cluster.run(["scancel", "--signal=USR1", jobs["preempted"][2]])
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["preempted"][2]])
     os.kill(_progress(jobs["crashed"][0] / "run")["pids"][1], signal.SIGKILL)
     states: dict[str, list[str]] = {job_id: [] for _, _, job_id, _ in jobs.values()}
 
@@ -215,6 +223,10 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
             continue
         assert "PENDING" in states[job_id], states[job_id]
         assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+        assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
+        assert "batch shell got SIGUSR1, forwarding" in log, log
+        assert re.search(r"torchrun rendezvous at node1:\d+", log), log
+        assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 4, log
         # 1 from torchrun, or 143 when srun's --kill-on-bad-exit stopped the other node first
         said = r"step exited (1|143) after the trainer checkpointed \(requeue marker\): requeueing"
         assert re.search(f"{said} job {job_id}\n", log), log
@@ -223,6 +235,8 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
         result = read_result(cwd / "run")
         assert (result["interruptions"], result["world_size"]) == (1, 4)
         assert result["params_sha256"] == read_result(reference_run[0] / "run")["params_sha256"]
+        report = run_dir_report(cwd / "run")  # what the run dir alone says, as in the srun job
+        assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
         calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
         head, python = f"apptainer exec {IMAGE} ", spec.python
         # per run (2 runs): the batch shell's port, 2 nodes x (preflight + torchrun)

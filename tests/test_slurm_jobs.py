@@ -73,64 +73,43 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
 def test_preemption_checkpoints_requeues_resumes_same_weights(
     slurm_cluster, reference_run, tmp_path: Path
 ) -> None:
-    """Both launch styles at once (their ~6 s requeue waits overlap):
+    """The srun layout, USR1 to the step tasks (``scancel --signal=USR1``, what
+    ``--signal=USR1@N`` does): the ranks agree, checkpoint, all exit 75, and the batch shell
+    runs ``scontrol requeue`` on the step's 75; the job comes back with SLURM_RESTART_COUNT=1,
+    resumes, and ends with the uninterrupted reference's weights.
 
-    * srun layout: USR1 to the step tasks (``scancel --signal=USR1``, what ``--signal=USR1@N``
-      does);
-    * torchrun layout: USR1 to the batch shell only (``--batch``, what ``--signal=B:USR1@N``
-      does), which the template forwards; torchrun ignores it, its workers checkpoint.
-
-    Then: ranks agree, checkpoint, all exit 75, and ``scontrol requeue`` comes from the batch
-    shell: on the step's 75 (srun layout), or on rank 0's requeue marker in the run dir
-    (torchrun, which reports 75 as 1); the job comes back with SLURM_RESTART_COUNT=1, resumes,
-    and ends with the uninterrupted reference's weights."""
-    cases = {"srun": [], "torchrun": ["--batch"]}
-    jobs = {}
-    for launcher in cases:
-        cwd = tmp_path / launcher
-        cwd.mkdir()
-        spec = train_spec(f"pre-{launcher}", launcher=launcher)
-        spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
-        jobs[launcher] = (cwd, *submit_spec(spec, cwd, slurm_cluster.env))
-    for launcher, (cwd, _, _) in jobs.items():
-        wait_for(lambda c=cwd: progress_status(c / "run") == "holding", 120, f"{launcher} hold")
-    for launcher, (_, job_id, _) in jobs.items():
-        slurm_cluster.run(["scancel", "--signal=USR1", *cases[launcher], job_id])
+    The trainer's preemption in the torchrun layout (USR1 to the batch shell only, forwarded;
+    rank 0's requeue marker) is test_container_jobs.py's torchrun job: the same template and
+    trainer, run in the apptainer stand-in; test_localslurm_install.py runs it without one, the
+    signal to the step's tasks, under proctrack/cgroup."""
+    cwd = tmp_path / "srun"
+    cwd.mkdir()
+    spec = train_spec("pre-srun", launcher="srun")
+    spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
+    job_id, out = submit_spec(spec, cwd, slurm_cluster.env)
+    wait_for(lambda: progress_status(cwd / "run") == "holding", 120, "srun hold")
+    slurm_cluster.run(["scancel", "--signal=USR1", job_id])
     reference = read_result(reference_run[0] / "run")["params_sha256"]
-    # Watch both jobs' states together: each was RUNNING (holding) when signalled and must be
-    # seen PENDING (requeued) before it ends.
-    states: dict[str, list[str]] = {job_id: [] for _, job_id, _ in jobs.values()}
-
-    def all_ended() -> bool:
-        for job_id, seen in states.items():
-            seen.append(slurm_cluster.job_state(job_id))
-        return all(seen[-1] in TERMINAL for seen in states.values())
-
-    wait_for(all_ended, 180, "both preempted jobs to finish", interval_s=0.2)
-    for launcher, (cwd, job_id, out) in jobs.items():
-        done = wait_job(job_id, slurm_cluster.env, timeout_s=10, output=out)
-        seen = states[job_id]
-        assert "PENDING" in seen, seen  # it really went back to the queue
-        log = out.read_text()
-        assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
-        assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
-        assert "resumed from" in log, log
-        result = read_result(cwd / "run")
-        assert (result["interruptions"], result["world_size"]) == (1, 4)
-        assert result["params_sha256"] == reference, launcher
-        # What the run dir alone says (`hpc-ddp status RUN_DIR` once Slurm forgot the job):
-        # its job, and the restart that wrote progress.json last.
-        report = run_dir_report(cwd / "run")
-        assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
-        if launcher == "torchrun":
-            assert re.search(r"torchrun rendezvous at node1:\d+", log), log
-            assert len(re.findall(r"preflight: torchrun agent node_rank=\d/2 ", log)) == 4, log
-            assert "batch shell got SIGUSR1, forwarding" in log, log
-            said = r"step exited \d+ after the trainer checkpointed \(requeue marker\): requeueing"
-            assert re.search(f"{said} job {job_id}\n", log), log
-            assert not list((cwd / "run").glob(".requeue-job-*"))  # the shell removed it
-        else:
-            assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
+    # It was RUNNING (holding) when signalled and must be seen PENDING (requeued) before it ends.
+    seen: list[str] = []
+    wait_for(
+        lambda: seen.append(slurm_cluster.job_state(job_id)) or seen[-1] in TERMINAL,
+        180, "the preempted job to finish", interval_s=0.2,
+    )  # fmt: skip
+    done = wait_job(job_id, slurm_cluster.env, timeout_s=10, output=out)
+    assert "PENDING" in seen, seen  # it really went back to the queue
+    log = out.read_text()
+    assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+    assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
+    assert "resumed from" in log, log
+    result = read_result(cwd / "run")
+    assert (result["interruptions"], result["world_size"]) == (1, 4)
+    assert result["params_sha256"] == reference
+    # What the run dir alone says (`hpc-ddp status RUN_DIR` once Slurm forgot the job): its job,
+    # and the restart that wrote progress.json last.
+    report = run_dir_report(cwd / "run")
+    assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
+    assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
 
 
 # A job program that asks for its own requeue as the trainer does under --requeue scontrol
