@@ -152,7 +152,10 @@ def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
     """Two rendered jobs side by side: the uninterrupted reference, and one that every task
     holds at step 3 until ``scancel --signal=USR1`` (no flag: the step tasks) arrives. Its rank 0
     then runs ``scontrol requeue``; Slurm restarts the job, which resumes from the checkpoint.
-    World 4: with more than two ranks the gradient sums' order matters (per_tensor_allreduce)."""
+    World 4: with more than two ranks the gradient sums' order matters (per_tensor_allreduce).
+    The srun layout's one test for a script of the user's: hpc_ddp.Resumable takes the same
+    path (Preemption, requeue("auto"), exit 75), so test_resumable.py runs only the torchrun
+    layout."""
     jobs = {}
     for name, extra in (("ref", ()), ("pre", ("--hold-at-step", "3"))):
         cwd = tmp_path / name
@@ -254,7 +257,9 @@ def test_submitit_job_preempted_with_usr1_requeues_to_the_same_weights(
     local cluster, every task holding at step 3 until ``scancel --signal=USR1`` (no flag: the
     step's processes, submitit's task and the script alike). The script checkpoints and exits
     75; rank 0's task takes submitit's requeue path (checkpoint(), scontrol requeue); the rerun
-    resumes from step 3 and the job ends COMPLETED with the uninterrupted run's weights."""
+    resumes from step 3 and the job ends COMPLETED with the uninterrupted run's weights. A
+    script on hpc_ddp.Resumable takes this path too (the same Preemption and requeue("auto")):
+    this is the one submitit preemption test for a script of the user's."""
     run_dir, folder, log = tmp_path / "run", tmp_path / "submitit", tmp_path / "submit.log"
     spec = _spec_file(tmp_path, (2, 1), *ARGS, "--run-dir", str(run_dir), "--hold-at-step", "3")
     with log.open("w") as out:

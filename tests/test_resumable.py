@@ -4,14 +4,13 @@ examples/plain_ddp.py knows nothing of hpc-ddp; examples/resumable_ddp.py is the
 the lines docs/your-code.md shows. Interrupted by a real signal at whatever step the timing
 gives (each optimizer step slowed by tests/workers/slow_steps.py, so that the signal lands mid-run)
 and started again, it must end with the uninterrupted run's weights, bit for bit: under torchrun
-here, and on the local Slurm (2 nodes x 2 tasks: real sbatch, srun, torchrun, submitit, scancel
---signal, scontrol requeue). Not real: a second physical host, GPUs (CPU and Gloo here).
+here, and on the local Slurm's torchrun layout (2 nodes x 2 tasks: real sbatch, srun, torchrun,
+scancel --signal, scontrol requeue). Not real: a second physical host, GPUs (CPU and Gloo here).
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import re
 import signal
 import subprocess
@@ -107,7 +106,12 @@ def test_what_cannot_resume_is_refused_by_name() -> None:
     assert not Path("/nonexistent/never").exists()
 
 
-# --- the local Slurm: srun and torchrun layouts, and submitit ---------------------------------
+# --- the local Slurm: the torchrun layout ------------------------------------------------------
+# One job, the torchrun layout, where rank 0 of a script's job asks for the requeue itself
+# (requeue("auto") runs scontrol requeue). The srun layout's path (exit 75, the batch shell
+# requeues; requeue("auto") only says so) is the one a script on hpc_ddp.Preemption takes too:
+# test_example_script.py's Slurm job, at world 4 as well. Under submitit, Resumable's Preemption
+# and requeue("auto") are that script's: test_example_script.py's submitit job.
 def _render(cwd: Path, launcher: str) -> Path:
     job = cwd / "job.sbatch"
     res = hpc_ddp(
@@ -122,71 +126,24 @@ def _render(cwd: Path, launcher: str) -> Path:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_slurm_layouts_preempted_requeued_resume_bit_identical(
+def test_slurm_torchrun_layout_preempted_requeued_resumes_bit_identical(
     slurm_cluster, reference: dict[int, str], tmp_path: Path
 ) -> None:
-    """A real `scancel --signal=USR1` once epoch 1 is printed, in the srun layout (the batch
-    shell requeues on exit 75) and the torchrun layout (rank 0 runs scontrol requeue): Slurm
-    restarts each job, which resumes and ends with the uninterrupted run's weights."""
-    jobs = {}
-    for launcher in ("srun", "torchrun"):
-        cwd = tmp_path / launcher
-        cwd.mkdir()
-        job_id, log = slurm_cluster.sbatch(_render(cwd, launcher), output=cwd / "job.out", cwd=cwd)
-        jobs[launcher] = (cwd, job_id, log)
-    signalled: set[str] = set()
-
-    def signal_each_at_epoch_1() -> bool:
-        """Each job gets its signal as soon as its own first epoch is logged: waiting for one
-        job first would let the other run to its end meanwhile."""
-        for _cwd, job_id, log in jobs.values():
-            if job_id not in signalled and log.exists() and "epoch 1:" in log.read_text():
-                slurm_cluster.run(["scancel", "--signal=USR1", job_id])
-                signalled.add(job_id)
-        return len(signalled) == len(jobs)
-
-    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both jobs", interval_s=0.1)
-    for launcher, (cwd, job_id, log) in jobs.items():
-        wait_for(
-            lambda job_id=job_id, cwd=cwd: slurm_cluster.job_state(job_id) in TERMINAL
-            and (cwd / "run" / "model.pt").exists(),
-            240, f"{launcher} job {job_id} to end",
-        )  # fmt: skip
-        info, text = slurm_cluster.job_info(job_id), log.read_text()
-        assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), text
-        assert PREEMPTED.search(text) and "resumed from" in text, text
-        assert _sha(cwd / "run") == reference[4], launcher
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_submitit_preempted_requeued_resumes_bit_identical(
-    slurm_cluster, reference: dict[int, str], tmp_path: Path
-) -> None:
-    folder, log, run_dir = tmp_path / "submitit", tmp_path / "submit.log", tmp_path / "run"
-    spec = tmp_path / "job.toml"
-    args = ["0.1", str(RESUMABLE), *EPOCHS, "--run-dir", str(run_dir)]
-    spec.write_text(
-        f'name = "resumable-submitit"\nnodes = 2\nprocs_per_node = 2\ntime = "30"\n'
-        f"script = {json.dumps(SLOW)}\nargs = {json.dumps(args)}\n"
+    """A real `scancel --signal=USR1` once epoch 1 is printed, in the torchrun layout: rank 0
+    runs scontrol requeue, Slurm restarts the job, which resumes and ends with the
+    uninterrupted run's weights."""
+    job_id, log = slurm_cluster.sbatch(
+        _render(tmp_path, "torchrun"), output=tmp_path / "job.out", cwd=tmp_path
     )
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hpc_ddp.cli", "submit", "--executor", "submitit",
-             "--folder", str(folder), "--wait-timeout", "240", str(spec)],
-            stdout=out, stderr=subprocess.STDOUT, env=slurm_cluster.env, cwd=tmp_path, text=True,
-        )  # fmt: skip
-    try:
-        rank0 = lambda: "".join(p.read_text() for p in folder.glob("*_0_log.out"))  # noqa: E731
-        wait_for(lambda: "epoch 1:" in rank0() or proc.poll() is not None, 120, "epoch 1")
-        job_id = re.search(r"submitted submitit job (\d+)", log.read_text())[1]
-        slurm_cluster.run(["scancel", "--signal=USR1", job_id])
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert rc == 0 and f"job {job_id}: COMPLETED" in text, text
-    assert slurm_cluster.job_info(job_id)["Restarts"] == "1"
-    assert PREEMPTED.search(rank0()) and "resumed from" in rank0(), rank0()
-    assert _sha(run_dir) == reference[4]
+    wait_for(lambda: log.exists() and "epoch 1:" in log.read_text(), 120, "epoch 1")
+    slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+    wait_for(
+        lambda: slurm_cluster.job_state(job_id) in TERMINAL
+        and (tmp_path / "run" / "model.pt").exists(),
+        240, f"job {job_id} to end",
+    )  # fmt: skip
+    info, text = slurm_cluster.job_info(job_id), log.read_text()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), text
+    assert PREEMPTED.search(text) and "resumed from" in text, text
+    assert f"requeued Slurm job {job_id} (scontrol requeue)" in text, text  # rank 0 asked
+    assert _sha(tmp_path / "run") == reference[4]
