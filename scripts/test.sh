@@ -3,8 +3,9 @@
 # skip where no GPU is visible). Extra arguments go to pytest, e.g. scripts/test.sh -k slurm.
 # The tests run in parallel (pytest-xdist), one more worker than CPUs: many of them wait on
 # Slurm's scheduling and requeues, process start-up or rendezvous with the CPUs idle. Each test
-# file stays on one worker (--dist loadfile: its module fixtures run once), the files with slow
-# tests first (tests/conftest.py); each worker starts its own local Slurm clusters.
+# file stays on one worker (--dist loadfile: its module fixtures run once), the files that took
+# longest first (tests/durations.json, tests/conftest.py); each worker starts its own local Slurm
+# clusters.
 # `scripts/test.sh -n 0 ...` runs serially. Every 30 s a line says how many tests are done of
 # all, how many failed and the time so far (tests/conftest.py; --progress-every SECONDS).
 # `scripts/test.sh --quick`: the inner loop's tier, the tests under a second each in

@@ -166,8 +166,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``--quick``: the quick tier only (tests/quick_tier.py). Then, files with more slow tests
-    first, each file's tests together and in their order: under
+    """``--quick``: the quick tier only (tests/quick_tier.py). Then, the files that take longest
+    first (tests/durations.json), each file's tests together and in their order: under
     pytest-xdist (scripts/test.sh: whole files per worker, --no-loadscope-reorder) the long
     files start first and the many short ones fill the end, instead of one long file started
     last keeping a worker busy while the others idle."""
@@ -175,7 +175,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         quick_tier.select_quick(config, items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a serial run keeps pytest's order
-    slow: dict[Path, int] = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: files stay whole and in order
+    seconds = quick_tier.file_seconds(items)
+    items.sort(key=lambda item: -seconds[item.path])  # stable: files stay whole and in order

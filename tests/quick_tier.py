@@ -1,6 +1,7 @@
 """The quick tier (``scripts/test.sh --quick``): the tests that each took under QUICK_S in the
 recorded durations (tests/durations.json), never a Slurm or slow-marked one. A test with no
-recorded duration (a new one) runs: it is quick until a full run records it otherwise.
+recorded duration (a new one) runs: it is quick until a full run records it otherwise. The
+recorded durations also order the files of a parallel run, the longest first (conftest.py).
 
 ``scripts/test.sh --record-durations`` (a full run) writes that file again from its own reports:
 setup, call and teardown of each test, as the process that reports sees them (pytest-xdist's
@@ -37,6 +38,20 @@ def select_quick(config: pytest.Config, items: list[pytest.Item]) -> None:
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+# What a test without a recorded duration (a new one) is taken to last when ordering files.
+UNRECORDED_S = {"slow": 30.0, "other": QUICK_S}
+
+
+def file_seconds(items: list[pytest.Item]) -> dict[Path, float]:
+    """Each test file's recorded seconds (all of its tests, setup and teardown included)."""
+    took = recorded()
+    seconds: dict[Path, float] = defaultdict(float)
+    for item in items:
+        guess = UNRECORDED_S["slow" if item.get_closest_marker("slow") else "other"]
+        seconds[item.path] += took.get(item.nodeid, guess)
+    return seconds
 
 
 class Recorder:
