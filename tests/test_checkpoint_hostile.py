@@ -319,3 +319,91 @@ def test_sigterm_while_a_run_loads_hostile_checkpoints_ends_it_promptly(
     assert "skipping step-00000005: cannot read shared.pt: a FIFO" in log, log
     assert "resumed from" in log and "step 4)" in log and "preempted (SIGTERM)" in log, log
     print(f"SIGTERM -> exit 75 in {took:.2f} s", file=sys.stderr)
+
+
+# --- the sharded (DCP) payload --------------------------------------------------------------
+class _Plant:
+    """Unpickling this creates a file: a .metadata that runs code on load."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _sharded_pair(root: Path) -> Checkpointer:
+    """Two sharded checkpoints (DCP payload, one rank): step 10 and step 20 (``latest``)."""
+    ck = Checkpointer(root, rank=0, world_size=1, sharded=True, log=lambda _: None)
+    for step in (10, 20):
+        state = {"model": {"w": torch.full((4, 4), float(step))}, "opt": {"lr": 0.5, "n": step}}
+        ck.save(step, shared=state, per_rank={"rng": torch.get_rng_state()}, meta={})
+    return ck
+
+
+def _plant_metadata(root: Path, planted: Path) -> None:
+    import pickle
+
+    from hpc_ddp.checkpoint.fsutil import sha256_file
+
+    meta = root / "step-00000020" / "dcp" / ".metadata"
+    meta.write_bytes(pickle.dumps(_Plant(planted)))
+    size, digest = sha256_file(meta)
+    rehash(lambda m: m["files"]["dcp/.metadata"].update(size=size, sha256=digest))(root)
+
+
+SHARDED_HOSTILE = {
+    # input: (damage(root, planted file), what the log must say)
+    ".metadata unpickles code (manifest re-hashed to match)": (
+        _plant_metadata,
+        "is not part of a checkpoint's metadata",
+    ),
+    "a shard file is a FIFO": (
+        lambda r, _p: make_fifo(_replace(r / "step-00000020" / "dcp" / "__0_0.distcp")),
+        "dcp/__0_0.distcp: a FIFO",
+    ),
+    "dcp -> another checkpoint's dcp": (
+        lambda r, _p: symlink_to(
+            _replace(r / "step-00000020" / "dcp"), r / "step-00000010" / "dcp"
+        ),
+        "dcp is not a directory",
+    ),
+    "rehashed extra file dcp/../../etc/passwd": (
+        lambda r, _p: rehash(
+            lambda m: m["files"].update({"dcp/../../etc/passwd": {"size": 1, "sha256": "0" * 64}})
+        )(r),
+        "not a file of a sharded checkpoint",
+    ),
+    "rehashed unknown payload": (
+        lambda r, _p: rehash(lambda m: m.update(payload="pickle"))(r),
+        "payload is 'pickle'",
+    ),
+}
+
+
+def _replace(path: Path) -> Path:
+    """``path`` removed, to be planted again by the caller."""
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    return path
+
+
+@pytest.mark.parametrize("case", list(SHARDED_HOSTILE))
+def test_hostile_sharded_checkpoints_are_refused_and_the_load_falls_back(
+    tmp_path: Path, case: str
+) -> None:
+    damage, said = SHARDED_HOSTILE[case]
+    ck, planted = _sharded_pair(tmp_path / "ckpt"), tmp_path / "code-ran"
+    damage(ck.root, planted)
+    logs: list[str] = []
+    ck.log = logs.append
+    into = {"model": {"w": torch.zeros(4, 4)}, "opt": {"lr": 0.0, "n": 0}}
+    loaded = ck.load_latest(sharded_into=into)
+    assert loaded is not None and loaded.step == 10, logs
+    assert torch.equal(into["model"]["w"], torch.full((4, 4), 10.0)) and into["opt"]["n"] == 10
+    assert not planted.exists()
+    assert any(said in line for line in logs), logs

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ class Staged:
 
     step: int
     snapshot: Snapshot | None  # None on ranks other than 0, which write no shared state
+    specs: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # a sharded state's DTensors
 
 
 class Checkpointer:
@@ -71,6 +72,13 @@ class Checkpointer:
     ``async_save=True`` creates, on every rank and at once, the Gloo group that background saves
     agree over (:meth:`save_async` would otherwise create it at its first call, which every rank
     must then make in the same order as its other collectives).
+
+    ``sharded=True`` selects the second payload format, for a state no rank holds whole (an
+    FSDP2 model's DTensors): every rank passes its own ``shared`` (e.g.
+    ``get_state_dict(model, optimizer)``), and every rank writes its shards of it through
+    ``torch.distributed.checkpoint`` into the checkpoint's ``dcp/`` directory, under the same
+    protocol; :meth:`load_latest` then reads them into ``sharded_into=``, resharded to its
+    layout (see :mod:`hpc_ddp.checkpoint.sharded`).
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class Checkpointer:
         agree: Agree | None = None,
         on_phase: Phase | None = None,
         async_save: bool = False,
+        sharded: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise CheckpointError(
@@ -100,6 +109,7 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        self.sharded = sharded
         # Default: the toolkit's logger (rank 0's lines, every rank's warnings: hpc_ddp.log); a
         # ``log`` callback given gets every line instead.
         logger = get_logger("checkpoint")
@@ -110,6 +120,7 @@ class Checkpointer:
         self._custom_agree = agree
         self._on_phase = on_phase or (lambda _phase: None)
         self._bg_agree: Agreement | None = None  # background saves' agreement (own Gloo group)
+        self._bg_group: dist.ProcessGroup | None = None
         self._inflight: BackgroundSave | None = None
         self._worker = SaveWorker(f"hpc-ddp-checkpoint-rank{rank}")
         with raising_io("create the run directory", self.root):
@@ -137,6 +148,7 @@ class Checkpointer:
         per_rank: dict[str, Any],
         meta: dict[str, Any],
         agree: Agreement,
+        group: dist.ProcessGroup | None = None,
     ) -> Path:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
@@ -147,8 +159,11 @@ class Checkpointer:
         def prepare() -> None:
             check_meta(meta)
             check_plain(per_rank, "per_rank")
-            if self.rank == 0:
+            if self.sharded:  # every rank's shards; DCP refuses what it cannot write
+                state["shared"] = dict(shared)
+            elif self.rank == 0:
                 state["shared"] = prepare_shared(shared)
+            if self.rank == 0:
                 committed.clean_leftovers(self.root, self.log)
                 with raising_io("create", tmp):
                     tmp.mkdir()
@@ -159,7 +174,12 @@ class Checkpointer:
 
         def write() -> None:
             self._on_phase("writing")
-            if self.rank == 0:
+            if self.sharded:
+                from . import sharded
+
+                dcp_dir = tmp / sharded.SHARDED_DIR
+                state["dcp"] = sharded.write(dcp_dir, state["shared"], self.rank, group)
+            elif self.rank == 0:
                 state["files"] = {SHARED_FILE: self._torch_save(tmp / SHARED_FILE, state["shared"])}
             state["own"] = self._torch_save(tmp / rank_file(self.rank), per_rank)
             with raising_io("fsync", tmp):
@@ -176,6 +196,10 @@ class Checkpointer:
             raise
 
         def commit() -> None:
+            if self.sharded:  # rank 0 needs every rank's digests for the manifest
+                from . import sharded
+
+                state["files"] = sharded.gather_digests(state["dcp"], self.world_size, group)
             if self.rank == 0:
                 self._commit(step, tmp, final, meta, state)
 
@@ -187,7 +211,19 @@ class Checkpointer:
         """Queue the copy of part of checkpoint ``step``'s ``shared`` state now, ahead of its
         :meth:`save_async` (which gets the rest): a copy queued while the GPU still runs earlier
         work costs training nothing. Whatever is staged must not change before that save."""
+        if self.sharded:
+            snapshot, specs = self._snapshot_sharded(shared)
+            return Staged(step, snapshot, specs)
         return Staged(step, start_snapshot(dict(shared)) if self.rank == 0 else None)
+
+    @staticmethod
+    def _snapshot_sharded(shared: dict[str, Any]) -> tuple[Snapshot, dict[tuple[Any, ...], Any]]:
+        """Every rank's copy of its shards: DTensors' local tensors go through the snapshot like
+        plain tensors (queued in stream order), their specs are put back around the copies."""
+        from . import sharded
+
+        plain, specs = sharded.split(dict(shared))
+        return start_snapshot(plain), specs
 
     def save_async(
         self,
@@ -221,13 +257,23 @@ class Checkpointer:
             both = sorted(early.value.keys() & shared.keys())
             raise CheckpointError(f"shared keys both staged and given: {both}")
         agree = self._background_agreement()
-        shared_copy = start_snapshot(dict(shared) if self.rank == 0 else {})
+        specs: dict[tuple[Any, ...], Any] = dict(staged.specs) if staged is not None else {}
+        if self.sharded:
+            shared_copy, more = self._snapshot_sharded(shared)
+            specs.update(more)
+        else:
+            shared_copy = start_snapshot(dict(shared) if self.rank == 0 else {})
         per_rank_copy, meta_copy = start_snapshot(per_rank), start_snapshot(meta)
+        group = self._bg_group
 
         def body() -> Path:
             # The copies finish on the GPU's own schedule; the thread waits for them, not training.
             whole = {**early.ready(), **shared_copy.ready()} if early else shared_copy.ready()
-            return self._save(step, whole, per_rank_copy.ready(), meta_copy.ready(), agree)
+            if specs:
+                from . import sharded
+
+                whole = sharded.join(whole, specs)
+            return self._save(step, whole, per_rank_copy.ready(), meta_copy.ready(), agree, group)
 
         self._inflight = self._worker.submit(BackgroundSave(step, body))
 
@@ -276,6 +322,7 @@ class Checkpointer:
                 # Its own Gloo group: the thread's all-reduces never interleave with training's
                 # collectives on the default group (NCCL or Gloo), and need no GPU stream.
                 group = dist.new_group(backend="gloo")
+            self._bg_group = group
             self._bg_agree = choose_agree(self.world_size, self._custom_agree, self._barrier, group)
         return self._bg_agree
 
@@ -298,7 +345,8 @@ class Checkpointer:
                     hint="the run directory must be on a file system shared by all nodes "
                     "(not node-local /tmp)",
                 ) from exc
-        manifest = build_manifest(step, self.world_size, meta, files)
+        payload = "dcp" if self.sharded else "torch"
+        manifest = build_manifest(step, self.world_size, meta, files, payload)
         try:
             write_bytes_durably(tmp / MANIFEST, manifest_bytes(manifest))
             self._on_phase("manifest")
@@ -352,12 +400,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
     def load_latest(
-        self, *, map_location: Any = "cpu", expect: dict[str, Any] | None = None
+        self,
+        *,
+        map_location: Any = "cpu",
+        expect: dict[str, Any] | None = None,
+        sharded_into: dict[str, Any] | None = None,
     ) -> Loaded | None:
         """The newest checkpoint that verifies, loaded for this rank; None if there is none.
 
         See :func:`hpc_ddp.checkpoint.loader.load_latest` for the fallback rules. Waits
-        for a background save first (and raises its error).
+        for a background save first (and raises its error). A sharded checkpoint's state is
+        read into ``sharded_into`` in place (every rank passes its own, e.g. the state dicts
+        of its FSDP2 model and optimizer), resharded from whatever world wrote it.
         """
         self.wait()
         return load_latest(
@@ -368,4 +422,5 @@ class Checkpointer:
             expect=expect,
             agree=self._agree,
             log=self.log,
+            sharded_into=sharded_into,
         )

@@ -8,7 +8,9 @@ Checkpoints that exist but all fail raise: silently training from scratch would 
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from . import committed
 from .comm import Agreement, dist_ready, dist_same_int
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .manifest import (
+    SHARDED_DIR,
     SHARED_FILE,
     VerifyFailure,
     open_verified,
@@ -40,6 +43,9 @@ class Loaded:
     per_rank: dict[str, Any] | None  # None when this rank did not exist in the saved world
     manifest: dict[str, Any]
     path: Path
+    # A sharded checkpoint's dcp/ directory (its state was read into load_latest's
+    # sharded_into; ``shared`` is then empty), None for the torch payload.
+    sharded: Path | None = None
 
     @property
     def step(self) -> int:
@@ -101,7 +107,26 @@ def _load_verified(path: Path, manifest: dict[str, Any], name: str, map_location
             raise VerifyFailure(path, f"{name} refused by weights_only=True ({first})") from None
 
 
-def _try_one(path: Path, rank: int, map_location: Any, expect: dict[str, Any] | None) -> Loaded:
+def _verify_sharded(path: Path, manifest: dict[str, Any], rank: int, world_size: int) -> Path:
+    """Check this rank's share of a sharded checkpoint's files against the manifest (each file
+    is hashed by one rank of the loading world); DCP reads them after every rank agreed."""
+    from .sharded import files_to_verify
+
+    root = path / SHARDED_DIR
+    try:
+        st = os.lstat(root)
+    except OSError as exc:
+        raise VerifyFailure(path, f"cannot read {SHARDED_DIR}/: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):  # a symlink there would send DCP's reads elsewhere
+        raise VerifyFailure(path, f"{SHARDED_DIR} is not a directory")
+    for name in files_to_verify(manifest["files"], rank, world_size):
+        open_verified(path, name, manifest["files"][name]).close()
+    return root
+
+
+def _try_one(
+    path: Path, rank: int, world_size: int, map_location: Any, expect: dict[str, Any] | None
+) -> Loaded:
     """Verify what this rank reads (manifest, shared file, its own file) and load it.
 
     Each rank checks only the files it reads: with thousands of ranks, each re-reading every
@@ -110,10 +135,40 @@ def _try_one(path: Path, rank: int, map_location: Any, expect: dict[str, Any] | 
     manifest = read_manifest(path)
     if expect:  # before the files: the manifest is the same for all ranks, so is the verdict
         _check_expect(manifest, path, expect)
-    shared = _load_verified(path, manifest, SHARED_FILE, map_location)
+    sharded = None
+    if manifest.get("payload") == "dcp":
+        sharded, shared = _verify_sharded(path, manifest, rank, world_size), {}
+    else:
+        shared = _load_verified(path, manifest, SHARED_FILE, map_location)
     own = rank_file(rank) if rank < manifest["world_size"] else None
     per_rank = _load_verified(path, manifest, own, map_location) if own else None
-    return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path)
+    return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path, sharded=sharded)
+
+
+def _read_sharded(
+    loaded: Loaded, into: dict[str, Any] | None, agree: Agreement
+) -> tuple[bool, str]:
+    """Read a verified sharded checkpoint into ``into`` on every rank: (all ranks did, why not).
+    DCP's load is collective and raises on every rank when one fails, so all move on together."""
+    if loaded.sharded is None:
+        return True, ""
+    reason = ""
+    try:
+        if into is None:
+            raise CheckpointError(
+                f"{loaded.path} is a sharded checkpoint: its state is read into the live one",
+                hint="pass sharded_into= (e.g. get_state_dict(model, optimizer)) to load_latest",
+            )
+        from .sharded import ShardReadError, load
+
+        try:
+            load(loaded.sharded, into)
+        except ShardReadError as exc:  # a file changed since it was hashed, a foreign layout
+            reason = f"{loaded.path.name}: reading its shards failed ({exc.message})"
+    except CheckpointError:
+        raise
+    all_ok, who = agree(not reason)
+    return all_ok, reason or f"{loaded.path.name}: {who} could not read its shards"
 
 
 def _choose(
@@ -123,6 +178,8 @@ def _choose(
     expect: dict[str, Any] | None,
     agree: Agreement,
     log: Log,
+    world_size: int = 1,
+    sharded_into: dict[str, Any] | None = None,
 ) -> Loaded | None:
     """Walk the candidates together: a checkpoint is used only if every rank could use it.
 
@@ -135,7 +192,7 @@ def _choose(
         fatal: BaseException | None = None
         reason = ""
         try:
-            loaded = _try_one(path, rank, map_location, expect)
+            loaded = _try_one(path, rank, world_size, map_location, expect)
         except VerifyFailure as failure:
             reason = str(failure)
         except Exception as exc:  # raised after the agreement so peers do not wait on us
@@ -146,6 +203,9 @@ def _choose(
         if not no_fatal:
             raise CheckpointError(f"{who} refused {path}; see its log")
         all_ok, who = agree(loaded is not None)
+        if all_ok:
+            assert loaded is not None
+            all_ok, reason = _read_sharded(loaded, sharded_into, agree)
         if all_ok:
             if failures:
                 log(f"checkpoint: fell back to {path.name} after {len(failures)} unusable one(s)")
@@ -172,11 +232,16 @@ def load_latest(
     expect: dict[str, Any] | None,
     agree: Agreement,
     log: Log,
+    sharded_into: dict[str, Any] | None = None,
 ) -> Loaded | None:
     """Load on every rank; all ranks must end on the same checkpoint or all raise."""
     if rank == 0 and root.is_dir():
         committed.clean_leftovers(root, log)
-    loaded = _choose(root, rank, map_location, expect, agree, log) if root.is_dir() else None
+    loaded = (
+        _choose(root, rank, map_location, expect, agree, log, world_size, sharded_into)
+        if root.is_dir()
+        else None
+    )
     step = loaded.step if loaded else -1
     if world_size > 1 and dist_ready(world_size) and not dist_same_int(step):
         # Only possible when nodes see different file-system states (a non-shared run dir,

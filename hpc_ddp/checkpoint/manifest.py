@@ -30,6 +30,13 @@ from .fsutil import sha256_stream
 
 FORMAT = "hpc-ddp-checkpoint/1"
 SHARED_FILE = "shared.pt"
+# The payload formats: "torch" (shared.pt by rank 0; manifests without the field) and "dcp"
+# (the shared state's shards, written by every rank through torch.distributed.checkpoint).
+PAYLOADS = ("torch", "dcp")
+SHARDED_DIR = "dcp"
+# DCP's file names: one per rank and writer thread, and the metadata.
+SHARDED_FILE_RE = re.compile(rf"{SHARDED_DIR}/(\.metadata|__[0-9]{{1,7}}_[0-9]{{1,3}}\.distcp)")
+MAX_SHARDED_FILES_PER_RANK = 64
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 # ASCII digits only (\d also matches other scripts' digits, which int() accepts), and at most 19:
@@ -84,7 +91,11 @@ def check_meta(meta: dict[str, Any]) -> None:
 
 
 def build_manifest(
-    step: int, world_size: int, meta: dict[str, Any], files: dict[str, tuple[int, str]]
+    step: int,
+    world_size: int,
+    meta: dict[str, Any],
+    files: dict[str, tuple[int, str]],
+    payload: str = "torch",
 ) -> dict[str, Any]:
     now = time.time()
     manifest: dict[str, Any] = {
@@ -103,6 +114,8 @@ def build_manifest(
         "created_unix": now,
         "host": socket.gethostname(),
     }
+    if payload != "torch":  # absent for the original format: older readers still verify it
+        manifest["payload"] = payload
     manifest["manifest_sha256"] = _self_hash(manifest)
     return manifest
 
@@ -162,17 +175,41 @@ def schema_problem(manifest: dict[str, Any], dir_step: int | None) -> str | None
         return "meta is not a JSON object"
     if not isinstance(files, dict):
         return "files is not a JSON object"
+    payload = manifest.get("payload", "torch")
+    if payload not in PAYLOADS:
+        return f"payload is {payload!r}, not one of {', '.join(PAYLOADS)}"
+    if problem := (_sharded_files_problem if payload == "dcp" else _files_problem)(files, world):
+        return problem
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not _is_int(entry.get("size"), 0):
+            return f"files[{name!r}] has no integer size >= 0"
+        if not (isinstance(entry.get("sha256"), str) and SHA256_RE.fullmatch(entry["sha256"])):
+            return f"files[{name!r}] has no sha256 of 64 hex digits"
+    return None
+
+
+def _files_problem(files: dict[str, Any], world: int) -> str | None:
     # Counting first keeps the expected-name set as small as the file that was read.
     if len(files) != world + 1:
         return f"it lists {len(files)} files for a world of {world} ranks (expected {world + 1})"
     expected = {SHARED_FILE} | {rank_file(r) for r in range(world)}
     if missing := sorted(expected - files.keys()):
         return f"it lists no {', '.join(missing[:3])}"  # so names are only the expected ones
-    for name, entry in files.items():
-        if not isinstance(entry, dict) or not _is_int(entry.get("size"), 0):
-            return f"files[{name!r}] has no integer size >= 0"
-        if not (isinstance(entry.get("sha256"), str) and SHA256_RE.fullmatch(entry["sha256"])):
-            return f"files[{name!r}] has no sha256 of 64 hex digits"
+    return None
+
+
+def _sharded_files_problem(files: dict[str, Any], world: int) -> str | None:
+    most = world + 1 + world * MAX_SHARDED_FILES_PER_RANK
+    if not world + 1 < len(files) <= most:
+        return f"it lists {len(files)} files for a sharded world of {world} ranks"
+    ranks = {rank_file(r) for r in range(world)}
+    if missing := sorted(ranks - files.keys()):
+        return f"it lists no {', '.join(missing[:3])}"
+    if f"{SHARDED_DIR}/.metadata" not in files:
+        return f"it lists no {SHARDED_DIR}/.metadata"
+    for name in files.keys() - ranks:
+        if not (isinstance(name, str) and SHARDED_FILE_RE.fullmatch(name)):
+            return f"it lists {str(name)[:60]!r}, not a file of a sharded checkpoint"
     return None
 
 
