@@ -16,7 +16,10 @@ checkpoint, then the requeue the launcher expects, then exit 75). On constructio
 newest checkpoint that verifies. Checkpoints are the project's (``Checkpointer``: every rank's
 part written, then committed atomically, the newest ``keep`` kept). A DDP model on Gloo gets the
 exact per-tensor gradient average (``per_tensor_allreduce``): the bucket sums' order would
-otherwise differ between a run and its resume.
+otherwise differ between a run and its resume. A model sharded with FSDP2 (``fully_shard``) and
+its optimizer are saved through ``torch.distributed.checkpoint`` instead, every rank writing its
+shards (:mod:`hpc_ddp.runtime.sharded_state`); ``async_save=True`` writes each checkpoint in the
+background (``Checkpointer.save_async``).
 """
 
 from __future__ import annotations
@@ -73,7 +76,10 @@ class Resumable:
     (optional: without it, only objects and counters are saved). ``checkpoint_every``: also
     save every N optimizer steps (0: at epoch ends and on preemption only). ``check_every``:
     ask the ranks whether one was signalled every N steps (one small all-reduce each time).
-    ``objects``: name -> object to save; a DDP model is saved as its module.
+    ``objects``: name -> object to save; a DDP model is saved as its module; an FSDP2 model
+    (and its optimizer) as shards, through DCP. ``async_save``: checkpoints are written by a
+    background thread once their copy is queued; a preemption's and the last epoch's are waited
+    for before the loop goes on.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class Resumable:
         check_every: int = 1,
         keep: int = 2,
         signals: list[str] | None = None,
+        async_save: bool = False,
         **objects: Stateful,
     ) -> None:
         if checkpoint_every < 0 or check_every < 1:
@@ -116,8 +123,15 @@ class Resumable:
         self.steps = 0  # optimizer steps taken, all epochs
         self.batches_done = 0  # batches of the current epoch already consumed
         self.preemption = Preemption(signals)
+        self.async_save = async_save
+        self.sharded = _sharded_state(self.objects)
         self.checkpointer = Checkpointer(
-            self.paths.checkpoints, rank=self.rank, world_size=self.world_size, log=self.log
+            self.paths.checkpoints,
+            rank=self.rank,
+            world_size=self.world_size,
+            log=self.log,
+            async_save=async_save,
+            sharded=self.sharded is not None,
         )
         self.resumed_from: Path | None = None
         self._restore()
@@ -133,6 +147,7 @@ class Resumable:
             yield self.epoch
             self.epoch, self.batches_done = self.epoch + 1, 0
             self.save()
+        self.checkpointer.wait()  # the last one committed (or its error raised) before the end
 
     def batches(self) -> Iterator[Any]:
         """The loader's batches of this epoch, from the first one not yet consumed."""
@@ -156,6 +171,7 @@ class Resumable:
         self.steps += 1
         if self.steps % self.check_every == 0 and self.preemption.agreed():
             self.save()
+            self.checkpointer.wait()
             said = requeue("auto", run_paths=self.paths) if self.is_main else ""
             self.log(f"preempted at step {self.steps}: checkpointed; {said}")
             raise SystemExit(EXIT_REQUEUE)
@@ -163,25 +179,36 @@ class Resumable:
             self.save()
 
     # ----------------------------------------------------------------- state
-    def save(self) -> Path:
-        """A checkpoint of everything, now (every rank calls it)."""
+    def save(self) -> Path | None:
+        """A checkpoint of everything, now (every rank calls it); with ``async_save``, started
+        now and committed in the background (None is returned)."""
         generator = self.loader.generator if self.loader is not None else None
         per_rank: dict[str, Any] = {"rng": rng.capture()}
         if generator is not None:
             per_rank["loader_generator"] = generator.get_state()
-        return self.checkpointer.save(
-            self.steps,
-            shared={name: obj.state_dict() for name, obj in self.objects.items()},
-            per_rank=per_rank,
-            meta={"epoch": self.epoch, "step": self.steps, "batches": self.batches_done},
+        shared = (
+            self.sharded.state_dict()
+            if self.sharded is not None
+            else {name: obj.state_dict() for name, obj in self.objects.items()}
         )
+        meta = {"epoch": self.epoch, "step": self.steps, "batches": self.batches_done}
+        if self.async_save:
+            self.checkpointer.save_async(self.steps, shared=shared, per_rank=per_rank, meta=meta)
+            return None
+        return self.checkpointer.save(self.steps, shared=shared, per_rank=per_rank, meta=meta)
 
     def _restore(self) -> None:
-        loaded = self.checkpointer.load_latest(expect={"world_size": self.world_size})
+        into = self.sharded.state_dict() if self.sharded is not None else None
+        loaded = self.checkpointer.load_latest(
+            expect={"world_size": self.world_size}, sharded_into=into
+        )
         if loaded is None:
             return
-        for name, obj in self.objects.items():
-            obj.load_state_dict(loaded.shared[name])
+        if self.sharded is not None:
+            self.sharded.load_state_dict(_sharded_payload(loaded, into))
+        else:
+            for name, obj in self.objects.items():
+                obj.load_state_dict(loaded.shared[name])
         rng.restore(loaded.per_rank["rng"])
         generator = self.loader.generator if self.loader is not None else None
         if generator is not None and "loader_generator" in loaded.per_rank:
@@ -203,6 +230,25 @@ class Resumable:
         """Wait for any checkpoint in flight and restore the signal handlers."""
         self.checkpointer.close()
         self.preemption.close()
+
+
+def _sharded_state(objects: dict[str, Stateful]) -> Any:
+    """A ShardedState when any object is an FSDP2 model or its optimizer, else None."""
+    if not any(isinstance(o, (torch.nn.Module, torch.optim.Optimizer)) for o in objects.values()):
+        return None
+    from hpc_ddp.runtime.sharded_state import ShardedState, is_sharded
+
+    return ShardedState(objects) if any(map(is_sharded, objects.values())) else None
+
+
+def _sharded_payload(loaded: Any, into: Any) -> Any:
+    if loaded.sharded is None:
+        raise ConfigError(
+            f"{loaded.path} holds a whole (unsharded) state, and this run's model is sharded "
+            "(fully_shard)",
+            hint="resume it with the model it was saved with (DDP), or start a new run directory",
+        )
+    return into
 
 
 def _checked_loader(loader: DataLoader[Any] | None) -> DataLoader[Any] | None:

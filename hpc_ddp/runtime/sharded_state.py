@@ -1,0 +1,87 @@
+"""The state of FSDP2 (``fully_shard``) models and their optimizers, as ``Resumable`` saves it.
+
+A model sharded with ``fully_shard`` holds DTensors: each rank owns a shard of every parameter,
+and so of the optimizer's state. Its state is saved through ``torch.distributed.checkpoint``
+(the checkpoint's ``dcp/`` payload, :mod:`hpc_ddp.checkpoint.sharded`): every rank writes its
+shards, and a load reads them into the live sharded state, resharded to the world that loads
+it. The state dicts come from ``torch.distributed.checkpoint.state_dict`` (keyed by parameter
+names, not optimizer indices, which is what makes resharding possible); objects that are not
+sharded (schedulers, scalers) are saved beside them as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from hpc_ddp.errors import ConfigError
+
+
+def is_sharded(obj: Any) -> bool:
+    """A module with DTensor parameters (FSDP2), or an optimizer over such parameters."""
+    return any(isinstance(p, DTensor) for p in _params(obj))
+
+
+def _params(obj: Any) -> list[Any]:
+    if isinstance(obj, nn.Module):
+        return list(obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return [p for group in obj.param_groups for p in group["params"]]
+    return []
+
+
+class ShardedState:
+    """``objects`` (name -> model, optimizer, scheduler, ...) saved and restored through DCP.
+
+    Each optimizer is paired with the model whose parameters it steps (DCP's optimizer state
+    dict is keyed by that model's parameter names).
+    """
+
+    def __init__(self, objects: dict[str, Any]) -> None:
+        self.objects = objects
+        models = [m for m in objects.values() if isinstance(m, nn.Module)]
+        self.owner: dict[str, nn.Module] = {}
+        for name, obj in objects.items():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            ids = {id(p) for p in _params(obj)}
+            owner = next((m for m in models if ids <= {id(p) for p in m.parameters()}), None)
+            if owner is None:
+                raise ConfigError(
+                    f"Resumable({name}=...): its parameters are not all of one model passed to "
+                    "Resumable",
+                    hint="pass the fully_shard model too (model=...), and build the optimizer "
+                    "from its parameters() after fully_shard",
+                )
+            self.owner[name] = owner
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every object's state; sharded tensors stay DTensors (no rank gathers the whole)."""
+        out: dict[str, Any] = {}
+        for name, obj in self.objects.items():
+            if isinstance(obj, nn.Module):
+                out[name] = get_model_state_dict(obj)
+            elif name in self.owner:
+                out[name] = get_optimizer_state_dict(self.owner[name], obj)
+            else:
+                out[name] = obj.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put ``state`` (:meth:`state_dict`'s layout, read back in place) into the objects."""
+        for name, obj in self.objects.items():
+            if isinstance(obj, nn.Module):
+                set_model_state_dict(obj, state[name])
+            elif name in self.owner:
+                set_optimizer_state_dict(self.owner[name], obj, state[name])
+            else:
+                obj.load_state_dict(state[name])
