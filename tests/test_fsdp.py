@@ -120,18 +120,24 @@ def test_rank_killed_inside_a_save_and_a_torn_shard_fall_back(
 def test_two_ranks_checkpoint_loads_into_one_and_one_into_two(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """DCP reshards: the gathered state after loading equals the saver's, bit for bit."""
-    down = forked(1, reference[1], tmp_path / "down.pt", "--load-only")
+    """DCP reshards: the gathered state after loading equals the saver's, bit for bit. The
+    1-rank load checkpoints what it loaded, from its world of 1, for the 2-rank load."""
+    one = tmp_path / "one"
+    down = forked(1, reference[1], tmp_path / "down.pt", "--load-only", "--save-as", str(one))
     assert down.returncode == 0, down.stdout + down.stderr
     assert "loaded step 48 saved by 2 ranks" in down.stdout
     same_state(tmp_path / "down.pt", reference[0])
+    assert (
+        json.loads((one / "checkpoints" / "step-00000048" / "manifest.json").read_text())[
+            "world_size"
+        ]
+        == 1
+    )
 
-    one = forked(1, tmp_path / "one", tmp_path / "one.pt", "--epochs", "1")
-    assert one.returncode == 0, one.stdout + one.stderr
-    up = forked(2, tmp_path / "one", tmp_path / "up.pt", "--load-only")
+    up = forked(2, one, tmp_path / "up.pt", "--load-only")
     assert up.returncode == 0, up.stdout + up.stderr
-    assert "loaded step 32 saved by 1 ranks" in up.stdout
-    same_state(tmp_path / "up.pt", tmp_path / "one.pt")
+    assert "loaded step 48 saved by 1 ranks" in up.stdout
+    same_state(tmp_path / "up.pt", reference[0])
 
 
 # --- GPUs: NCCL, bf16 mixed precision -----------------------------------------------------------

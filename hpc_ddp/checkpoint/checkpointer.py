@@ -134,7 +134,8 @@ class Checkpointer:
     ) -> Path:
         """Write checkpoint ``step``; return its final directory on every rank.
 
-        ``shared`` is only read on rank 0 (its ``model`` loses DDP's ``module.`` prefix);
+        ``shared`` is only read on rank 0 (its ``model`` loses DDP's ``module.`` prefix), or,
+        with ``sharded=True``, on every rank (each writes its shards of it);
         ``per_rank`` is this rank's own state (RNG); ``meta`` is small JSON (epoch, model name)
         copied into the manifest. Raises on every rank if any rank failed; then nothing new is
         visible and ``latest`` still names the previous checkpoint.

@@ -4,7 +4,8 @@ Run under torchrun (Gloo on CPU, or NCCL with --cuda and bf16 mixed precision). 
 tests: ``--preempt-at N`` (rank 0 sends itself SIGUSR1 after step N: a real signal, agreed by
 the ranks), ``--kill-at-save N`` (rank 1 SIGKILLs itself once its part of checkpoint N is
 written, before the commit), ``--load-only`` (build the model, restore the newest checkpoint,
-resharded to this world, through Checkpointer + ShardedState, and train nothing). Rank 0 writes
+resharded to this world, through Checkpointer + ShardedState, and train nothing; ``--save-as D``
+then checkpoints it again, from this world, into ``D``). Rank 0 writes
 the whole (gathered) model and optimizer state to ``--out``.
 
     torchrun --nproc-per-node 2 tests/workers/fsdp_worker.py --run-dir R --out O [--async]
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--preempt-at", type=int, default=0)
     p.add_argument("--kill-at-save", type=int, default=-1)
     p.add_argument("--load-only", action="store_true")
+    p.add_argument("--save-as", default=None)
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--nproc", type=int, default=0)
     args = p.parse_args()
@@ -84,6 +86,14 @@ def main() -> None:
         assert loaded is not None and loaded.sharded is not None
         state.load_state_dict(into)
         print(f"loaded step {loaded.step} saved by {loaded.world_size} ranks", flush=True)
+        if args.save_as:
+            again = Checkpointer(
+                f"{args.save_as}/checkpoints",
+                rank=rank,
+                world_size=dist.get_world_size(),
+                sharded=True,
+            )
+            again.save(loaded.step, shared=state.state_dict(), per_rank={}, meta={})
     else:
         torch.manual_seed(1)
         x = torch.randn(512, 16)
