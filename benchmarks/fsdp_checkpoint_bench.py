@@ -80,9 +80,9 @@ def build(a: argparse.Namespace, cuda: bool):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     model.to_empty(device="cuda" if cuda else "cpu")
-    with torch.no_grad():
+    with torch.no_grad():  # each rank fills its own shards: no DTensor random-op machinery
         for p in model.parameters():
-            p.normal_(0.0, a.width**-0.5)
+            p.to_local().normal_(0.0, a.width**-0.5)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
 
