@@ -156,3 +156,25 @@ def test_gpu_fsdp_bf16_preempted_resumes_bit_identical(tmp_path: Path, mode: str
     down = torchrun(1, tmp_path / "run", tmp_path / "down.pt", "--cuda", "--load-only")
     assert down.returncode == 0, down.stdout + down.stderr
     same_state(tmp_path / "down.pt", tmp_path / "ref.pt")
+
+
+WHOLE_THEN_SHARDED = """
+import sys, torch, torch.distributed as dist, hpc_ddp
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+net = torch.nn.Linear(4, 4)
+hpc_ddp.Resumable(sys.argv[1], model=net).save()  # a whole (shared.pt) checkpoint
+fully_shard(net)
+try:
+    hpc_ddp.Resumable(sys.argv[1], model=net)
+except hpc_ddp.HpcDdpError as err:
+    print(str(err).replace("\\n", " "))
+"""
+
+
+def test_a_whole_checkpoint_is_refused_for_a_sharded_model(tmp_path: Path) -> None:
+    """Not silently resumed with the fresh weights: the run says which kind it found."""
+    code = [sys.executable, "-c", WHOLE_THEN_SHARDED, str(tmp_path / "run"), str(tmp_path / "s")]
+    done = run(code, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "holds a whole (unsharded) state, and this run's model is sharded" in done.stdout
