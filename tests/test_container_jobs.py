@@ -29,7 +29,7 @@ from deploy_support import (
 )
 
 from hpc_ddp.deploy.container import ContainerSpec
-from hpc_ddp.deploy.control import run_dir_report
+from hpc_ddp.deploy.job_control import run_dir_report
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
 from hpc_ddp.slurm_client import TERMINAL
