@@ -37,6 +37,28 @@ def test_the_helper_draws_the_history_it_is_handed(
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
 
 
+def test_the_helper_draws_while_a_process_forked_from_rank0_lives(tmp_path: Path) -> None:
+    """A DataLoader's persistent workers are forked from rank 0 after the helper started, so
+    they hold the write end of its stdin until rank 0 exits: the history must arrive whole
+    without waiting for the pipe to close."""
+    plot = Plotter(tmp_path)
+    assert plot.proc is not None
+    child = os.fork()
+    if child == 0:  # the forked worker: holds every descriptor rank 0 had, until killed
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        while True:
+            signal.pause()
+    try:
+        plot.draw(HISTORY)
+        assert plotter._exited_within(plot.proc, DEADLINE_S), "the helper waited for EOF"
+        plot.finish()
+        assert plot.proc.returncode == 0
+        assert (tmp_path / "plot.png").read_bytes()[:8] == PNG
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_rank0_draws_when_the_helper_is_gone(tmp_path: Path) -> None:
     plot = Plotter(tmp_path)
     assert plot.proc is not None

@@ -4,7 +4,7 @@ matplotlib is slow to import and draw (benchmarks/NOTES.md). Drawn at the end of
 would spend that time after the work is done, on every command's way to its exit.
 The helper starts when training does, imports matplotlib on another core at the lowest CPU
 priority (a core it shares with training stays training's), then waits for the history on its
-stdin: at the end only the drawing is left, and it overlaps the teardown.
+stdin (one line of JSON): at the end only the drawing is left, and it overlaps the teardown.
 
 The helper is disposable. If it cannot start, dies (a signal meant for the job reaches it too),
 or fails, rank 0 draws in its own process instead. It draws nothing when its stdin closes
@@ -60,7 +60,10 @@ class Plotter:
         if self.proc is None or self.proc.stdin is None:
             return
         try:
-            sent = self._send(json.dumps(history).encode())
+            # One line (JSON escapes newlines): the helper reads to its end, not to EOF, which
+            # never comes while a process forked from rank 0 after the helper started (a
+            # DataLoader's persistent worker) holds a copy of the pipe's write end.
+            sent = self._send(json.dumps(history).encode() + b"\n")
             self.proc.stdin.close()
         except OSError:  # the helper is gone (BrokenPipeError)
             sent = False
@@ -150,8 +153,8 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot  # the slow import, done before the history comes
 
-    data = sys.stdin.buffer.read()
-    if not data:
+    data = sys.stdin.buffer.readline()  # one line: see Plotter.draw
+    if not data.strip():
         return 0
     results.plot(Path(argv[0]), json.loads(data))
     return 0
