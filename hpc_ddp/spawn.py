@@ -228,14 +228,20 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
-def _become_worker(
-    rank: int, nproc: int, port: int, gpp: int, parent: int, mask: set[signal.Signals]
-) -> None:
-    """In the child, right after fork: die with the parent, default signals, own variables."""
+def die_with_parent(parent: int) -> None:
+    """In a child of ``parent``: SIGKILL when the parent dies (or exit now if it already has).
+    The trainer's processes leave through ``os._exit``, which runs no cleanup of children."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _become_worker(
+    rank: int, nproc: int, port: int, gpp: int, parent: int, mask: set[signal.Signals]
+) -> None:
+    """In the child, right after fork: die with the parent, default signals, own variables."""
+    die_with_parent(parent)
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what launch() blocked around the fork

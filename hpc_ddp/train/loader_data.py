@@ -13,16 +13,18 @@ unexpectedly", neither naming the dataset nor the item.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.sampler import ResumableDistributedSampler
 from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
+from hpc_ddp.train import data_wait
 from hpc_ddp.train.data_source import Batch
+from hpc_ddp.train.loader_settings import LoaderSettings, reads_from_disk
 
 
 @dataclass(frozen=True)
@@ -50,46 +52,134 @@ def _on(device: torch.device, batches: Iterable[Any]) -> Iterator[Batch]:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+class EpochIndex(int):
+    """A sample index that carries its epoch, for a dataset whose items depend on it (random
+    augmentation seeded by (seed, epoch, index)): persistent workers hold a copy of the dataset
+    made when they started, so an epoch set on the dataset later would never reach them. A
+    dataset asks for these by setting ``epoch_indices = True``; it is an ``int`` otherwise."""
+
+    epoch: int
+
+    def __new__(cls, index: int, epoch: int) -> EpochIndex:
+        obj = super().__new__(cls, index)
+        obj.epoch = epoch
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EpochIndex, (int(self), self.epoch))
+
+
+class _EpochIndices(Sampler[int]):
+    """The resumable sampler's indices as ``EpochIndex`` of its current epoch."""
+
+    def __init__(self, inner: ResumableDistributedSampler) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.inner.epoch
+        return (EpochIndex(i, epoch) for i in self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def wants_epoch_indices(data: object) -> bool:
+    return bool(getattr(data, "epoch_indices", False))
+
+
 @dataclass
 class LoaderTrainData:
-    """Training micro-batches from a DataLoader over this rank's ``ShardPlan`` indices."""
+    """Training micro-batches from a DataLoader over this rank's ``ShardPlan`` indices.
+
+    One DataLoader serves every epoch: with workers they persist, and each epoch's iterator
+    takes the sampler's new epoch and start (the data position a checkpoint holds)."""
 
     plan: ShardPlan
     data: Dataset[Any]
     rank: int
     device: torch.device
     num_workers: int = 0
+    settings: LoaderSettings | None = None  # given: its workers, pinning and prefetch
+    meter: data_wait.WaitMeter = field(default_factory=data_wait.WaitMeter)
+    _loader: DataLoader[Any] | None = field(default=None, init=False, repr=False)
+    _sampler: ResumableDistributedSampler | None = field(default=None, init=False, repr=False)
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        if self.settings is not None:
+            return self.settings.loader_kwargs()
+        return {"num_workers": self.num_workers, "pin_memory": self.device.type == "cuda"}
 
     def batches(self, epoch: int, start: int) -> Iterator[Batch]:
-        sampler = ResumableDistributedSampler(self.plan, self.rank)
-        sampler.set_epoch(epoch, start)
-        loader = DataLoader(
-            self.data,
-            batch_size=self.plan.micro_batch,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            collate_fn=collate,
-            pin_memory=self.device.type == "cuda",
-        )
-        return _on(self.device, loader)
+        if self._loader is None:
+            self._sampler = ResumableDistributedSampler(self.plan, self.rank)
+            sampler: Sampler[int] = self._sampler
+            if wants_epoch_indices(self.data):
+                sampler = _EpochIndices(self._sampler)
+            self._loader = DataLoader(
+                self.data,
+                batch_size=self.plan.micro_batch,
+                sampler=sampler,
+                collate_fn=collate,
+                **self.loader_kwargs(),
+            )
+        assert self._sampler is not None
+        self._sampler.set_epoch(epoch, start)
+        batches = _on(self.device, self._loader)
+        return self.meter.wrap(batches) if reads_from_disk(self.data) else batches
+
+    def starvation(self) -> str | None:
+        """The epoch's starvation line (data_wait.advice), for a dataset read from disk."""
+        if not reads_from_disk(self.data):
+            return None
+        settings = self.settings
+        workers = settings.workers if settings is not None else self.num_workers
+        cores = settings.cores if settings is not None else 1
+        origin = settings.cores_from if settings is not None else "unknown"
+        return data_wait.advice(self.meter.latest, workers=workers, cores=cores, cores_from=origin)
 
 
 def eval_batches(
-    data: Dataset[Any], rank: int, world_size: int, batch_size: int, device: torch.device
+    data: Dataset[Any],
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    device: torch.device,
+    loader_kwargs: dict[str, Any] | None = None,
 ) -> Iterator[Batch]:
     """This rank's exact share of the test set (no padding: the shards partition the set)."""
+    return _on(device, _eval_loader(data, rank, world_size, batch_size, loader_kwargs or {}))
+
+
+def _eval_loader(
+    data: Dataset[Any], rank: int, world_size: int, batch_size: int, kwargs: dict[str, Any]
+) -> DataLoader[Any]:
     shard = Subset(data, list(eval_indices(len(data), rank, world_size)))  # type: ignore[arg-type]
-    return _on(device, DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collate))
+    return DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collate, **kwargs)
 
 
 @dataclass
 class LoaderEvalData:
-    """The evaluation shard behind the ``batches(size)`` interface of ``data_source.EvalData``."""
+    """The evaluation shard behind the ``batches(size)`` interface of ``data_source.EvalData``.
+
+    With ``settings`` of workers, one DataLoader per batch size serves every evaluation (its
+    workers persist between epochs)."""
 
     dataset: Dataset[Any]
     rank: int
     world_size: int
     device: torch.device
+    settings: LoaderSettings | None = None
+    _loaders: dict[int, DataLoader[Any]] = field(default_factory=dict, init=False, repr=False)
 
     def batches(self, batch_size: int) -> Iterator[Batch]:
-        return eval_batches(self.dataset, self.rank, self.world_size, batch_size, self.device)
+        if self.settings is None or not self.settings.workers:
+            kwargs = self.settings.loader_kwargs() if self.settings is not None else {}
+            return eval_batches(
+                self.dataset, self.rank, self.world_size, batch_size, self.device, kwargs
+            )
+        loader = self._loaders.get(batch_size)
+        if loader is None:
+            kwargs = self.settings.loader_kwargs()
+            loader = _eval_loader(self.dataset, self.rank, self.world_size, batch_size, kwargs)
+            self._loaders[batch_size] = loader
+        return _on(self.device, loader)

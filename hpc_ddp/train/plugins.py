@@ -34,15 +34,19 @@ from torch.utils.data import Dataset
 
 import hpc_ddp
 from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.log import get_logger
 from hpc_ddp.runtime.collectives import Comm
 from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
+from hpc_ddp.train.loader_settings import LoaderSettings, choose, reads_from_disk
 from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec
 
 if TYPE_CHECKING:  # annotations only: config -> registry -> plugins must not loop back
     from hpc_ddp.dist import DistContext
     from hpc_ddp.train.config import TrainConfig
+
+log = get_logger("data")
 
 SPLITS = ("train", "test")
 # A split's samples: the sampler permutes a split's indices every epoch, as 8-byte integers on
@@ -186,6 +190,16 @@ class CheckedDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
         self.spec, self.split, self.data = spec, split, data
         self.size, self.num_classes = size, num_classes
 
+    @property
+    def from_disk(self) -> bool:
+        """The plug-in's dataset decodes files (``from_disk``): loader_settings' workers."""
+        return reads_from_disk(self.data)
+
+    @property
+    def epoch_indices(self) -> bool:
+        """The plug-in's dataset takes loader_data.EpochIndex indices (its own augmentation)."""
+        return bool(getattr(self.data, "epoch_indices", False))
+
     def __len__(self) -> int:
         return self.size  # checked once: the plug-in's __len__ may not answer the same again
 
@@ -276,6 +290,7 @@ class PluginSplits:
     train_set: CheckedDataset
     test_set: CheckedDataset
     num_workers: int
+    settings: LoaderSettings | None = None  # a dataset read from disk: loader_settings.choose
 
     @property
     def n(self) -> int:
@@ -288,8 +303,11 @@ class PluginSplits:
     def make(
         self, plan: ShardPlan, *, rank: int, world_size: int, device: torch.device
     ) -> tuple[TrainData, EvalData]:
-        train = LoaderTrainData(plan, self.train_set, rank, device, self.num_workers)
-        return train, LoaderEvalData(self.test_set, rank, world_size, device)
+        train = LoaderTrainData(
+            plan, self.train_set, rank, device, self.num_workers, settings=self.settings
+        )
+        test = LoaderEvalData(self.test_set, rank, world_size, device, settings=self.settings)
+        return train, test
 
 
 def _read(spec: PluginSpec, cfg: TrainConfig) -> PluginSplits:
@@ -310,7 +328,7 @@ def _read(spec: PluginSpec, cfg: TrainConfig) -> PluginSplits:
             spec,
             f'splits "train" and "test" have {train.num_classes} and {test.num_classes} classes',
         )
-    return PluginSplits(train, test, cfg.num_workers)
+    return PluginSplits(train, test, cfg.num_workers or 0)
 
 
 def _dataset_loader(spec: PluginSpec) -> Callable[[TrainConfig, DistContext, Comm], PluginSplits]:
@@ -324,6 +342,15 @@ def _dataset_loader(spec: PluginSpec) -> Callable[[TrainConfig, DistContext, Com
             error = err
         comm.check(error, f"reading the dataset plug-in {spec}")
         assert splits is not None  # check raised otherwise
+        if splits.train_set.from_disk:
+            splits.settings = choose(
+                cfg.num_workers,
+                from_disk=True,
+                cuda=ctx.devices[0].type == "cuda",
+                source=ctx.env.source,
+                local_world_size=ctx.env.local_world_size,
+            )
+            log.info(splits.settings.describe())
         return splits
 
     return load

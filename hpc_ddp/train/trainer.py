@@ -328,6 +328,9 @@ class Trainer:
         )
         if advice:
             log.info(advice)
+        starvation = getattr(self.state.train_data, "starvation", None)  # data_wait.py
+        if progress.epoch == 0 and starvation is not None and (line := starvation()):
+            log.info(line)
         progress.history.append(row)
         progress.epoch += 1
         progress.start = 0

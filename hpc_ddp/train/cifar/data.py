@@ -221,8 +221,12 @@ class CifarTensors(Dataset):
 
     The seed is a function of (seed, epoch, sample index), so the augmentation depends neither on
     loader workers, nor on the global RNG, nor on where an epoch resumed; gpu_data.py replays the
-    same draws batched on the GPU, so both data paths give bit-identical batches.
+    same draws batched on the GPU, so both data paths give bit-identical batches. The loader
+    hands it ``EpochIndex`` indices that carry their epoch (persistent workers never see an
+    epoch set on their copy of the dataset).
     """
+
+    epoch_indices = True
 
     def __init__(
         self, images: torch.Tensor, targets: torch.Tensor, *, augment: bool, seed: int
@@ -241,12 +245,13 @@ class CifarTensors(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.images[index].to(torch.float32).div(255)
         if self.augment:  # RandomCrop(32, padding=4) + RandomHorizontalFlip
-            g = torch.Generator().manual_seed(_sample_seed(self.seed, self.epoch, index))
+            epoch = getattr(index, "epoch", self.epoch)
+            g = torch.Generator().manual_seed(_sample_seed(self.seed, epoch, index))
             dx, dy, flip = torch.randint(0, 9, (3,), generator=g).tolist()
             x = F.pad(x, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
             if flip % 2:
                 x = x.flip(2)
-        return (x - self.mean) / self.std, self.targets[index]
+        return (x - self.mean) / self.std, self.targets[int(index)]
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:

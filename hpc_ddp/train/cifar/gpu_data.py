@@ -242,7 +242,7 @@ def choose(
             train_set = _as_dataset(train_set, augment=cfg.augment, seed=cfg.seed)
         if isinstance(test_set, Split):
             test_set = _as_dataset(test_set, augment=False, seed=cfg.seed)
-        loader = LoaderTrainData(plan, train_set, rank, device, cfg.num_workers)
+        loader = LoaderTrainData(plan, train_set, rank, device, cfg.num_workers or 0)
         return loader, LoaderEvalData(test_set, rank, world_size, device)
     log(f"data: GPU-resident ({why})")
     train = GpuTrainData(
