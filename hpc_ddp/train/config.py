@@ -39,6 +39,7 @@ IDENTITY_KEYS = (
     "synthetic_train_size",
     "synthetic_test_size",
     "synthetic_variant",
+    "image_size",
     "model",
     "batch_size",
     "accum_steps",
@@ -71,7 +72,10 @@ class TrainConfig:
         default="runs/train", metadata=field_doc("run directory (checkpoints, results)")
     )
     data_dir: str = field(
-        default="data", metadata=field_doc("directory holding cifar-10-batches-py/ etc.")
+        default="data",
+        metadata=field_doc(
+            "directory holding cifar-10-batches-py/ etc. (imagefolder: train/ and test/)"
+        ),
     )
     dataset: str = field(
         default="cifar10",
@@ -94,6 +98,14 @@ class TrainConfig:
         metadata=field_doc(
             "synthetic data: easy (learnt in an epoch) or hard "
             "(LeNet on CIFAR-100: about 45 percent in 10 epochs)"
+        ),
+    )
+    image_size: int = field(
+        default=0,
+        metadata=field_doc(
+            "imagefolder: the side every image is resized to (0: the files' own, all one "
+            "square size); with --synthetic, the side of the images written (0: 64)",
+            range=schema.Range(0, 1024),
         ),
     )
     download: bool = field(
@@ -155,8 +167,15 @@ class TrainConfig:
             "preempted-and-resumed twin, end with the same weights bit for bit"
         ),
     )
-    num_workers: int = field(
-        default=0, metadata=field_doc("DataLoader worker processes", range=schema.Range(0, 256))
+    # Not given: chosen from the cores for a dataset decoded from files (loader_settings.py),
+    # none for one held in memory.
+    num_workers: int | None = field(
+        default=None,
+        metadata=field_doc(
+            "DataLoader worker processes (not given: from the cores per process for image "
+            "folders, 0 for data in memory)",
+            range=schema.Range(0, 256),
+        ),
     )
     data_path: str = field(
         default="auto",
