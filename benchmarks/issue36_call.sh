@@ -7,6 +7,7 @@
 #
 #   OUT=OUT benchmarks/issue36_call.sh          the table above
 #   OUT=OUT benchmarks/issue36_call.sh 224      the image folder at 224 px (100 x 30 PNGs)
+#   OUT=OUT benchmarks/issue36_call.sh tests    the image folder's GPU test (2 GPUs, ~1 minute)
 #
 # Lightning comes from the machine's image, or from wheels carried in .whl/ (installed into
 # /tmp/site first; see benchmarks/README.md). Output under $OUT: cards.txt, one JSON record per
@@ -27,6 +28,11 @@ python3 -c "import lightning, torch; print('lightning', lightning.__version__, '
   >> "$O/cards.txt" 2>&1
 log() { echo "$1: $((SECONDS-T)) s" >> "$O/cards.txt"; }
 
+if [ "${1:-}" = tests ]; then
+  timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --timeout 400 \
+    tests/test_gpu_image_folder.py > "$O/tests.txt" 2>&1
+  cat "$O/cards.txt"; tail -5 "$O/tests.txt"; exit 0
+fi
 SIZE=${1:-64}
 PER_CLASS=100; [ "$SIZE" -gt 64 ] && PER_CLASS=30
 # The data, written once per machine (a warm machine keeps /tmp): the CIFAR-100 files by the

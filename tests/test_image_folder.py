@@ -301,6 +301,18 @@ def test_an_image_folder_run_resumed_after_a_signal_ends_bit_identical(
     assert result["test_accuracy"] == read_result(ref_dir)["test_accuracy"]
 
 
+def test_synthetic_writes_an_image_folder_and_trains_on_it(tmp_path: Path) -> None:
+    settings = {**folder_settings(), "synthetic": True, "synthetic_train_size": 160,
+                "synthetic_test_size": 40, "image_size": 32, "epochs": 1}  # fmt: skip
+    done = run(forked_cmd(2, train_args(tmp_path / "run", tmp_path / "data", **settings)), 180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = tmp_path / "data" / "synthetic-imagefolder-16-4-32px"
+    assert len(list((folder / "train").glob("class_*/*.png"))) == 160
+    assert f"image folder {folder}: 160 training and 40 test images of 10 classes at 32 px" in (
+        done.stdout
+    )
+
+
 PLUGIN = """
 import time
 from pathlib import Path
