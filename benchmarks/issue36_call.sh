@@ -43,8 +43,8 @@ log data
 
 bench() {  # trainer data gpus [extra]
   local root=$W/data; [ "$2" = folder ] && root=$W/folder$SIZE
-  timeout 200 python3 benchmarks/lightning_bench.py --trainer "$1" --data "$2" --root "$root" \
-    --gpus "$3" --size "$SIZE" --work $W/work --timeout 190 --json "$O/runs/$1_$2_$3gpu.json" \
+  timeout 110 python3 benchmarks/lightning_bench.py --trainer "$1" --data "$2" --root "$root" \
+    --gpus "$3" --size "$SIZE" --work $W/work --timeout 100 --json "$O/runs/$1_$2_$3gpu.json" \
     > "$O/runs/$1_$2_$3gpu.log" 2>&1
   log "$1 $2 $3gpu"
 }
@@ -55,7 +55,7 @@ for n in 1 2; do
   [ "$n" -gt "$NG" ] && continue
   for d in cifar folder; do
     for t in ours lightning; do
-      ((SECONDS - T > 540)) && break 3
+      ((SECONDS - T > 470)) && break 3
       bench $t $d $n
     done
   done

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -262,8 +263,19 @@ def measure(args: argparse.Namespace) -> dict:
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    # Its own session: at the timeout the whole group goes (Lightning's DDP ranks included).
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[timed out after {args.timeout:.0f} s]"
     wall = time.perf_counter() - t0
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     record = {"trainer": args.trainer, "data": args.data, "gpus": args.gpus, "rc": done.returncode,
               "command_to_exit_s": wall, "cmd": " ".join(cmd)}  # fmt: skip
     for line in done.stdout.splitlines():
