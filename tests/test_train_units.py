@@ -48,9 +48,33 @@ def test_shard_plan_resume_is_the_tail_of_the_uninterrupted_epoch() -> None:
             )
             assert len(full) - len(plan.indices(1, rank, start)) == start // 2
     with pytest.raises(ValueError):
-        plan.steps_done(5)  # not a multiple of the world size
-    with pytest.raises(ValueError):
-        plan.steps_done(2 * 5)  # mid-step
+        plan.steps_done(-1)
+
+
+@pytest.mark.parametrize("n,world,new_world", [(103, 2, 3), (96, 4, 2), (101, 2, 4), (7, 3, 8)])
+def test_an_epoch_resumed_on_another_world_trains_on_each_sample_once(
+    n: int, world: int, new_world: int
+) -> None:
+    """Whatever step the old world stopped at, its ranks' consumed samples and the new world's
+    rest of the epoch together cover the epoch once, plus the padding that makes the new
+    ranks' shares equal (fewer than new_world samples); the new world's steps end at the
+    epoch's end and their positions count every sample."""
+    old = ShardPlan(n=n, seed=5, world_size=world, micro_batch=4, accum_steps=2)
+    new = ShardPlan(n=n, seed=5, world_size=new_world, micro_batch=3)
+    for done in range(old.steps_per_epoch() + 1):
+        start = old.step_start(done)
+        seen = [i for r in range(world) for i in old.indices(2, r)[: start // world].tolist()]
+        rest = [new.indices(2, r, start).tolist() for r in range(new_world)]
+        assert len({len(share) for share in rest}) == 1  # equal shares: every rank steps alike
+        seen += [i for share in rest for i in share]
+        pad = (-(n - start)) % new_world if start < n else 0
+        assert sorted(set(seen)) == list(range(n)) and len(seen) == max(n, start) + pad
+        origin, steps = start, new.steps_done(start)
+        while steps < new.steps_per_epoch():
+            steps += 1
+            start = new.step_start(steps, origin)
+        assert start == max(origin, n + pad if origin < n else origin)
+        assert new.rank_left(start) == 0
 
 
 def test_eval_indices_partition_the_test_set_without_padding() -> None:

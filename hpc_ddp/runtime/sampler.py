@@ -12,7 +12,8 @@ from hpc_ddp.runtime.shard_plan import ShardPlan
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
-    """A Sampler over ``ShardPlan.indices``: call ``set_epoch(epoch, start)`` before iterating."""
+    """A Sampler over ``ShardPlan.indices``: call ``set_epoch(epoch, start)`` before iterating;
+    ``start`` (global samples consumed) may come from a run on another number of ranks."""
 
     def __init__(self, plan: ShardPlan, rank: int) -> None:
         self.plan = plan
@@ -28,4 +29,4 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         return iter(self.plan.indices(self.epoch, self.rank, self.start).tolist())
 
     def __len__(self) -> int:
-        return self.plan.per_rank - self.start // self.plan.world_size
+        return self.plan.rank_left(self.start)

@@ -1,11 +1,16 @@
-"""Data order: one global permutation per epoch, sharded across ranks, resumable mid-epoch.
+"""Data order: one global permutation per epoch, sharded across ranks, resumable mid-epoch, on
+the same or on another number of ranks.
 
 The permutation is ``torch.randperm(n)`` with a generator seeded ``seed + epoch``, as
 DistributedSampler does, so every data path (torchvision loader, GPU-resident tensors) that calls
 these functions sees the identical order, sharded as DistributedSampler(drop_last=False) shards it
 (gpu_data.GpuTrainData cuts its batches from ShardPlan.indices too; tests/test_gpu_data.py checks).
 Positions are counted in GLOBAL samples: after k micro-batches of size b on each of W ranks,
-``k * b * W`` samples of the epoch are consumed (padding included).
+``k * b * W`` samples of the epoch are consumed (padding included). Dealt round-robin, those are
+exactly the first ``k * b * W`` samples of the permutation, whatever W is: so the rest of the
+epoch after ``start`` is ``perm[start:]``, dealt round-robin over the ranks there are now
+(:func:`remainder_indices`). On the same W that is DistributedSampler's shard without its first
+``start / W`` samples; on another W' every sample of the epoch is still trained on once.
 
 Torch is imported only where an order is computed, so that the plan's arithmetic (steps per
 epoch, resumable positions, evaluation shards) serves a login node and ``import hpc_ddp`` without
@@ -39,17 +44,38 @@ def rank_indices(
     so every rank gets ``ceil(n / world_size)`` samples; drop_last=True drops the tail instead.
     Exact evaluation uses ``eval_indices``: no padding, no dropping.
     """
+    return remainder_indices(perm, 0, rank, world_size, drop_last=drop_last)
+
+
+def remainder_indices(
+    perm: torch.Tensor, start: int, rank: int, world_size: int, *, drop_last: bool = False
+) -> torch.Tensor:
+    """This rank's share of what is left of an epoch after ``start`` global samples, on
+    ``world_size`` ranks (which need not be the world that consumed those samples).
+
+    The rest, ``perm[start:]``, is dealt round-robin. Ranks must take equal shares, so a rest
+    that is not a multiple of ``world_size`` is padded with the permutation's head (fewer than
+    ``world_size`` samples, trained on twice in that epoch, as DistributedSampler pads), or with
+    drop_last=True its tail is dropped. ``start`` at or past ``len(perm)`` (the padding of the
+    world that stopped there included) leaves nothing. With ``start`` a multiple of
+    ``world_size`` (a resume on the same world) this is DistributedSampler's shard without its
+    first ``start / world_size`` samples, bit for bit.
+    """
     import torch
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of size {world_size}")
+    if start < 0:
+        raise ValueError(f"start={start}: a position in the epoch is a sample count >= 0")
     n = len(perm)
+    rest = perm[start:]
+    left = len(rest)
     if drop_last:
-        perm = perm[: n - n % world_size]
-    elif n % world_size:
-        pad = world_size - n % world_size
-        perm = torch.cat([perm, perm.repeat(pad // n + 1)[:pad]])
-    return perm[rank::world_size]
+        rest = rest[: left - left % world_size]
+    elif left % world_size:
+        pad = world_size - left % world_size
+        rest = torch.cat([rest, perm.repeat(pad // n + 1)[:pad]])
+    return rest[rank::world_size]
 
 
 def eval_indices(n: int, rank: int, world_size: int) -> range:
@@ -64,9 +90,10 @@ class ShardPlan:
     Each rank takes its padded DistributedSampler shard and cuts it into micro-batches of
     ``micro_batch`` (the last one short, as a DataLoader with drop_last=False); a step is
     ``accum_steps`` micro-batches (the epoch's last step may have fewer). ``start`` counts GLOBAL
-    samples consumed in the epoch, i.e. ``world_size`` times this rank's position, and must be a
-    step boundary; a different world size pads and shards differently, so resuming mid-epoch
-    needs the same world size (the trainer refuses otherwise).
+    samples consumed in the epoch. On this plan's world it is a step boundary; after a resume on
+    another world size it is wherever that world stopped (any count >= 0), and the rest of the
+    epoch (:func:`remainder_indices`) is cut into steps from there: ``steps_done(start)`` counts
+    the steps such an epoch has behind it as the steps it lacks to its end.
     """
 
     n: int
@@ -86,19 +113,24 @@ class ShardPlan:
     def steps_per_epoch(self) -> int:
         return -(-self.per_rank // self.rank_step_samples)
 
-    def step_start(self, steps_done: int) -> int:
-        """Global samples consumed after ``steps_done`` steps of an epoch."""
-        return min(steps_done * self.rank_step_samples, self.per_rank) * self.world_size
+    def rank_left(self, start: int) -> int:
+        """Samples each rank has left in an epoch after ``start`` global samples."""
+        if start < 0:
+            raise ValueError(f"start={start}: a position in the epoch is a sample count >= 0")
+        return -(-max(self.n - start, 0) // self.world_size)
 
     def steps_done(self, start: int) -> int:
-        """Steps of the epoch behind ``start``; raises if ``start`` is not a step boundary."""
-        pos, rem = divmod(start, self.world_size)
-        if rem or pos > self.per_rank or (pos % self.rank_step_samples and pos != self.per_rank):
-            raise ValueError(f"start={start} is not a step boundary of {self}")
-        return -(-pos // self.rank_step_samples)
+        """Steps of the epoch behind ``start``: those it lacks, ``ceil(rank_left / step)``, taken
+        from the epoch's steps (on this plan's world, the steps taken to reach ``start``)."""
+        return self.steps_per_epoch() - -(-self.rank_left(start) // self.rank_step_samples)
+
+    def step_start(self, steps_done: int, origin: int = 0) -> int:
+        """Global samples consumed after ``steps_done`` steps of an epoch entered at ``origin``
+        (0, or where a resume began it: steps_done counts from ``steps_done(origin)`` there)."""
+        taken = (steps_done - self.steps_done(origin)) * self.rank_step_samples
+        return origin + min(taken, self.rank_left(origin)) * self.world_size
 
     def indices(self, epoch: int, rank: int, start: int = 0) -> torch.Tensor:
         """This rank's indices for the rest of the epoch after ``start`` global samples."""
-        self.steps_done(start)  # validates
-        shard = rank_indices(epoch_permutation(self.n, self.seed, epoch), rank, self.world_size)
-        return shard[start // self.world_size :]
+        perm = epoch_permutation(self.n, self.seed, epoch)
+        return remainder_indices(perm, start, rank, self.world_size)
