@@ -6,6 +6,7 @@ States are stored as tensors, ints and lists only, so a checkpoint loads with
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from typing import Any
@@ -75,3 +76,18 @@ def restore(state: dict[str, Any]) -> None:
         # A process may now see a different number of GPUs: restore those that exist.
         for i, s in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
+
+
+def derived_seed(seed: int, step: int, rank: int, stream: str = "process") -> int:
+    """The seed of ``rank``'s ``stream`` when a run resumes at ``step`` on another number of
+    ranks: the saved streams belong to the old ranks (some of which are gone, or new), so each
+    rank's are derived afresh from what all ranks know. The first 8 bytes of
+    sha256("hpc-ddp/{stream}/{seed}/{step}/{rank}"): independent of the old world size, different
+    for every rank and every resume, the same on every attempt that resumes there."""
+    text = f"hpc-ddp/{stream}/{seed}/{step}/{rank}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1  # 63 bits: any RNG's seed
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every RNG of this process (``seed_everything``) with :func:`derived_seed`."""
+    seed_everything(derived_seed(seed, step, rank))
