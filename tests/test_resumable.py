@@ -11,6 +11,7 @@ scancel --signal, scontrol requeue). Not real: a second physical host, GPUs (CPU
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import signal
 import subprocess
@@ -22,6 +23,9 @@ import torch
 from launch_support import REPO, hpc_ddp
 from trainer_helpers import TORCHRUN, finish, run, start
 
+import hpc_ddp as hpc_ddp_api
+from hpc_ddp.checkpoint import CheckpointError
+from hpc_ddp.checkpoint.manifest import _self_hash
 from hpc_ddp.slurm_client import TERMINAL, wait_for
 from hpc_ddp.train.fingerprint import params_sha256
 
@@ -106,6 +110,30 @@ def test_what_cannot_resume_is_refused_by_name() -> None:
     assert not Path("/nonexistent/never").exists()
 
 
+@pytest.mark.parametrize(
+    "key,value", [("epoch", -1), ("step", "7"), ("samples", -64), ("samples", True)]
+)
+def test_a_position_out_of_range_in_a_rehashed_manifest_is_refused_by_name(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    """The counters a resume continues from are read from the manifest's meta: someone who
+    rewrites one (and fixes the self-checksum) gets a clear error naming it, not a traceback or
+    a run that starts at epoch -1."""
+    model = torch.nn.Linear(2, 2)
+    run_dir = tmp_path / "run"
+    first = hpc_ddp_api.Resumable(run_dir, model=model)
+    first.save()
+    first.close()
+    path = next((run_dir / "checkpoints").glob("step-*")) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["meta"][key] = value
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as err:
+        hpc_ddp_api.Resumable(run_dir, model=model).close()
+    assert f"meta[{key!r}] is {value!r}, not an integer >= 0" in str(err.value)
+
+
 # --- the local Slurm: the torchrun layout ------------------------------------------------------
 # One job, the torchrun layout, where rank 0 of a script's job asks for the requeue itself
 # (requeue("auto") runs scontrol requeue). The srun layout's path (exit 75, the batch shell
@@ -147,3 +175,91 @@ def test_slurm_torchrun_layout_preempted_requeued_resumes_bit_identical(
     assert PREEMPTED.search(text) and "resumed from" in text, text
     assert f"requeued Slurm job {job_id} (scontrol requeue)" in text, text  # rank 0 asked
     assert _sha(tmp_path / "run") == reference[4]
+
+
+# --- elastic: preempted on W ranks, resubmitted on W' -----------------------------------------
+ELASTIC = str(REPO / "tests" / "workers" / "elastic_samples.py")
+ELASTIC_SAMPLES, ELASTIC_STEPS = 2000, {2: 32, 4: 16}  # per epoch, batch 32
+
+
+def _elastic_job(cwd: Path, name: str, nodes: int) -> Path:
+    """``nodes`` x 2 tasks of the sample-logging script, steps slowed so that a signal at the end
+    of epoch 1 lands mid-epoch 2; --no-requeue: a preempted job ends, and is resubmitted."""
+    job = cwd / f"{name}.sbatch"
+    res = hpc_ddp(
+        ["render", "--name", f"elastic-{name}", "--nodes", str(nodes), "--procs-per-node", "2",
+         "--launcher", "srun", "--time", "5", "--no-requeue", "--python", sys.executable,
+         "--script", SLOW, "--script-out", str(job), "--",
+         "0.1", ELASTIC, "--epochs", "2", "--run-dir", str(cwd / "run")]
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return job
+
+
+def _trained_on(run_dir: Path) -> dict[int, list[int]]:
+    """Epoch -> every index the ranks logged training on, over all jobs (the script's own log)."""
+    seen: dict[int, list[int]] = {}
+    for path in (run_dir / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, index = map(int, line.split())
+            seen.setdefault(epoch, []).append(index)
+    return seen
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_slurm_preempted_on_w_ranks_resumes_on_another_number_of_ranks(
+    slurm_cluster, tmp_path: Path
+) -> None:
+    """2 nodes x 2 tasks preempted (a real `scancel --signal=USR1` mid-epoch 2) and resubmitted
+    as 1 x 2; 1 x 2 resubmitted as 2 x 2; both pairs at once. Every sample of every epoch was
+    trained on exactly once across the interruption (2000 samples: no padding, a short last
+    batch), by the script's own per-sample log; the run said where it resumed; it learns as
+    an uninterrupted run does (held-out accuracy)."""
+    pairs = {"4to2": (2, 1), "2to4": (1, 2)}  # first job's nodes, the resubmission's
+    jobs = {}
+    for name, (nodes, _) in pairs.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        job_id, log = slurm_cluster.sbatch(
+            _elastic_job(cwd, "first", nodes), output=cwd / "first.out", cwd=cwd
+        )
+        jobs[name] = (job_id, log)
+    signalled: set[str] = set()
+
+    def signal_each_at_epoch_1() -> bool:
+        for job_id, log in jobs.values():
+            if job_id not in signalled and log.exists() and "epoch 1:" in log.read_text():
+                slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+                signalled.add(job_id)
+        return len(signalled) == len(jobs)
+
+    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both jobs", interval_s=0.1)
+    second = {}
+    for name, (job_id, log) in jobs.items():
+        wait_for(lambda j=job_id: slurm_cluster.job_state(j) in TERMINAL, 120, f"{name} to stop")
+        step = int(PREEMPTED.search(log.read_text())[1])
+        world = 2 * pairs[name][0]
+        assert step % ELASTIC_STEPS[world] != 0, log.read_text()  # mid-epoch
+        cwd = tmp_path / name
+        job = _elastic_job(cwd, "second", pairs[name][1])
+        second[name] = (step, world, *slurm_cluster.sbatch(job, output=cwd / "second.out", cwd=cwd))
+    accuracy = {}
+    for name, (step, world, job_id, log) in second.items():
+        wait_for(lambda j=job_id: slurm_cluster.job_state(j) in TERMINAL, 180, f"{name} to end")
+        text, new_world = log.read_text(), 2 * pairs[name][1]
+        assert slurm_cluster.job_state(job_id) == "COMPLETED", text
+        at = (step - ELASTIC_STEPS[world]) * 32 * world  # samples of epoch 2 before the signal
+        assert f"resumed from {world} to {new_world} ranks at sample {at} of epoch 2" in text
+        seen = _trained_on(tmp_path / name / "run")
+        assert sorted(seen) == [0, 1]
+        for epoch, indices in seen.items():
+            assert sorted(indices) == list(range(ELASTIC_SAMPLES)), (name, epoch)
+        accuracy[name] = json.loads((tmp_path / name / "run" / "accuracy.json").read_text())
+    ref = tmp_path / "ref"
+    done = run([TORCHRUN, "--standalone", "--nproc-per-node=2", ELASTIC, "--run-dir", str(ref)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = json.loads((ref / "accuracy.json").read_text())["accuracy"]
+    assert expected > 0.85  # 4 classes: chance is 0.25
+    for name, result in accuracy.items():
+        assert abs(result["accuracy"] - expected) < 0.05, (name, result, expected)

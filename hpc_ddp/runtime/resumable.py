@@ -13,13 +13,16 @@ schedulers, gradient scalers), the data position (a DataLoader over a ``Distribu
 loaded twice), every rank's RNG streams (and the loader's generator), the step and epoch counters,
 and the preemption signal of any launcher (agreed across ranks at step boundaries, then a
 checkpoint, then the requeue the launcher expects, then exit 75). On construction it restores the
-newest checkpoint that verifies. Checkpoints are the project's (``Checkpointer``: every rank's
-part written, then committed atomically, the newest ``keep`` kept). A DDP model on Gloo gets the
-exact per-tensor gradient average (``per_tensor_allreduce``): the bucket sums' order would
-otherwise differ between a run and its resume. A model sharded with FSDP2 (``fully_shard``) and
-its optimizer are saved through ``torch.distributed.checkpoint`` instead, every rank writing its
-shards (:mod:`hpc_ddp.runtime.sharded_state`); ``async_save=True`` writes each checkpoint in the
-background (``Checkpointer.save_async``).
+newest checkpoint that verifies, also one written by another number of ranks: the epoch then
+continues from its global sample position, its rest dealt over the ranks there are now
+(``shard_plan.remainder_indices``), and every rank's RNG streams are derived afresh from
+``seed``, the step and the rank (``rng.derived_seed``). Checkpoints are the project's
+(``Checkpointer``: every rank's part written, then committed atomically, the newest ``keep``
+kept). A DDP model on Gloo gets the exact per-tensor gradient average (``per_tensor_allreduce``):
+the bucket sums' order would otherwise differ between a run and its resume. A model sharded with
+FSDP2 (``fully_shard``) and its optimizer are saved through ``torch.distributed.checkpoint``
+instead, every rank writing its shards (:mod:`hpc_ddp.runtime.sharded_state`); ``async_save=True``
+writes each checkpoint in the background (``Checkpointer.save_async``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from hpc_ddp.checkpoint import Checkpointer
+from hpc_ddp.checkpoint import Checkpointer, CheckpointError, Loaded
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_dir.paths import RunPaths
@@ -41,6 +44,7 @@ from hpc_ddp.runtime import rng
 from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
 from hpc_ddp.runtime.preemption import Preemption, requeue
 from hpc_ddp.runtime.sampler import ResumableDistributedSampler
+from hpc_ddp.runtime.shard_plan import epoch_permutation, remainder_indices
 
 # Samplers whose order depends only on the epoch: skipping the consumed indices resumes exactly.
 # (A RandomSampler draws its order from the global RNG at each iter(): not reproducible mid-epoch.)
@@ -68,6 +72,34 @@ class _Skip(torch.utils.data.Sampler[int]):
         return max(len(self.sampler) - self.count, 0)
 
 
+class _Rest(torch.utils.data.Sampler[int]):
+    """This rank's share of an epoch's rest after ``start`` global samples consumed by another
+    number of ranks: the sampler's own global order from ``start`` on, dealt over its ranks."""
+
+    def __init__(self, sampler: DistributedSampler[Any] | ResumableDistributedSampler, start: int):
+        self.sampler = sampler
+        if isinstance(sampler, ResumableDistributedSampler):
+            plan = sampler.plan
+            self.indices = plan.indices(sampler.epoch, sampler.rank, start).tolist()
+            return
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        order = (
+            epoch_permutation(n, sampler.seed, sampler.epoch)
+            if sampler.shuffle
+            else torch.arange(n)
+        )
+        share = remainder_indices(
+            order, start, sampler.rank, sampler.num_replicas, drop_last=sampler.drop_last
+        )
+        self.indices = share.tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class Resumable:
     """See the module docstring. Construct it on every rank after the process group is up
     (or without one: a single process), with the same arguments.
@@ -79,7 +111,8 @@ class Resumable:
     ``objects``: name -> object to save; a DDP model is saved as its module; an FSDP2 model
     (and its optimizer) as shards, through DCP. ``async_save``: checkpoints are written by a
     background thread once their copy is queued; a preemption's and the last epoch's are waited
-    for before the loop goes on.
+    for before the loop goes on. ``seed``: what every rank's RNG streams are derived from when a
+    checkpoint of another world size is resumed (give each run its own).
     """
 
     def __init__(
@@ -92,6 +125,7 @@ class Resumable:
         keep: int = 2,
         signals: list[str] | None = None,
         async_save: bool = False,
+        seed: int = 0,
         **objects: Stateful,
     ) -> None:
         if checkpoint_every < 0 or check_every < 1:
@@ -121,7 +155,12 @@ class Resumable:
             self.objects[name] = obj
         self.epoch = 0  # epochs finished
         self.steps = 0  # optimizer steps taken, all epochs
-        self.batches_done = 0  # batches of the current epoch already consumed
+        self.batches_done = 0  # batches of the current epoch consumed since ``origin``
+        # Global samples of the epoch consumed before this process's first batch of it: 0, or
+        # where the checkpoint resumed from stopped (on this world or another).
+        self.origin = 0
+        self._rank_left = 0  # this rank's samples of the epoch from ``origin`` on
+        self.seed = seed
         self.preemption = Preemption(signals)
         self.async_save = async_save
         self.sharded = _sharded_state(self.objects)
@@ -145,7 +184,7 @@ class Resumable:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             yield self.epoch
-            self.epoch, self.batches_done = self.epoch + 1, 0
+            self.epoch, self.batches_done, self.origin = self.epoch + 1, 0, 0
             self.save()
         self.checkpointer.wait()  # the last one committed (or its error raised) before the end
 
@@ -156,8 +195,8 @@ class Resumable:
         batch_sampler = self.loader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)  # _checked_loader made sure
         original = batch_sampler.sampler
-        if self.batches_done:
-            batch_sampler.sampler = _Skip(original, self.batches_done * batch_sampler.batch_size)
+        batch_sampler.sampler = self._rest_of_epoch(original)
+        self._rank_left = len(batch_sampler.sampler)
         try:
             for batch in self.loader:
                 self.batches_done += 1
@@ -178,6 +217,31 @@ class Resumable:
         if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
             self.save()
 
+    # ----------------------------------------------------------------- position
+    @property
+    def samples(self) -> int:
+        """Samples of the current epoch consumed, counted over all ranks (each rank's share of a
+        DistributedSampler; one rank's for a sampler every rank reads whole)."""
+        served = min(self.batches_done * _batch_size(self.loader), self._rank_left)
+        return self.origin + served * _shards(self._sampler())
+
+    def _rest_of_epoch(self, sampler: Any) -> Any:
+        """The sampler of what is left of this epoch after ``origin`` global samples. Skipping
+        ``origin / shards`` indices of a sharded sampler serves exactly the epoch's rest when the
+        samples are a multiple of its shards (always on the world that consumed them: that path
+        is the uninterrupted run's, bit for bit); otherwise its order is dealt afresh (_Rest)."""
+        shards = _shards(sampler)
+        if self.origin % shards == 0:
+            return _Skip(sampler, self.origin // shards) if self.origin else sampler
+        if type(sampler) not in (DistributedSampler, ResumableDistributedSampler):
+            raise ConfigError(
+                f"cannot resume epoch {self.epoch + 1} at sample {self.origin} on "
+                f"{shards} ranks with a {type(sampler).__name__}: its order is its own",
+                hint="use torch's DistributedSampler itself, or resume on a number of ranks "
+                f"that divides {self.origin}",
+            )
+        return _Rest(sampler, self.origin)
+
     # ----------------------------------------------------------------- state
     def save(self) -> Path | None:
         """A checkpoint of everything, now (every rank calls it); with ``async_save``, started
@@ -191,7 +255,7 @@ class Resumable:
             if self.sharded is not None
             else {name: obj.state_dict() for name, obj in self.objects.items()}
         )
-        meta = {"epoch": self.epoch, "step": self.steps, "batches": self.batches_done}
+        meta = {"epoch": self.epoch, "step": self.steps, "samples": self.samples}
         if self.async_save:
             self.checkpointer.save_async(self.steps, shared=shared, per_rank=per_rank, meta=meta)
             return None
@@ -199,9 +263,7 @@ class Resumable:
 
     def _restore(self) -> None:
         into = self.sharded.state_dict() if self.sharded is not None else None
-        loaded = self.checkpointer.load_latest(
-            expect={"world_size": self.world_size}, sharded_into=into
-        )
+        loaded = self.checkpointer.load_latest(sharded_into=into)
         if loaded is None:
             return
         if self.sharded is not None:
@@ -209,15 +271,25 @@ class Resumable:
         else:
             for name, obj in self.objects.items():
                 obj.load_state_dict(loaded.shared[name])
-        rng.restore(loaded.per_rank["rng"])
+        self.epoch, self.steps = _count(loaded, "epoch"), _count(loaded, "step")
+        self.origin = _position(loaded, self.loader)
         generator = self.loader.generator if self.loader is not None else None
-        if generator is not None and "loader_generator" in loaded.per_rank:
-            generator.set_state(loaded.per_rank["loader_generator"])
-        self.epoch, self.steps, self.batches_done = (
-            int(loaded.meta[k]) for k in ("epoch", "step", "batches")
-        )
+        if loaded.world_size == self.world_size:
+            rng.restore(loaded.per_rank["rng"])
+            if generator is not None and "loader_generator" in loaded.per_rank:
+                generator.set_state(loaded.per_rank["loader_generator"])
+        else:
+            rng.reseed(self.seed, self.steps, self.rank)
+            if generator is not None:
+                generator.manual_seed(rng.derived_seed(self.seed, self.steps, self.rank, "loader"))
         self.resumed_from = loaded.path
         self.log(f"resumed from {loaded.path}: epoch {self.epoch + 1}, step {self.steps}")
+        if loaded.world_size != self.world_size:
+            self.log(
+                f"resumed from {loaded.world_size} to {self.world_size} ranks at sample "
+                f"{self.origin} of epoch {self.epoch + 1}; RNG streams derived from seed "
+                f"{self.seed}, step {self.steps} and each rank"
+            )
 
     def _sampler(self) -> Any:
         return None if self.loader is None else self.loader.batch_sampler.sampler  # type: ignore[union-attr]
@@ -249,6 +321,43 @@ def _sharded_payload(loaded: Any, into: Any) -> Any:
             hint="resume it with the model it was saved with (DDP), or start a new run directory",
         )
     return into
+
+
+def _batch_size(loader: DataLoader[Any] | None) -> int:
+    return 0 if loader is None else int(loader.batch_sampler.batch_size or 0)  # type: ignore[union-attr]
+
+
+def _shards(sampler: Any) -> int:
+    """Over how many ranks ``sampler`` deals an epoch (1: every rank reads all of it)."""
+    while isinstance(sampler, (_Skip, _Rest)):  # batches() serves the epoch's rest through them
+        sampler = sampler.sampler
+    if isinstance(sampler, DistributedSampler):
+        return int(sampler.num_replicas)
+    if isinstance(sampler, ResumableDistributedSampler):
+        return sampler.plan.world_size
+    return 1
+
+
+def _count(loaded: Loaded, key: str) -> int:
+    """``loaded.meta[key]``, a count this class wrote: an integer >= 0, or a clear error."""
+    value = loaded.meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(
+            f"checkpoint {loaded.path}: meta[{key!r}] is {value!r}, not an integer >= 0",
+            hint="it was not written by hpc_ddp.Resumable, or was edited: give the run a "
+            "directory of its own, or move that checkpoint aside",
+        )
+    return value
+
+
+def _position(loaded: Loaded, loader: DataLoader[Any] | None) -> int:
+    """The checkpoint's global sample position in its epoch. Checkpoints written before it was
+    saved hold this rank's batches instead, of a world of the checkpoint's size."""
+    if "samples" in loaded.meta or "batches" not in loaded.meta:
+        return _count(loaded, "samples")
+    sampler = None if loader is None else loader.batch_sampler.sampler  # type: ignore[union-attr]
+    shards = loaded.world_size if _shards(sampler) > 1 else 1
+    return _count(loaded, "batches") * _batch_size(loader) * shards
 
 
 def _checked_loader(loader: DataLoader[Any] | None) -> DataLoader[Any] | None:
