@@ -53,13 +53,6 @@ def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) 
     loaded = state.ckpt.load_latest(map_location="cpu")
     if loaded is None:
         return Progress()
-    if loaded.world_size != world_size:
-        raise ConfigError(
-            f"the checkpoint {loaded.path} was written by {loaded.world_size} processes, "
-            f"this run has {world_size}",
-            hint="resume with the same number of processes (nodes x processes per node): "
-            "the data order and per-rank RNG streams depend on it; or start a new --run-dir",
-        )
     s = loaded.shared
     progress = Progress(**s["progress"])
     reached = progress.epoch + 1 if progress.start else progress.epoch  # epochs begun
@@ -73,14 +66,27 @@ def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) 
     state.stepper.optimizer.load_state_dict(s["optimizer"])
     state.stepper.scheduler.load_state_dict(s["scheduler"])
     state.stepper.scaler.load_state_dict(s["scaler"])
+    elastic = loaded.world_size != world_size
+    if elastic:  # the schedule where this world's steps would be at the same sample
+        plan = state.plan
+        at = progress.epoch * plan.steps_per_epoch() + plan.steps_done(progress.start)
+        state.stepper.scheduler.last_epoch = at
     schedule_lr(state, cfg)
     progress.interruptions += 1
     clock.base, clock.loop_base = progress.wall_seconds, progress.train_wall_seconds
-    rng.restore(loaded.per_rank["rng"])
+    if elastic:  # the saved streams are the old ranks': derived afresh (docs/checkpoints.md)
+        rng.reseed(cfg.seed, progress.global_step, state.ckpt.rank)
+    else:
+        rng.restore(loaded.per_rank["rng"])
     log.info(
         f"resumed from {loaded.path} (epoch {progress.epoch + 1}, "
         f"{progress.start} samples into it, step {progress.global_step})"
     )
+    if elastic:
+        log.info(
+            f"resumed from {loaded.world_size} to {world_size} ranks at sample "
+            f"{progress.start} of epoch {progress.epoch + 1}"
+        )
     return progress
 
 

@@ -193,7 +193,8 @@ class Trainer:
         self.clock.start_loop()
         while progress.epoch < cfg.epochs:
             times = Times.from_dict(progress.epoch_times)
-            done = plan.steps_done(progress.start)
+            origin = progress.start  # where this epoch resumed; any count after a world change
+            done = plan.steps_done(origin)
             agree.start_epoch(progress.global_step)
             batches = state.train_data.batches(progress.epoch, progress.start)
             staged: Staged | None = None
@@ -203,7 +204,7 @@ class Trainer:
                 loss_sum, n = state.stepper.step(micro, times)  # the loss stays on the device
                 done += 1
                 progress.global_step += 1
-                progress.start = plan.step_start(done)
+                progress.start = plan.step_start(done, origin)
                 last = done == steps_per_epoch
                 hold = progress.global_step == cfg.debug_hold_at_step and not last
                 if hold:
