@@ -220,14 +220,16 @@ def test_a_resolver_that_never_answers_costs_one_deadline_not_one_per_node(
 ) -> None:
     """A real resolver that never answers: a UDP socket on 127.0.0.77:53 that reads nothing,
     named in /etc/resolv.conf inside a private mount namespace (16 s per query, just above the
-    check's 15-s deadline). 64 nodes looked up one after another took 64 x 16 s; the check ends
-    after its one deadline (the network check's own single lookup of the master adds 16 s)."""
+    check's 15-s deadline). 64 nodes looked up one after another took 64 x 16 s; the doctor
+    ends after its one deadline: the network check does not look the master (the node list's
+    first name, already without an answer) up again for a second one."""
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     silent.bind(("127.0.0.77", 53))
     resolv = tmp_path / "resolv.conf"
     resolv.write_text("nameserver 127.0.0.77\noptions timeout:16 attempts:1\n")
     doctor = f"{PY} -m hpc_ddp.cli doctor --no-torch --run-dir {tmp_path / 'runs'}"
     env = _env(SLURM_JOB_ID="5", SLURM_JOB_NODELIST="gpu[001-064]", SLURM_CONF="/nonexistent")
+    started = time.monotonic()
     try:
         proc = subprocess.run(
             ["unshare", "-m", "sh", "-c", f"mount --bind {resolv} /etc/resolv.conf && {doctor}"],
@@ -235,9 +237,12 @@ def test_a_resolver_that_never_answers_costs_one_deadline_not_one_per_node(
         )  # fmt: skip
     finally:
         silent.close()
+    took = time.monotonic() - started
     node_list = _line(proc.stdout, "node list")
     assert node_list.startswith("FAIL"), proc.stdout + proc.stderr
     assert "64 got no answer in 15 s: gpu001, gpu002" in node_list, node_list
+    assert took < 2 * 15, f"{took:.0f} s: more than the one 15-s deadline"
+    assert "no route to master gpu001: it did not resolve" in _line(proc.stdout, "network")
 
 
 def test_a_name_the_resolver_refuses_is_named_at_once(tmp_path: Path) -> None:

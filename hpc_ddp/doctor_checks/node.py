@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -62,6 +62,10 @@ class Options:
     # The embedded cluster running for this environment, if any. Asked by the caller (the CLI
     # asks hpc_ddp.localslurm): the deploy layer never imports the embedded cluster itself.
     embedded_cluster: Callable[[Mapping[str, str]], EmbeddedCluster | None] | None = None
+    # Names the node-list check found unresolvable or unanswered within its deadline: a later
+    # check (the network's route to the master) does not look them up again, which on a
+    # resolver that never answers would cost a second deadline for an answer already known.
+    dead_names: set[str] = field(default_factory=set, compare=False, repr=False)
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -152,6 +156,7 @@ def check_nodelist(o: Options) -> Check:
 
     hosts = expand_hostlist(nodelist)
     bad, silent = _resolve_all(hosts, RESOLVE_DEADLINE_S)
+    o.dead_names.update(bad, silent)
     if bad or silent:
         said = [f"{len(bad)} do not resolve: {first_few(bad, 5)}"] if bad else []
         said += [f"{len(silent)} got no answer in {RESOLVE_DEADLINE_S:.0f} s: "
@@ -306,13 +311,22 @@ def check_network(o: Options) -> Check:
             "Gloo takes one interface name; the '^lo,docker0' syntax is NCCL's only",
         )
 
+    dead_master = master if master in o.dead_names else None
     try:
         choice = choose_backend(
-            cuda_available=bool(o.gpus), master_addr=master, num_nodes=nodes, environ=env
+            cuda_available=bool(o.gpus),
+            master_addr=None if dead_master else master,
+            num_nodes=nodes,
+            environ=env,
         )
     except HpcDdpError as err:
         return Check(FAIL, "network", err.message, err.hint or "")
     detail = f"{choice.backend}: {choice.reason}; interconnect {choice.interconnect}"
+    if dead_master:
+        detail += (
+            f"; no route to master {dead_master}: it did not resolve (node list above); set "
+            "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME by hand if the job cannot connect"
+        )
     if choice.interface:
         detail += f", interface {choice.interface}"
     return Check(OK, "network", detail)
