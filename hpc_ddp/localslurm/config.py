@@ -226,6 +226,13 @@ def render_slurm_conf(
         "MailProg=/bin/true",
         "ReturnToService=2",
         "SlurmdTimeout=60",
+        # MessageTimeout bounds a round trip between these daemons and their clients, and how
+        # long a client keeps redialling a controller that refuses it (a Slurm command against
+        # a dead slurmctld fails after about twice this). Every party here is on one host, over
+        # loopback: an answer is milliseconds of CPU, late by scheduling delays of a loaded
+        # machine, not by seconds; 5 s keeps a wide margin over that while a dead controller is
+        # noticed within seconds rather than after twice the default 10.
+        "MessageTimeout=5",
         # No accounting, so finished jobs are only visible to scontrol while they are kept.
         "MinJobAge=300",
         "KillWait=5",
