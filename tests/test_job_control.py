@@ -19,6 +19,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from hostile_files import evil_pickle, make_fifo, run_child, symlink_to
 
 import hpc_ddp
 from hpc_ddp.deploy import JobSpec
+from hpc_ddp.deploy.submitit.backend import RESULT_LAG_S, RESULT_LAG_UNSURE_S, result_lag
 from hpc_ddp.deploy.submitit.local_jobs import children
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm import wait_for
@@ -199,13 +201,35 @@ def test_a_submitit_job_killed_without_a_result_ends_the_waiting_submit(
     try:
         wait_for(lambda: (tmp_path / "started").exists(), 120, "the task to start")
         job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i", "-n", "killed-sub"]).stdout.strip()
+        cancelled = time.monotonic()
         _run(["cancel", "--now", "--folder", str(folder), job_id], env)
         out, err = submit.communicate(timeout=60)  # the fault: this waited for ever
     finally:
         submit.kill()
+    waited = time.monotonic() - cancelled
     assert submit.returncode != 0, (out, err)
     said = out + err  # SIGKILLed steps end the job CANCELLED or FAILED, as the race goes
     assert re.search(r"ended (CANCELLED|FAILED) without a result from task 0\b", said), said
+    # Killed, it wrote no result: not waited for as long as a task that raised may lag in it.
+    assert waited < RESULT_LAG_S, f"{waited:.0f} s for a result a killed task never writes"
+
+
+@pytest.mark.parametrize(
+    ("state", "exit_code", "lag"),
+    [
+        ("COMPLETED", "0:0", RESULT_LAG_S),
+        ("FAILED", "1:0", RESULT_LAG_S),  # the task raised: submitit pickled the error first
+        ("FAILED", "137:0", RESULT_LAG_UNSURE_S),  # srun's report of a SIGKILLed task
+        ("FAILED", "0:9", RESULT_LAG_UNSURE_S),  # the batch shell itself killed
+        ("CANCELLED", "0:15", RESULT_LAG_UNSURE_S),
+    ],
+)
+def test_a_result_is_awaited_only_from_a_task_that_could_write_it(
+    state: str, exit_code: str, lag: float
+) -> None:
+    """The SIGKILL race above ends the job FAILED as often as CANCELLED: a FAILED job's exit
+    code says whether its task raised (and pickled a result) or was killed before it could."""
+    assert result_lag(state, {"JobState": state, "ExitCode": exit_code}) == lag
 
 
 @pytest.mark.slurm

@@ -55,12 +55,22 @@ from hpc_ddp.slurm_client import (
     LostJobWatch,
     SlurmClient,
     restarts,
+    shell_exit_code,
 )
 
 # How long a task's result pickle may lag behind the end Slurm reports (a shared file system's
 # attribute cache): tasks that COMPLETED or FAILED (raised) wrote one; after other ends (killed,
 # cancelled, timed out) there may be none.
 RESULT_LAG_S, RESULT_LAG_UNSURE_S = 15.0, 3.0
+
+
+def result_lag(state: str, info: Mapping[str, str]) -> float:
+    """How long to wait for the tasks' result pickles after the job ended ``state``. A job
+    FAILED by a signal (exit code over 128, as srun reports a task SIGKILLed by `cancel --now`
+    or the OOM killer) did not raise: its task was killed before it could write a result."""
+    if state == "COMPLETED" or (state == "FAILED" and shell_exit_code(info) <= 128):
+        return RESULT_LAG_S
+    return RESULT_LAG_UNSURE_S
 
 
 @dataclass(frozen=True)
@@ -265,9 +275,9 @@ class SubmititJob(Job):
                 hint="raise submit --wait-timeout, or look at the job's logs in its folder",
             )
         follower.poll(final=True)
-        count = restarts(self._info())
-        lag = RESULT_LAG_S if state in ("COMPLETED", "FAILED") else RESULT_LAG_UNSURE_S
-        outcomes = self._outcomes(lag)
+        info = self._info()
+        outcomes = self._outcomes(result_lag(state, info))
+        count = restarts(info)
         failed = [(k, o[1]) for k, o in enumerate(outcomes) if o is not None and o[0] != "success"]
         missing = [str(k) for k, o in enumerate(outcomes) if o is None]
         if failed:  # ("error", the task's traceback): the most a user can learn
