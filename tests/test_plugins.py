@@ -2,18 +2,20 @@
 trainer: a user's MLP and synthetic dataset, written to a temporary .py file, trained under
 real torchrun with 2 Gloo ranks, interrupted by a real signal mid-epoch and resumed (the resume
 and the reference fork their ranks: ``forked_cmd``); and each
-broken contract through the real ``hpc-ddp train``. Nothing is mocked.
+broken contract through the real ``hpc-ddp train``, each case a process of its own forked from
+one that imported torch once (``cli_forkserver``). Nothing is mocked.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_forkserver import ForkedCli
 from trainer_helpers import (
-    HPC_DDP,
     assert_resumed_like,
     forked_cmd,
     interrupt_at,
@@ -223,6 +225,15 @@ def line_of(text: str, source: str = PLUGIN) -> int:
     return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
 
 
+@pytest.fixture(scope="module")
+def train_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
+    """`hpc-ddp train`, each call a process of its own, its imports (torch) made once."""
+    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]  # what `train` imports first
+    cli = ForkedCli(preload, job_env(), tmp_path_factory.mktemp("train-cli"))
+    yield cli
+    cli.close()
+
+
 @pytest.fixture
 def plugin(tmp_path: Path) -> Path:
     path = tmp_path / "my_plugin.py"
@@ -312,16 +323,14 @@ BAD = [
 
 @pytest.mark.parametrize(("model", "dataset", "expected"), BAD)
 def test_a_bad_plugin_is_refused_naming_the_contract(
-    tmp_path: Path, plugin: Path, model: str, dataset: str, expected: str
+    tmp_path: Path, plugin: Path, train_cli: ForkedCli, model: str, dataset: str, expected: str
 ) -> None:
     names = {"p": str(plugin), "d": str(tmp_path), "line": line_of("in the model function")}
     names["forward"] = line_of("in the forward")
     run_dir = tmp_path / "run"
     args = [*plugin_args(run_dir, plugin), "--epochs", "1"]
     args += ["--model", model.format(**names), "--dataset", dataset.format(**names)]
-    done = subprocess.run(
-        [HPC_DDP, "train", *args], env=job_env(), capture_output=True, text=True, timeout=120
-    )
+    done = train_cli.run(["train", *args])
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert expected.format(**names) in done.stderr, done.stderr
     assert "plug-in is" in done.stderr or "MODULE:FUNCTION" in done.stderr  # the contract
@@ -337,14 +346,15 @@ def test_a_bad_plugin_is_refused_naming_the_contract(
      ("quits", "SystemExit(0)", "in an item")],
 )  # fmt: skip
 def test_an_item_that_raises_is_one_error_naming_the_plugin_and_the_item(
-    tmp_path: Path, plugin: Path, dataset: str, raised: str, at: str, workers: int
-) -> None:
+    tmp_path: Path, plugin: Path, train_cli: ForkedCli, dataset: str, raised: str, at: str,
+    workers: int,
+) -> None:  # fmt: skip
     """Item 37 raises (in a DataLoader worker with --num-workers 1): one error naming the
     plug-in, the item, the user's own message and the line that raised it; no traceback, the
     worker's included, and a SystemExit there is a failure, not an exit 0 or a dead worker."""
     run_dir = tmp_path / "run"
     args = plugin_args(run_dir, plugin, dataset=f"{plugin}:{dataset}", epochs=1)
-    done = run(single_cmd([*args, "--num-workers", str(workers)]))
+    done = train_cli.run(["train", *args, "--num-workers", str(workers)])
     assert done.returncode == 2, (done.stdout, done.stderr)
     expected = (
         f'dataset plug-in {plugin}:{dataset}: item 37 of split "train" raised {raised} '
@@ -357,14 +367,14 @@ def test_an_item_that_raises_is_one_error_naming_the_plugin_and_the_item(
 
 
 def test_a_tensor_dataset_trains_as_the_same_samples_with_int_labels(
-    tmp_path: Path, plugin: Path
+    tmp_path: Path, plugin: Path, train_cli: ForkedCli
 ) -> None:
     """A plain TensorDataset(x, y), y a LongTensor (0-d tensor labels), for training and numpy
     integer labels for testing: trained end to end, bit for bit as Blobs' int labels."""
     done = {}
     for dataset in ("blobs", "tensors"):
         args = plugin_args(tmp_path / dataset, plugin, dataset=f"{plugin}:{dataset}", epochs=2)
-        done[dataset] = run(single_cmd(args))
+        done[dataset] = train_cli.run(["train", *args])
         assert done[dataset].returncode == 0, done[dataset].stderr
     ints, tensors = read_result(tmp_path / "blobs"), read_result(tmp_path / "tensors")
     assert tensors["status"] == "finished" and tensors["test_accuracy"] >= 0.9, tensors
@@ -384,18 +394,13 @@ def test_a_parameter_without_gradient_fails_the_job_naming_it(tmp_path: Path, pl
     assert not (run_dir / "result.json").exists()
 
 
-def test_a_dotted_module_imports_from_the_working_directory(tmp_path: Path, plugin: Path) -> None:
+def test_a_dotted_module_imports_from_the_working_directory(
+    tmp_path: Path, plugin: Path, train_cli: ForkedCli
+) -> None:
     """MODULE as a dotted name: found from the directory the command runs in."""
     run_dir = tmp_path / "run"
     args = plugin_args(run_dir, plugin, model="my_plugin:mlp", dataset="my_plugin:blobs")
-    done = subprocess.run(
-        [HPC_DDP, "train", *args, "--epochs", "1"],
-        env=job_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = train_cli.run(["train", *args, "--epochs", "1"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert read_result(run_dir)["status"] == "finished"
 
