@@ -8,8 +8,9 @@ its exit status, its messages and the interpreter's exit handling (a traceback, 
 of ``hpc-ddp`` typed in a shell. The server only imports: it runs no command and starts no
 thread, so nothing held by another thread is copied into a child.
 
-Protocol: one JSON line per command on stdin (argv, cwd, stdout and stderr paths); one JSON line
-back (``rc``, as ``subprocess`` reports it) once that child has exited.
+Protocol: one JSON line per command on stdin (argv, cwd, stdout and stderr paths); JSON lines
+back: the child's ``pid`` when it starts, its ``rc`` (as ``subprocess`` reports it) once it has
+exited.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -38,6 +40,8 @@ def _serve(preload: list[str]) -> None:
             requests.close()
             replies.close()
             _run_command(request)  # raises SystemExit: the interpreter ends the child for real
+        replies.write(json.dumps({"pid": pid}) + "\n")  # what a timeout kills
+        replies.flush()
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         replies.flush()
@@ -64,8 +68,9 @@ class ForkedCli:
         self._count = 0
         self._server = subprocess.Popen(
             [sys.executable, __file__, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, text=True, start_new_session=True,
+            env=env, start_new_session=True,
         )  # fmt: skip
+        self._replies = b""
 
     def run(
         self, argv: list[str], cwd: Path | None = None, timeout: float = 120
@@ -74,19 +79,34 @@ class ForkedCli:
         self._count += 1
         out, err = (self.scratch / f"{self._count}.{name}" for name in ("out", "err"))
         request = {"argv": argv, "cwd": str(cwd or Path.cwd()), "stdout": str(out)}
-        self._server.stdin.write(json.dumps({**request, "stderr": str(err)}) + "\n")
+        self._server.stdin.write(json.dumps({**request, "stderr": str(err)}).encode() + b"\n")
         self._server.stdin.flush()
-        ready, _, _ = select.select([self._server.stdout], [], [], timeout)
-        if not ready:
-            self.close()
-            raise subprocess.TimeoutExpired(["hpc-ddp", *argv], timeout)
-        reply = self._server.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the fork server ended (exit {self._server.wait()})")
+        pid = json.loads(self._reply(60))["pid"]
+        try:
+            reply = self._reply(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)  # as subprocess.run's timeout does; the server goes on
+            self._reply(60)
+            raise subprocess.TimeoutExpired(["hpc-ddp", *argv], timeout) from None
         rc = json.loads(reply)["rc"]
         return subprocess.CompletedProcess(
             ["hpc-ddp", *argv], rc, out.read_text(errors="replace"), err.read_text(errors="replace")
         )
+
+    def _reply(self, timeout: float) -> str:
+        """The server's next line; read unbuffered, so that select sees what is not read yet."""
+        assert self._server.stdout is not None
+        fd, deadline = self._server.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise subprocess.TimeoutExpired("the fork server", timeout)
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the fork server ended (exit {self._server.wait()})")
+            self._replies += chunk
+        line, _, self._replies = self._replies.partition(b"\n")
+        return line.decode()
 
     def close(self) -> None:
         """End the server: at the end of its input, or killed with a child it still waits on."""

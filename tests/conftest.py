@@ -4,7 +4,8 @@
 fake GPUs, started only if a test asks for it. Without slurm-wlm or root they skip locally, but
 FAIL when $CI is set: a CI run that skips every Slurm test proves nothing. Helpers for these
 tests are in slurm_support.py. ``data_dir``: one dataset directory per test module, for the
-trainer tests (helpers in trainer_helpers.py). ``Progress``: a line a person can read every 30 s
+trainer tests (helpers in trainer_helpers.py); ``train_cli``: `hpc-ddp train` processes forked from
+one that imported torch once. ``Progress``: a line a person can read every 30 s
 (``--progress-every``), serial or under pytest-xdist.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import quick_tier
+from cli_forkserver import ForkedCli
 from launch_support import Launch, kill_leftovers
 from slurm_support import SlurmTestCluster, first_job_id, require_local_slurm
 
@@ -68,6 +70,18 @@ def slurm_gpu_cluster() -> Iterator[SlurmTestCluster]:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trainer's --data-dir, shared by all runs of one test module."""
     return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="session")
+def train_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
+    """`hpc-ddp train` for single-process runs: each call a process of its own, forked from
+    one that imported torch once per session (cli_forkserver.py)."""
+    from trainer_helpers import job_env
+
+    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]  # what `train` imports first
+    cli = ForkedCli(preload, job_env(), tmp_path_factory.mktemp("train-cli"))
+    yield cli
+    cli.close()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from trainer_helpers import (
     assert_resumed_like,
     forked_cmd,
     interrupt_at,
-    job_env,
     read_result,
     reference_run,
     run,
@@ -223,15 +221,6 @@ def tensors(split):
 def line_of(text: str, source: str = PLUGIN) -> int:
     """The line number of ``text`` in ``source`` (a plug-in's error names where it raised)."""
     return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
-
-
-@pytest.fixture(scope="module")
-def train_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
-    """`hpc-ddp train`, each call a process of its own, its imports (torch) made once."""
-    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]  # what `train` imports first
-    cli = ForkedCli(preload, job_env(), tmp_path_factory.mktemp("train-cli"))
-    yield cli
-    cli.close()
 
 
 @pytest.fixture

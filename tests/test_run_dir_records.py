@@ -13,8 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_forkserver import ForkedCli
 from hostile_files import make_fifo
-from trainer_helpers import HPC_DDP, run, single_cmd, train_args
+from trainer_helpers import HPC_DDP, run, train_args
 
 from hpc_ddp import regular_file
 
@@ -22,32 +23,34 @@ DEADLINE_S = 60  # a CPU run of SMALL takes seconds; a blocked read never ends
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def finished(tmp_path_factory: pytest.TempPathFactory, train_cli: ForkedCli) -> tuple[Path, Path]:
     """(run dir, data dir) of one finished single-process run."""
     root = tmp_path_factory.mktemp("records")
     run_dir, data_dir = root / "run", root / "data"
-    done = run(single_cmd(train_args(run_dir, data_dir, epochs=1)), timeout=120)
+    done = train_cli.run(["train", *train_args(run_dir, data_dir, epochs=1)])
     assert done.returncode == 0, done.stderr
     return run_dir, data_dir
 
 
-def test_a_fifo_as_result_json_of_a_new_run_dir_is_refused_at_once(tmp_path: Path) -> None:
+def test_a_fifo_as_result_json_of_a_new_run_dir_is_refused_at_once(
+    tmp_path: Path, train_cli: ForkedCli
+) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     make_fifo(run_dir / "result.json")
-    done = run(single_cmd(train_args(run_dir, tmp_path / "data")), timeout=DEADLINE_S)
+    done = train_cli.run(["train", *train_args(run_dir, tmp_path / "data")], timeout=DEADLINE_S)
     assert done.returncode == 2, done.stderr
     assert "is not an hpc-ddp run dir" in done.stderr and "result.json" in done.stderr
 
 
 def test_a_fifo_as_config_json_of_a_finished_run_is_a_clear_error(
-    finished: tuple[Path, Path], tmp_path: Path
+    finished: tuple[Path, Path], tmp_path: Path, train_cli: ForkedCli
 ) -> None:
     run_dir, data_dir = finished
     copy = shutil.copytree(run_dir, tmp_path / "run", symlinks=True)
     (copy / "result.json").unlink()  # so that the trainer goes on to check config.json
     make_fifo(copy / "config.json")
-    done = run(single_cmd(train_args(copy, data_dir, epochs=1)), timeout=DEADLINE_S)
+    done = train_cli.run(["train", *train_args(copy, data_dir, epochs=1)], timeout=DEADLINE_S)
     assert done.returncode == 2, done.stderr
     assert "config.json is unreadable" in done.stderr and "a FIFO" in done.stderr, done.stderr
 
@@ -62,7 +65,7 @@ def test_a_fifo_as_config_json_of_a_finished_run_is_a_clear_error(
     ids=["fifo", "epochs-a-string", "a-list"],
 )
 def test_a_finished_runs_result_json_that_is_not_its_record_is_a_clear_error(
-    finished: tuple[Path, Path], tmp_path: Path, planted: str, expected: str
+    finished: tuple[Path, Path], tmp_path: Path, train_cli: ForkedCli, planted: str, expected: str
 ) -> None:
     """How many epochs a finished run trained decides between "nothing to do" and continuing
     it: a result.json that does not say is refused naming it, and nothing is written."""
@@ -74,7 +77,7 @@ def test_a_finished_runs_result_json_that_is_not_its_record_is_a_clear_error(
     else:
         (copy / "result.json").write_text(planted)
     config = (copy / "config.json").read_bytes()
-    done = run(single_cmd(train_args(copy, data_dir, epochs=1)), timeout=DEADLINE_S)
+    done = train_cli.run(["train", *train_args(copy, data_dir, epochs=1)], timeout=DEADLINE_S)
     assert done.returncode == 2, done.stdout + done.stderr
     assert expected in done.stderr and "HINT: restore it; or move it aside" in done.stderr
     assert planted != "fifo" or "a FIFO" in done.stderr, done.stderr

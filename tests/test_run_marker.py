@@ -12,12 +12,12 @@ import signal
 from pathlib import Path
 
 import pytest
+from cli_forkserver import ForkedCli
 from hostile_files import snapshot
 from trainer_helpers import (
     finish,
     holding,
     read_json,
-    run,
     signal_workers,
     single_cmd,
     start,
@@ -31,7 +31,9 @@ from hpc_ddp.run_dir.marker import FORMAT, MARKER, claim_run_dir
 NOBODY = 65534
 
 
-def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_dir: Path) -> None:
+def test_a_directory_of_other_files_is_refused_untouched(
+    tmp_path: Path, data_dir: Path, train_cli: ForkedCli
+) -> None:
     """``hpc-ddp train --run-dir DIR`` on a directory of someone's files, some named as the
     trainer's own: exit 2 with a HINT, and not one byte, mtime or entry changed."""
     run_dir = tmp_path / "project"
@@ -43,7 +45,7 @@ def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_di
     (run_dir / "progress.json").write_text('{"mine": true}\n')
     (run_dir / "plot.png").write_bytes(b"not the trainer's plot")
     before = snapshot(run_dir)
-    done = run(single_cmd(train_args(run_dir, data_dir)))
+    done = train_cli.run(["train", *train_args(run_dir, data_dir)])
     assert done.returncode == 2, done.stderr
     assert f"run dir {run_dir} is not empty and is not an hpc-ddp run dir" in done.stderr
     assert "notes.txt" in done.stderr
@@ -53,18 +55,18 @@ def test_a_directory_of_other_files_is_refused_untouched(tmp_path: Path, data_di
 
 
 def test_a_run_dir_is_marked_and_one_without_its_marker_refused(
-    tmp_path: Path, data_dir: Path
+    tmp_path: Path, data_dir: Path, train_cli: ForkedCli
 ) -> None:
     """The trainer marks the run dir it creates; the same files without the marker are not a
     run dir of the trainer's (its config.json included): refused untouched."""
     run_dir = tmp_path / "run"
-    done = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    done = train_cli.run(["train", *train_args(run_dir, data_dir, epochs=1)])
     assert done.returncode == 0, done.stderr
     assert read_json(run_dir / MARKER)["format"] == FORMAT
     (run_dir / MARKER).unlink()
     (run_dir / "result.json").unlink()  # else the finished run's answer comes first
     before = snapshot(run_dir)
-    again = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    again = train_cli.run(["train", *train_args(run_dir, data_dir, epochs=1)])
     assert again.returncode == 2, again.stderr
     assert f"run dir {run_dir} is not empty and is not an hpc-ddp run dir" in again.stderr
     assert snapshot(run_dir) == before

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_forkserver import ForkedCli
 from trainer_helpers import (
     finish,
     holding,
@@ -124,19 +125,21 @@ def test_second_run_on_a_busy_run_dir_fails(tmp_path: Path, data_dir: Path) -> N
     assert rc == 75, log
 
 
-def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path) -> None:
+def test_cli_rejects_bad_config(tmp_path: Path, data_dir: Path, train_cli: ForkedCli) -> None:
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"epochs": 1, "momentun": 0.8}))
-    done = run(single_cmd(["--config", str(cfg), "--run-dir", str(tmp_path / "r")]))
+    done = train_cli.run(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "r")])
     assert done.returncode == 2
     assert "unknown key 'momentun' (did you mean 'momentum'?)" in done.stderr
     assert "valid keys:" in done.stderr
     # A real dataset's missing data dir is a typo to report (a synthetic one is created).
-    done = run(single_cmd(train_args(tmp_path / "r", tmp_path / "no-such-dir", synthetic=False)))
+    done = train_cli.run(
+        ["train", *train_args(tmp_path / "r", tmp_path / "no-such-dir", synthetic=False)]
+    )
     assert done.returncode == 2 and "data dir" in done.stderr and "does not exist" in done.stderr
-    done = run(single_cmd(train_args(tmp_path / "r", data_dir, amp="bf16")))
+    done = train_cli.run(["train", *train_args(tmp_path / "r", data_dir, amp="bf16")])
     assert done.returncode == 2 and "amp=bf16 needs a GPU" in done.stderr
-    done = run(single_cmd(train_args(tmp_path / "r", data_dir, sync_bn=True)))
+    done = train_cli.run(["train", *train_args(tmp_path / "r", data_dir, sync_bn=True)])
     assert done.returncode == 2 and "sync_bn needs GPUs" in done.stderr
 
 
@@ -166,11 +169,13 @@ def test_run_process_returns_exit_codes_with_the_rank_named(tmp_path: Path, data
     assert "[rank 0/1 " in bad.stderr and "does not exist" in bad.stderr, bad.stderr
 
 
-def test_a_missing_synthetic_data_dir_is_created_and_said(tmp_path: Path) -> None:
+def test_a_missing_synthetic_data_dir_is_created_and_said(
+    tmp_path: Path, train_cli: ForkedCli
+) -> None:
     """docs/training.md, Data staging: with --synthetic a missing --data-dir (parents included)
     is created, and the log says so; a real dataset's is an error (test_cli_rejects_bad_config)."""
     data_dir = tmp_path / "new" / "data"
-    done = run(single_cmd(train_args(tmp_path / "r", data_dir, epochs=1)), timeout=180)
+    done = train_cli.run(["train", *train_args(tmp_path / "r", data_dir, epochs=1)], timeout=180)
     assert done.returncode == 0, done.stderr
     assert f"created data dir {data_dir} for the synthetic cifar10" in done.stdout, done.stdout
     assert (data_dir / ".hpc-ddp-staging.lock").exists()
