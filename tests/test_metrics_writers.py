@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_forkserver import ForkedCli
 from test_plugins import PLUGIN, plugin_settings
 from trainer_helpers import (
     finish,
@@ -173,8 +174,8 @@ def test_tensorboard_missing_is_refused_at_startup_naming_the_extra(
     assert not run_dir.exists()  # refused before the run dir was touched
 
 
-def test_an_unknown_format_is_refused(tmp_path: Path, data_dir: Path) -> None:
-    done = run(single_cmd(train_args(tmp_path / "run", data_dir, metrics="csv,wandb")))
+def test_an_unknown_format_is_refused(tmp_path: Path, data_dir: Path, train_cli: ForkedCli) -> None:
+    done = train_cli.run(["train", *train_args(tmp_path / "run", data_dir, metrics="csv,wandb")])
     assert done.returncode == 2
     assert "metrics: unknown format(s) 'wandb'" in done.stderr, done.stderr
     assert "jsonl, csv, tensorboard" in done.stderr

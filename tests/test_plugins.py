@@ -21,7 +21,6 @@ from trainer_helpers import (
     read_result,
     reference_run,
     run,
-    single_cmd,
     torchrun_cmd,
     train_args,
 )
@@ -245,7 +244,7 @@ def plugin_args(run_dir: Path, plugin: Path, **overrides: object) -> list[str]:
 
 @pytest.mark.slow
 def test_plugin_resumed_after_a_signal_ends_bit_identical_and_learns(
-    tmp_path: Path, plugin: Path
+    tmp_path: Path, plugin: Path, train_cli: ForkedCli
 ) -> None:
     ref_dir = reference_run(
         tmp_path / "ref", tmp_path / "no-data", timeout=300, **plugin_settings(plugin)
@@ -273,7 +272,7 @@ def test_plugin_resumed_after_a_signal_ends_bit_identical_and_learns(
     assert result["test_accuracy"] == reference["test_accuracy"]
 
     # Re-run, finished: answered from result.json, comparing the plug-in names unimported.
-    again = run(single_cmd(args))
+    again = train_cli.run(["train", *args])
     assert again.returncode == 0 and "already finished" in again.stdout, again.stderr
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_forkserver import ForkedCli
 from trainer_helpers import (
     assert_resumed_like,
     finish,
@@ -27,7 +28,6 @@ from trainer_helpers import (
     reference_run,
     run,
     signal_workers,
-    single_cmd,
     start,
     torchrun_cmd,
     train_args,
@@ -196,13 +196,15 @@ def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_cause_is_printed_before_another_rank_failed(tmp_path: Path, data_dir: Path) -> None:
+def test_the_cause_is_printed_before_another_rank_failed(
+    tmp_path: Path, data_dir: Path, train_cli: ForkedCli
+) -> None:
     """Rank 0 alone finds the run dir's settings differ (rank 1 has nothing to compare): its
     error comes before rank 1's "other rank(s) failed", on the one stderr both write to, and the
     job exits 2 (bad input) whichever rank exits first. Three real 2-rank runs: before, the
     order and the code were a race that either rank won."""
     run_dir = tmp_path / "run"
-    first = run(single_cmd(train_args(run_dir, data_dir, epochs=1)))
+    first = train_cli.run(["train", *train_args(run_dir, data_dir, epochs=1)])
     assert first.returncode == 0, first.stderr
     for _ in range(3):
         done = run(forked_cmd(2, train_args(run_dir, data_dir, epochs=1, lr=0.5)))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import forked_cmd, read_json, read_metrics, run, single_cmd, train_args
+from cli_forkserver import ForkedCli
+from trainer_helpers import forked_cmd, read_json, read_metrics, run, train_args
 
 from hpc_ddp.exit_codes import EXIT_DIVERGED
 
@@ -124,7 +125,7 @@ def test_two_ranks_stop_together_at_a_nan_loss_keeping_the_last_finite_checkpoin
 
 
 def test_one_process_never_checkpoints_weights_a_finite_loss_left_nan(
-    tmp_path: Path, data_dir: Path, plugin: Path
+    tmp_path: Path, data_dir: Path, plugin: Path, train_cli: ForkedCli
 ) -> None:
     """Step 12's loss is finite, its update makes the weights NaN, and step 12 is a checkpoint
     step: the state check before the save stops the run there, keeping steps 4 and 8."""
@@ -133,7 +134,7 @@ def test_one_process_never_checkpoints_weights_a_finite_loss_left_nan(
         run_dir, data_dir, model=f"{plugin}:nan_update_at_12", epochs=1,
         checkpoint_every_steps=4, keep_checkpoints=2,
     )  # fmt: skip
-    done = run(single_cmd(args))
+    done = train_cli.run(["train", *args])
     assert done.returncode == EXIT_DIVERGED, done.stdout + done.stderr
     assert (
         "training diverged: the weights or the optimizer state became NaN or infinite at step "
@@ -146,12 +147,12 @@ def test_one_process_never_checkpoints_weights_a_finite_loss_left_nan(
 
 
 def test_a_learning_rate_that_diverges_exits_with_its_own_code(
-    tmp_path: Path, data_dir: Path
+    tmp_path: Path, data_dir: Path, train_cli: ForkedCli
 ) -> None:
     """LeNet at --lr 100 (the most --lr takes): the weights are infinite within the first
     epoch, caught at the latest by the check before its first checkpoint."""
     run_dir = tmp_path / "run"
-    done = run(single_cmd(train_args(run_dir, data_dir, lr=100, epochs=1, log_every=1)))
+    done = train_cli.run(["train", *train_args(run_dir, data_dir, lr=100, epochs=1, log_every=1)])
     assert done.returncode == EXIT_DIVERGED, done.stdout + done.stderr
     assert "error: training diverged: the " in done.stderr
     assert "No checkpoint was written before it." in done.stderr

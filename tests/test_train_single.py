@@ -19,7 +19,6 @@ from trainer_helpers import (
     read_json,
     read_metrics,
     read_result,
-    run,
     single_cmd,
     start,
     train_args,
@@ -43,7 +42,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     return run_dir
 
 
-def test_single_process_writes_results(finished: Path, data_dir: Path) -> None:
+def test_single_process_writes_results(
+    finished: Path, data_dir: Path, train_cli: ForkedCli
+) -> None:
     run_dir = finished
     assert (run_dir / "nccl_trace").is_dir()
     result = read_result(run_dir)
@@ -63,18 +64,18 @@ def test_single_process_writes_results(finished: Path, data_dir: Path) -> None:
     assert read_json(run_dir / "config.json")["batch_size"] == 16
 
     # A finished run dir is left alone: same settings -> "already finished", exit 0.
-    again = run(single_cmd(train_args(run_dir, data_dir)))
+    again = train_cli.run(["train", *train_args(run_dir, data_dir)])
     assert again.returncode == 0 and "already finished" in again.stdout
     assert read_result(run_dir) == result
     # Different settings -> refused, naming what changed.
-    other = run(single_cmd(train_args(run_dir, data_dir, lr=0.1)))
+    other = train_cli.run(["train", *train_args(run_dir, data_dir, lr=0.1)])
     assert other.returncode == 2
     assert "different settings" in other.stderr and "lr: 0.001 -> 0.1" in other.stderr
 
 
 @pytest.mark.slow
 def test_sigterm_exits_75_and_resume_matches_uninterrupted(
-    tmp_path: Path, data_dir: Path, finished: Path
+    tmp_path: Path, data_dir: Path, finished: Path, train_cli: ForkedCli
 ) -> None:
     """SIGTERM at step 7 -> exit 75; the resumed run (loader workers, a checkpoint every 5
     steps) ends as the uninterrupted run without them did: neither changes a result."""
@@ -95,7 +96,7 @@ def test_sigterm_exits_75_and_resume_matches_uninterrupted(
     first_attempt = torch.load(latest, weights_only=True)["progress"]
     assert 0 < first_attempt["train_wall_seconds"] < first_attempt["wall_seconds"]
     # Loader workers change nothing: augmentation is seeded per (seed, epoch, sample).
-    resumed = run(single_cmd([*args, "--num-workers", "2"]))
+    resumed = train_cli.run(["train", *args, "--num-workers", "2"])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step 7" in resumed.stdout
     result = read_result(run_dir)
@@ -110,13 +111,15 @@ def test_sigterm_exits_75_and_resume_matches_uninterrupted(
     assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in ref_rows]
 
 
-def test_second_run_on_a_busy_run_dir_fails(tmp_path: Path, data_dir: Path) -> None:
+def test_second_run_on_a_busy_run_dir_fails(
+    tmp_path: Path, data_dir: Path, train_cli: ForkedCli
+) -> None:
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir)
     first = start(single_cmd([*args, "--debug-hold-at-step", "3"]), tmp_path / "first.log")
     try:
         progress = wait_for_progress(run_dir, holding, first)
-        second = run(single_cmd(args))
+        second = train_cli.run(["train", *args])
         assert second.returncode == 2
         assert "is in use by pid" in second.stderr and str(progress["pids"][0]) in second.stderr
     finally:
