@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from hpc_ddp import exit_codes
+from hpc_ddp import exit_codes, slurm_client
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime import preemption, rng
 from hpc_ddp.runtime.shard_plan import ShardPlan, epoch_permutation, eval_indices, rank_indices
@@ -288,7 +288,7 @@ def test_signal_handler_only_sets_a_flag() -> None:
 
 
 def test_requeue_target_and_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = preemption.slurm_job_to_requeue
+    job = slurm_client.slurm_job_to_requeue
     assert job({"SLURM_JOB_ID": "12"}) == "12"
     assert (
         job({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"})

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp.cluster import DistEnv
-from hpc_ddp.dist import process_device
+from hpc_ddp import DistEnv, process_device
 from hpc_ddp.log import get_logger
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from hpc_ddp import ResumableDistributedSampler, ShardPlan, eval_indices
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.sampler import ResumableDistributedSampler
-from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train.data_source import Batch
 
 

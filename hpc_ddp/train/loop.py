@@ -14,10 +14,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.runtime.evaluation import Batches, EvalSums, accumulate
-from hpc_ddp.runtime.exact_allreduce import allreduce_per_tensor
+from hpc_ddp import EvalSums, eval_sums, per_tensor_comm_hook
 
 if TYPE_CHECKING:
+    from hpc_ddp.runtime.evaluation import Batches
     from hpc_ddp.train.tensor_average import PerTensorAverage
 
 
@@ -70,7 +70,7 @@ def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its ow
     """DDP comm hook: DDP's default all-reduce (same numerics), timed into ``timer``."""
     timer.launched()
     if timer.per_tensor:
-        fut = allreduce_per_tensor(bucket)
+        fut = per_tensor_comm_hook(None, bucket)
     else:
         fut = default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 
@@ -122,7 +122,7 @@ class Stepper:
         self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
     ) -> EvalSums:
         """Evaluation's per-rank sums (``evaluate``'s ``sums_of``): eager, batch by batch."""
-        return accumulate(model, batches, amp_dtype)
+        return eval_sums(model, batches, amp_dtype)
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times

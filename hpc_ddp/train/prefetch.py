@@ -22,9 +22,8 @@ import importlib
 import sys
 import threading
 
-from hpc_ddp.cluster import DistEnv
+from hpc_ddp import DistEnv, pick_backend
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.network import pick_backend
 from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.state import gradient_sync

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpc_ddp.checkpoint import Staged
+from hpc_ddp import capture_rng_state, restore_rng_state
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime import rng
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Times
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.state import TrainState
+
+if TYPE_CHECKING:
+    from hpc_ddp.checkpoint import Staged
 
 log = get_logger("train")
 
@@ -76,7 +78,7 @@ def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) 
     schedule_lr(state, cfg)
     progress.interruptions += 1
     clock.base, clock.loop_base = progress.wall_seconds, progress.train_wall_seconds
-    rng.restore(loaded.per_rank["rng"])
+    restore_rng_state(loaded.per_rank["rng"])
     log.info(
         f"resumed from {loaded.path} (epoch {progress.epoch + 1}, "
         f"{progress.start} samples into it, step {progress.global_step})"
@@ -154,7 +156,7 @@ def save(
     if staged is None:
         shared.update(training_state(state))
     meta = {"epoch": progress.epoch, "start": progress.start, "model": cfg.model}
-    per_rank = {"rng": rng.capture()}
+    per_rank = {"rng": capture_rng_state()}
     if cfg.async_checkpoint:  # waits for the previous save (raising its error), then copies
         state.ckpt.save_async(
             progress.global_step, shared=shared, per_rank=per_rank, meta=meta, staged=staged

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hpc_ddp.checkpoint import RunDirLock
+from hpc_ddp.checkpoint.lock import RunDirLock
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.run_paths import STEP_PREFIX, RunPaths

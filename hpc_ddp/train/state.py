@@ -14,13 +14,10 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.checkpoint import Checkpointer
+from hpc_ddp import Checkpointer, Comm, ShardPlan, seed_everything
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.run_paths import RunPaths
-from hpc_ddp.runtime import rng
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train import cuda_graphs, metric_writers, registry
 from hpc_ddp.train.cifar import models
 from hpc_ddp.train.config import TrainConfig
@@ -30,7 +27,7 @@ from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
 from hpc_ddp.train.tensor_average import PerTensorAverage
 
 if TYPE_CHECKING:
-    from hpc_ddp.dist import DistContext
+    from hpc_ddp import DistContext
 
 log = get_logger("train")
 
@@ -66,7 +63,7 @@ def load_splits(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> Splits:
 
 
 def build_net(cfg: TrainConfig, num_classes: int, devices: list[torch.device]) -> torch.nn.Module:
-    rng.seed_everything(cfg.seed)  # identical initial weights on every rank and every run
+    seed_everything(cfg.seed)  # identical initial weights on every rank and every run
     net = models.build_model(cfg.model, num_classes, sync_bn=cfg.sync_bn)
     if len(devices) > 1 and not isinstance(net, torch.nn.Sequential):
         raise ConfigError(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpc_ddp.runtime.collectives import Comm
+from hpc_ddp import Comm
 
 AGREE_TARGET_S = 0.25  # seconds of training between two preemption agreements, about
 AGREE_MAX_STEPS = 64  # and never more steps than this

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpc_ddp import average_each
 from hpc_ddp.errors import ConfigError, first_few
-from hpc_ddp.runtime.exact_allreduce import average_each
 from hpc_ddp.train.loop import CommTimer
 
 

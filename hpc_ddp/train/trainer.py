@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from hpc_ddp.checkpoint import RunDirLock, Staged
+from hpc_ddp import Comm, Preemption, detect_env, evaluate, requeue, use_deterministic_kernels
 from hpc_ddp.checkpoint.layout import read_latest
-from hpc_ddp.cluster import detect_env
+from hpc_ddp.checkpoint.lock import RunDirLock
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.log import before_each_line, get_logger, set_rank
 from hpc_ddp.polling import poll_until
 from hpc_ddp.run_paths import RunPaths
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.evaluation import evaluate
-from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
-from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.divergence import TrainingDiverged, first_nonfinite, state_is_finite
@@ -51,10 +50,44 @@ from hpc_ddp.train.step_rate import LatencyAdvice
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:
-    from hpc_ddp.dist import DistContext
+    from hpc_ddp import DistContext
+    from hpc_ddp.checkpoint import Staged
 
 HOLD_TIMEOUT_S = 120.0
 log = get_logger("train")
+
+
+@dataclass
+class CtrlC:
+    """SIGINT (Ctrl-C) during training: remembers that it came, then raises KeyboardInterrupt.
+
+    A launcher may leave SIGINT at its default action (``--nproc-per-node``'s workers do, so
+    that a forwarded Ctrl-C stops them), which ends the process with no chance to say so; this
+    turns it into an exception the trainer records (progress.json: ``interrupted``). A rank in
+    a collective sees it when the collective returns or fails because a peer left: ``received``
+    then tells that error from a crash. Not installed where SIGINT is a requeue signal.
+    """
+
+    received: bool = False
+    _previous: object = None
+
+    @classmethod
+    def install(cls, preemption: Preemption) -> CtrlC:
+        ctrl_c = cls()
+        if signal.SIGINT not in preemption.signals:
+            ctrl_c._previous = signal.signal(signal.SIGINT, ctrl_c._handle)
+        return ctrl_c
+
+    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.received:  # the same Ctrl-C again (a launcher forwards the terminal's): the
+            return  # first is already unwinding; raising again could cut its recording short
+        self.received = True
+        raise KeyboardInterrupt
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+            self._previous = None
 
 
 class Trainer:
@@ -139,7 +172,7 @@ class Trainer:
         times.checkpoint += time.perf_counter() - t0
         return staged
 
-    def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
+    def hold_for_signal(self, progress: Progress, flag: Preemption) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
         self.progress_file.write(progress, "holding")
         # Polling our own flag, set by the signal handler.
@@ -162,7 +195,7 @@ class Trainer:
             cfg=self.cfg,
         )
 
-    def run(self, flag: PreemptionFlag) -> results.Result:
+    def run(self, flag: Preemption) -> results.Result:
         if self.rank == 0:
             # The plot's helper imports matplotlib from now on, beside the training: started
             # any later, it would still be importing when a short run ends, and rank 0 would
@@ -349,7 +382,7 @@ class Trainer:
         self.metrics.write(Record("epoch", row))
 
     def preempted(
-        self, progress: Progress, times: Times, flag: PreemptionFlag, *, saved: bool = False
+        self, progress: Progress, times: Times, flag: Preemption, *, saved: bool = False
     ) -> results.Result:
         if not saved:
             self.save(progress, times)
@@ -405,15 +438,19 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
-def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
+def train(
+    config: TrainConfig, *, ctx: DistContext | None = None, exiting: bool = False
+) -> results.Result:
     """Train in this process (one rank of the job); returns the Result on every rank.
 
     Initialises the process group through ``hpc_ddp.dist`` unless one is already up (``ctx`` lets
     a caller pass its DistContext). Raises on errors; ``run_process`` turns them into exit codes.
+    ``exiting``: the process exits once this returns (the command's worker), so an NCCL group
+    is left to the exit (``end_process_group``).
     """
     import torch.distributed as dist
 
-    from hpc_ddp.dist import end_process_group, init_distributed
+    from hpc_ddp import end_process_group, init_distributed
 
     clock = Clock()
     if config.deterministic:  # before any CUDA work of ours: cuBLAS reads its setting once
@@ -438,7 +475,7 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         prefetch.process_group_ready()
     comm = Comm(ctx.device)
     lock = RunDirLock(config.run_dir)
-    flag = PreemptionFlag.install(config.requeue_signals)
+    flag = Preemption(config.requeue_signals)
     ctrl_c = CtrlC.install(flag)
     state: TrainState | None = None
     trainer: Trainer | None = None
@@ -473,11 +510,11 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         if trainer is not None:
             trainer.close()
         ctrl_c.uninstall()
-        flag.uninstall()
+        flag.close()
         lock.release()
     if own_group:  # only on success: on errors peers may be gone
         # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
-        end_process_group(release=state.stepper.close)
+        end_process_group(release=state.stepper.close, exiting=exiting)
     if trainer.plotter is not None:
         trainer.plotter.finish()
     return result
@@ -497,6 +534,6 @@ def _stop(
 def run_process(config: TrainConfig) -> int:
     """Train and return the exit code (0, 2 bad input, 1 crash, 65 diverged, 75 requeue), errors
     printed."""
-    from hpc_ddp.dist import exit_code_of
+    from hpc_ddp import exit_code_of
 
     return exit_code_of(lambda: train(config).exit_code)
