@@ -355,11 +355,11 @@ def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
 def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> None:
     """The run's wall time and its training loop's both go on from the checkpoint's values:
     result.json's figures cover every attempt, not only the last. A real save and restore
-    (resume.save/restore through a Checkpointer); the clocks' starts are set, so the sums are
-    exact."""
+    (resume.save/restore through the trainer's Resumable); the clocks' starts are set, so the
+    sums are exact."""
     from types import SimpleNamespace
 
-    from hpc_ddp.checkpoint import Checkpointer
+    from hpc_ddp import Resumable
     from hpc_ddp.train.loop import Times
     from hpc_ddp.train.progress import Progress
     from hpc_ddp.train.resume import Clock, restore, save
@@ -372,8 +372,20 @@ def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> N
             scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
             scaler=torch.amp.GradScaler("cpu", enabled=False),
         )
-        ckpt = Checkpointer(tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None)
-        return SimpleNamespace(ckpt=ckpt, net=net, stepper=stepper)
+        progress = Progress()
+        run = Resumable(
+            tmp_path,
+            signals=[],
+            restore=False,
+            log=lambda _: None,
+            model=net,
+            optimizer=opt,
+            scheduler=stepper.scheduler,
+            scaler=stepper.scaler,
+            progress=progress,
+        )
+        plan = ShardPlan(n=8, seed=0, world_size=1, micro_batch=2)
+        return SimpleNamespace(run=run, net=net, stepper=stepper, progress=progress, plan=plan)
 
     first, before = Clock(), state()
     assert first.loop_elapsed() == 0.0  # the loop has not started: nothing counted yet
@@ -381,7 +393,8 @@ def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> N
     now = time.perf_counter()  # the first attempt: 100 s in all, 60 of them in the loop
     first.started, first.loop_started = now - 100.0, now - 60.0
     cfg = TrainConfig(async_checkpoint=False)
-    save(before, cfg, Progress(global_step=7), Times(), first)  # type: ignore[arg-type]
+    before.progress.global_step = 7
+    save(before, cfg, before.progress, Times(), first)  # type: ignore[arg-type]
 
     second = Clock()
     restored = restore(state(), cfg, 1, second)  # type: ignore[arg-type]

@@ -17,11 +17,19 @@ newest checkpoint that verifies. Checkpoints are the project's (``Checkpointer``
 part written, then committed atomically, the newest ``keep`` kept). A DDP model on Gloo gets the
 exact per-tensor gradient average (``per_tensor_allreduce``): the bucket sums' order would
 otherwise differ between a run and its resume.
+
+A loop with its own data position and preemption schedule (the built-in trainer) uses the same
+object through its lower-level methods: ``restore(check=...)`` when it is ready (``restore=False``
+at construction), ``save(meta=..., staged=...)`` at the points it chooses (in the background with
+``async_save=True``; ``stage()`` queues part of the copy earlier), ``preemption.requested`` for
+its own agreement, then ``requeue()``; ``wait()``, ``in_flight`` and ``newest`` for what is
+being or was written. Its extra state (progress, counters) is one more object with
+``state_dict``/``load_state_dict``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +38,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from hpc_ddp.checkpoint import Checkpointer
+from hpc_ddp.checkpoint import Checkpointer, Loaded, Staged
+from hpc_ddp.checkpoint.layout import read_latest
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_paths import RunPaths
@@ -74,6 +83,14 @@ class Resumable:
     save every N optimizer steps (0: at epoch ends and on preemption only). ``check_every``:
     ask the ranks whether one was signalled every N steps (one small all-reduce each time).
     ``objects``: name -> object to save; a DDP model is saved as its module.
+
+    ``preemption``: one already installed (a signal that came before counts), instead of one
+    for ``signals``. ``async_save``: ``save()`` queues a copy of the state and writes it in the
+    background (the next save, ``wait()`` or ``close()`` reports its error). ``requeue``: how
+    ``requeue()`` asks for the next attempt (``auto``, ``none``...: ``hpc_ddp.requeue``).
+    ``restore=False``: the caller restores with ``restore()`` once it is ready. ``log``: where
+    its own lines go; without it they are printed on rank 0, and so are its checkpointer's,
+    which otherwise log through hpc_ddp's logger (rank 0's lines, every rank's warnings).
     """
 
     def __init__(
@@ -85,6 +102,11 @@ class Resumable:
         check_every: int = 1,
         keep: int = 2,
         signals: list[str] | None = None,
+        preemption: Preemption | None = None,
+        async_save: bool = False,
+        requeue: str = "auto",
+        restore: bool = True,
+        log: Callable[[str], None] | None = None,
         **objects: Stateful,
     ) -> None:
         if checkpoint_every < 0 or check_every < 1:
@@ -99,6 +121,9 @@ class Resumable:
         self.paths = RunPaths(Path(run_dir))
         self.loader = _checked_loader(loader)
         self.checkpoint_every, self.check_every = checkpoint_every, check_every
+        self.async_save, self.requeue_mode = async_save, requeue
+        if log is not None:
+            self.log = log  # type: ignore[method-assign]
         self.objects: dict[str, Stateful] = {}
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -115,12 +140,19 @@ class Resumable:
         self.epoch = 0  # epochs finished
         self.steps = 0  # optimizer steps taken, all epochs
         self.batches_done = 0  # batches of the current epoch already consumed
-        self.preemption = Preemption(signals)
+        self.preemption = preemption if preemption is not None else Preemption(signals)
         self.checkpointer = Checkpointer(
-            self.paths.checkpoints, rank=self.rank, world_size=self.world_size, log=self.log
+            self.paths.checkpoints,
+            rank=self.rank,
+            world_size=self.world_size,
+            keep=keep,
+            log=None if log is not None else self.log,
+            async_save=async_save,  # its Gloo group: created now, on every rank
         )
         self.resumed_from: Path | None = None
-        self._restore()
+        self._staged_names: tuple[str, ...] = ()
+        if restore and self._restore() is not None:
+            self.log(f"resumed from {self.resumed_from}: epoch {self.epoch + 1}, step {self.steps}")
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, total: int) -> Iterator[int]:
@@ -156,30 +188,92 @@ class Resumable:
         self.steps += 1
         if self.steps % self.check_every == 0 and self.preemption.agreed():
             self.save()
-            said = requeue("auto", run_paths=self.paths) if self.is_main else ""
-            self.log(f"preempted at step {self.steps}: checkpointed; {said}")
+            self.wait()  # a background save: committed on every rank before the requeue
+            self.log(f"preempted at step {self.steps}: checkpointed; {self.requeue()}")
             raise SystemExit(EXIT_REQUEUE)
         if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
             self.save()
 
     # ----------------------------------------------------------------- state
-    def save(self) -> Path:
-        """A checkpoint of everything, now (every rank calls it)."""
+    def save(
+        self, *, meta: dict[str, Any] | None = None, staged: Staged | None = None
+    ) -> Path | None:
+        """A checkpoint of everything, now (every rank calls it); its directory, or None when
+        it is written in the background (``async_save``). ``meta``: small JSON values added to
+        the manifest's; ``staged``: what ``stage()`` already queued for this step."""
         generator = self.loader.generator if self.loader is not None else None
         per_rank: dict[str, Any] = {"rng": rng.capture()}
         if generator is not None:
             per_rank["loader_generator"] = generator.get_state()
-        return self.checkpointer.save(
-            self.steps,
-            shared={name: obj.state_dict() for name, obj in self.objects.items()},
-            per_rank=per_rank,
-            meta={"epoch": self.epoch, "step": self.steps, "batches": self.batches_done},
-        )
+        # Only rank 0 writes the shared state (Checkpointer): the other ranks skip the copies.
+        done = self._staged_names if staged is not None else ()
+        shared = {
+            name: obj.state_dict()
+            for name, obj in self.objects.items()
+            if self.is_main and name not in done
+        }
+        meta = {
+            "epoch": self.epoch,
+            "step": self.steps,
+            "batches": self.batches_done,
+            **(meta or {}),
+        }
+        if self.async_save:  # waits for the previous save (raising its error), then copies
+            self.checkpointer.save_async(
+                self.steps, shared=shared, per_rank=per_rank, meta=meta, staged=staged
+            )
+            return None
+        return self.checkpointer.save(self.steps, shared=shared, per_rank=per_rank, meta=meta)
 
-    def _restore(self) -> None:
-        loaded = self.checkpointer.load_latest(expect={"world_size": self.world_size})
+    def stage(self, *names: str) -> Staged:
+        """Queue the copy of the named objects' state (all without names) for the checkpoint of
+        this step now, ahead of its ``save(staged=...)`` (``async_save`` only): a copy queued
+        while the GPU still runs earlier work costs training nothing. They must not change
+        before that save."""
+        self._staged_names = names or tuple(self.objects)
+        state = (
+            {n: self.objects[n].state_dict() for n in self._staged_names} if self.is_main else {}
+        )
+        return self.checkpointer.stage(self.steps, state)
+
+    def wait(self) -> Path | None:
+        """Wait for a background save; its directory (None if there was none), or its error."""
+        return self.checkpointer.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being written."""
+        return self.checkpointer.in_flight
+
+    @property
+    def newest(self) -> Path | None:
+        """The newest committed checkpoint's directory (after any save in flight), or None."""
+        self.wait()
+        name, _ = read_latest(self.paths.checkpoints)
+        return self.paths.checkpoints / name if name else None
+
+    def requeue(self) -> str:
+        """On rank 0, ask the launcher to run the job again (``requeue=`` at construction);
+        returns what happened (empty on the other ranks). Then leave with exit 75."""
+        if not self.is_main:
+            return ""
+        return requeue(self.requeue_mode, run_paths=self.paths)
+
+    def restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
+        """Restore the newest checkpoint that verifies (what construction does unless
+        ``restore=False``, without the line construction logs: the caller says what it
+        resumed); returns it, or None when there is none. ``check(loaded)`` may refuse it
+        (raise) before anything is restored; with it, the checkpoint's world size is the
+        caller's to check."""
+        return self._restore(check)
+
+    def _restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
+        expect = None if check is not None else {"world_size": self.world_size}
+        loaded = self.checkpointer.load_latest(expect=expect)
         if loaded is None:
-            return
+            return None
+        if check is not None:
+            check(loaded)
         for name, obj in self.objects.items():
             obj.load_state_dict(loaded.shared[name])
         rng.restore(loaded.per_rank["rng"])
@@ -190,7 +284,7 @@ class Resumable:
             int(loaded.meta[k]) for k in ("epoch", "step", "batches")
         )
         self.resumed_from = loaded.path
-        self.log(f"resumed from {loaded.path}: epoch {self.epoch + 1}, step {self.steps}")
+        return loaded
 
     def _sampler(self) -> Any:
         return None if self.loader is None else self.loader.batch_sampler.sampler  # type: ignore[union-attr]

@@ -2,7 +2,8 @@
 
 The model (from the registry, placed on this process's devices, wrapped in DDP or averaged per
 tensor as ``gradient_sync`` says), its optimizer, schedule and scaler, the step runner, this rank's
-data and the checkpointer: all made here, in this order, on every rank.
+data and the resumable-loop object that checkpoints them (``hpc_ddp.Resumable``, as a script of
+the user's has): all made here, in this order, on every rank.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp import Checkpointer, Comm, ShardPlan, seed_everything
+from hpc_ddp import Comm, Preemption, Resumable, ShardPlan, seed_everything
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.train import cuda_graphs, metric_writers, registry
 from hpc_ddp.train.cifar import models
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
 from hpc_ddp.train.loop import Stepper, timed_allreduce
 from hpc_ddp.train.optim import amp_dtype, build_optimizer, lr_lambda
+from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.tensor_average import PerTensorAverage
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class TrainState:
     stepper: Stepper
     train_data: TrainData
     eval_data: EvalData
-    ckpt: Checkpointer
+    progress: Progress  # where training stands: restored by ``run``, saved with the rest
+    run: Resumable  # checkpoints of all of the above, the RNG and the preemption signals
 
 
 def preflight(cfg: TrainConfig, ctx: DistContext) -> torch.dtype | None:
@@ -80,6 +82,7 @@ def build_state(
     comm: Comm,
     amp: torch.dtype | None,
     splits: Splits,
+    preemption: Preemption,
 ) -> TrainState:
     rank, world_size = ctx.env.rank, ctx.env.world_size
     plan = ShardPlan(
@@ -119,17 +122,27 @@ def build_state(
         if gloo or cfg.time_allreduce:
             model.register_comm_hook(stepper.comm_timer, timed_allreduce)
     train_data, eval_data = splits.make(plan, rank=rank, world_size=world_size, device=in_device)
-    ckpt = Checkpointer(
-        RunPaths(cfg.run_dir).checkpoints,
-        rank=rank,
-        world_size=world_size,
+    progress = Progress()
+    run = Resumable(
+        cfg.run_dir,
         keep=cfg.keep_checkpoints,
-        async_save=cfg.async_checkpoint,  # its Gloo group: created now, on every rank
+        async_save=cfg.async_checkpoint,
+        requeue=cfg.requeue,
+        preemption=preemption,
+        restore=False,  # Trainer.run restores, once the run's files are open
+        log=log.info,
+        model=net,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=scaler,
+        progress=progress,
     )
     if isinstance(stepper, cuda_graphs.GraphedStepper):
-        stepper.graphed.before_capture = ckpt.wait  # no background save overlaps the capture
-        stepper.evaluation.may_record = lambda: not ckpt.in_flight  # nor evaluation's recording
-    return TrainState(amp, plan, net, model, choice.captured, stepper, train_data, eval_data, ckpt)
+        stepper.graphed.before_capture = run.wait  # no background save overlaps the capture
+        stepper.evaluation.may_record = lambda: not run.in_flight  # nor evaluation's recording
+    return TrainState(
+        amp, plan, net, model, choice.captured, stepper, train_data, eval_data, progress, run
+    )
 
 
 GradientSync = Literal["ddp", "per_tensor", "none"]

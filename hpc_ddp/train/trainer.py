@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from hpc_ddp import Comm, Preemption, detect_env, evaluate, requeue, use_deterministic_kernels
-from hpc_ddp.checkpoint.layout import read_latest
+from hpc_ddp import Comm, Preemption, detect_env, evaluate, use_deterministic_kernels
 from hpc_ddp.checkpoint.lock import RunDirLock
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
@@ -168,7 +167,7 @@ class Trainer:
         if not self.cfg.async_checkpoint:
             return None
         t0 = time.perf_counter()
-        staged = stage(self.state, progress.global_step)
+        staged = stage(self.state, progress)
         times.checkpoint += time.perf_counter() - t0
         return staged
 
@@ -183,15 +182,14 @@ class Trainer:
         """Stop every rank: each calls this at the same point, on values all ranks share. A
         background save in flight holds a state checked finite: it commits first, and the
         error names the newest checkpoint."""
-        self.state.ckpt.wait()
-        newest, _ = read_latest(self.paths.checkpoints)
+        newest = self.state.run.newest
         epoch = progress.epoch + 1 if progress.start else progress.epoch  # of the last step
         raise TrainingDiverged(
             what,
             step=step,
             epoch=epoch,
             stopped=progress.global_step,
-            checkpoint=str(self.paths.checkpoints / newest) if newest else None,
+            checkpoint=str(newest) if newest else None,
             cfg=self.cfg,
         )
 
@@ -272,7 +270,7 @@ class Trainer:
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=epoch_save)
         # An async save still in flight: committed (or raised) before result.json.
-        self.state.ckpt.wait()
+        self.state.run.wait()
         return self.finish(progress)
 
     def sync_steps(
@@ -386,9 +384,9 @@ class Trainer:
     ) -> results.Result:
         if not saved:
             self.save(progress, times)
-        self.state.ckpt.wait()  # async: committed on every rank before requeueing and exiting 75
+        self.state.run.wait()  # async: committed on every rank before requeueing and exiting 75
         what = ", ".join(sorted(set(flag.received))) or "another rank's signal"
-        message = requeue(self.cfg.requeue, run_paths=self.paths) if self.rank == 0 else ""
+        message = self.state.run.requeue()
         log.info(f"preempted ({what}): checkpointed at step {progress.global_step}; {message}")
         self.progress_file.write(progress, "preempted")
         return self.result(progress, "preempted", EXIT_REQUEUE)
@@ -489,7 +487,8 @@ def train(
                     "\n".join(finished_answer(config.run_dir, result.to_dict(), config.epochs))
                 )
                 return result
-            state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
+            splits = load_splits(config, ctx, comm)
+            state = build_state(config, ctx, comm, amp, splits, flag)
             trainer = Trainer(config, ctx, comm, state, clock)
             try:
                 result = trainer.run(flag)
@@ -528,7 +527,7 @@ def _stop(
     if trainer is not None:
         trainer.record_stop(err, ctrl_c=ctrl_c)
     if state is not None:
-        state.ckpt.close(timeout=HOLD_TIMEOUT_S)
+        state.run.checkpointer.close(timeout=HOLD_TIMEOUT_S)
 
 
 def run_process(config: TrainConfig) -> int:
