@@ -19,8 +19,9 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime import preemption, rng
 from hpc_ddp.runtime.shard_plan import ShardPlan, epoch_permutation, eval_indices, rank_indices
 from hpc_ddp.train import config as cfgmod
-from hpc_ddp.train.cifar import array_cache, data, models, synthetic
+from hpc_ddp.train.cifar import data, models, synthetic
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import array_cache
 
 
 # ------------------------------------------------------------------------------------ sampler

@@ -162,7 +162,7 @@ class TrainConfig:
             "auto (GPU-resident when it fits, else torchvision), gpu or torchvision"
         ),
     )
-    # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
+    # auto: captured whenever the run qualifies (hpc_ddp/train/fast/cuda_graphs.py: choose), else
     # eager DDP with one log line saying why.
     cuda_graphs: str = field(
         default="auto",

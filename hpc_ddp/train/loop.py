@@ -18,7 +18,7 @@ from hpc_ddp import EvalSums, eval_sums, per_tensor_comm_hook
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.evaluation import Batches
-    from hpc_ddp.train.tensor_average import PerTensorAverage
+    from hpc_ddp.train.fast.tensor_average import PerTensorAverage
 
 
 @dataclass

@@ -31,21 +31,19 @@ from hpc_ddp.run_paths import RunPaths
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.divergence import TrainingDiverged, first_nonfinite, state_is_finite
+from hpc_ddp.train.fast.choice import LatencyAdvice, StartUp
 from hpc_ddp.train.finished import finished_answer
-from hpc_ddp.train.kernel_warmup import KernelWarmup
 from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.metric_records import Record, step_record
 from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.plotter import Plotter
 from hpc_ddp.train.plugins import exited_in_training
-from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
 from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.rundir import open_run_dir
 from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
-from hpc_ddp.train.step_rate import LatencyAdvice
 from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:
@@ -456,9 +454,8 @@ def train(
     own_group = ctx is None and not dist.is_initialized()
     env = ctx.env if ctx else detect_env(gpus_per_process=config.gpus_per_process or None)
     set_rank(env.rank)
-    prefetch = DynamoPrefetch.start() if needs_dynamo(config, env) else None
+    startup = StartUp.begin(config, env, joining=ctx is None)  # beside the join (fast/)
     if ctx is None:
-        warmup = KernelWarmup.start(config, env)  # CUDA's one-time costs beside the join
         try:
             ctx = init_distributed(
                 env,
@@ -467,10 +464,8 @@ def train(
                 connect_timeout_s=config.connect_timeout_s,
             )
         finally:
-            if warmup is not None:
-                warmup.finish()
-    if prefetch is not None:
-        prefetch.process_group_ready()
+            startup.joined()
+    startup.process_group_ready()
     comm = Comm(ctx.device)
     lock = RunDirLock(config.run_dir)
     flag = Preemption(config.requeue_signals)

@@ -43,8 +43,8 @@ from hpc_ddp import DistEnv, EvalSums, process_device
 from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.eval_graph import GraphedEval
-from hpc_ddp.train.grad_buckets import BucketedAllReduce
+from hpc_ddp.train.fast.eval_graph import GraphedEval
+from hpc_ddp.train.fast.grad_buckets import BucketedAllReduce
 from hpc_ddp.train.loop import Stepper, Times
 from hpc_ddp.train.optim import amp_dtype
 
