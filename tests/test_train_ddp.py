@@ -194,9 +194,9 @@ def test_the_cause_is_printed_before_another_rank_failed(tmp_path: Path, data_di
 def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     tmp_path: Path, data_dir: Path
 ) -> None:
-    """No hold: the ranks agree on the flag only every k steps (syncpoints.AgreeSchedule), so a
+    """No hold: the ranks agree on the flag only every k steps (trainer.AgreeSchedule), so a
     signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
-    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
+    from hpc_ddp.train.trainer import AGREE_MAX_STEPS
 
     # One epoch of 256 steps: the bound below (at most 40 + 64 + 60) ends before the epoch does,
     # so a run that acted on the flag only at the epoch's end (the other place the ranks agree)

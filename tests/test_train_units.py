@@ -334,7 +334,7 @@ def test_official_md5_sums_are_torchvisions(tmp_path: Path) -> None:
 
 def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
     """k = steps between two preemption agreements: ~AGREE_TARGET_S of training, 1..MAX steps."""
-    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS, AGREE_TARGET_S, AgreeSchedule
+    from hpc_ddp.train.trainer import AGREE_MAX_STEPS, AGREE_TARGET_S, AgreeSchedule
 
     agree = AgreeSchedule(world_size=4)
     assert agree.due(1, requested=False)  # the first step after a (re)start agrees

@@ -130,8 +130,8 @@ class Stepper:
         """One optimizer step over ``micro``; returns (sum of per-sample losses, samples).
 
         The loss sum is a float64 scalar on the output device, not read here: reading it would
-        make the host wait for the GPU every step (the trainer reads it at sync points, see
-        syncpoints.py), so ``times.compute`` counts the host's part; the wait lands at the sync.
+        make the host wait for the GPU every step (the trainer reads it at its sync points,
+        trainer.py), so ``times.compute`` counts the host's part; the wait lands at the sync.
 
         Each micro-batch's loss is divided by the step's sample count, so the accumulated
         gradient is the mean over the whole step, as one big batch would give; all ranks have

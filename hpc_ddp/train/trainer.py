@@ -5,8 +5,9 @@ Every rank runs the same code; rank 0 alone writes files, and the log keeps rank
 through one collective each, so a rank that fails alone is reported by name instead of leaving
 the others in a collective; a NaN or infinite loss is read from values every rank shares
 (divergence.py), so every rank stops at the same step. The trainer's parts: state.py builds
-what it trains with, resume.py is its checkpoint glue, report.py its progress file and Result;
-this module is the epoch loop and the run's lifetime.
+what it trains with, resume.py is its checkpoint glue, report.py its progress file and Result,
+fast/ its speed machinery; this module is the epoch loop, read top to bottom: its sync points,
+which epoch ends save, the loop itself (Trainer) and the run's lifetime (train).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
+
+import torch
 
 from hpc_ddp import Comm, Preemption, detect_env, evaluate, use_deterministic_kernels
 from hpc_ddp.checkpoint.lock import RunDirLock
@@ -42,9 +45,7 @@ from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
 from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.rundir import open_run_dir
-from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
-from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:
     from hpc_ddp import DistContext
@@ -52,6 +53,142 @@ if TYPE_CHECKING:
 
 HOLD_TIMEOUT_S = 120.0
 log = get_logger("train")
+
+
+# ------------------------------------------------------------------ sync points
+# Where training synchronises the host with the devices and the ranks with each other.
+#
+# A step's loss stays on the device; nothing in a step waits for the GPU. The ranks meet at *sync
+# points*, and only there: one all-reduce carries the per-step loss sums and sample counts of every
+# step since the last sync point (in step order), the preemption vote and each rank's recent pace,
+# and one host read takes the result. Reading the loss every step would cost a host sync per step:
+# the CPU could not queue step s+1 while the GPU finished step s, a sizeable share of a step,
+# eager or captured (benchmarks/NOTES.md).
+#
+# Sync points are a function of the step count and of values every rank holds identically (the
+# config, the result of the previous all-reduce), so all ranks enter the same collectives:
+# - the epoch's last step, log points (``log_every``), in-epoch checkpoint steps, the test hook
+#   ``debug_hold_at_step``: where a value must be known (the log line, a checkpoint's progress);
+# - agreement points (``AgreeSchedule``) for the preemption flag: every ``k`` steps with ``k`` set
+#   from the measured pace so that ``k`` steps take about ``AGREE_TARGET_S`` seconds, at most
+#   ``AGREE_MAX_STEPS``. A signal thus leads to a checkpoint after at most ``k`` more steps
+#   (docs/training.md has the bound). One process needs no agreement: it reads its own flag after
+#   every step and syncs only when it is set.
+#
+# Results do not depend on where sync points fall: the losses are folded into the epoch's sums in
+# step order, in float64, exactly as when each step was reduced on its own (bit-identical for one or
+# two ranks; with three or more, a ring all-reduce may add a step's rank values in another order
+# than for a 3-element message, a last-bit difference in the logged loss only).
+
+AGREE_TARGET_S = 0.25  # seconds of training between two preemption agreements, about
+AGREE_MAX_STEPS = 64  # and never more steps than this
+
+
+@dataclass
+class AgreeSchedule:
+    """At which global steps the ranks agree on the preemption flag (several ranks only)."""
+
+    world_size: int
+    target_s: float = AGREE_TARGET_S
+    max_steps: int = AGREE_MAX_STEPS
+    next_step: int = 0  # the first step after (re)start agrees
+    pace: float = -1.0  # this rank's seconds per step over the last full interval; -1 unknown
+    agreed_pace: float = -1.0  # the ranks' mean pace from the last sync point: the same on all
+    _mark: float | None = field(default=None, repr=False)
+    _mark_step: int = 0
+
+    def due(self, step: int, requested: bool) -> bool:
+        """Whether ``step`` must be a sync point for the flag (``requested``: this rank's own)."""
+        if self.world_size == 1:
+            return requested  # no one to agree with: act at this step boundary
+        return step >= self.next_step
+
+    def interval(self, pace: float) -> int:
+        """Steps until the next agreement at ``pace`` seconds per step (all ranks' mean)."""
+        if pace <= 0:
+            return 1
+        return max(1, min(self.max_steps, int(self.target_s / pace)))
+
+    def start_epoch(self, step: int) -> None:
+        """Measure the pace from here: evaluation and checkpoints are not training steps."""
+        self._mark, self._mark_step = time.perf_counter(), step
+
+    def synced(self, step: int, pace: float) -> None:
+        """After a sync point at ``step``: plan the next agreement, measure the pace from here."""
+        now = time.perf_counter()
+        if self._mark is not None and step > self._mark_step:
+            self.pace = (now - self._mark) / (step - self._mark_step)
+        self._mark, self._mark_step = now, step
+        self.agreed_pace = pace
+        self.next_step = step + self.interval(pace)
+
+
+@dataclass
+class PendingSteps:
+    """The steps since the last sync point: device loss sums and sample counts, in step order."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, loss_sum: torch.Tensor, n: int) -> None:
+        self.losses.append(loss_sum)
+        self.counts.append(n)
+
+    def reduce(
+        self, comm: Comm, preempt: float, pace: float
+    ) -> tuple[list[float], list[float], float, float]:
+        """One all-reduce SUM and one host read; empties the list.
+
+        Returns (global loss sum per step, global samples per step, preemption votes, the
+        ranks' mean pace).
+        """
+        k = len(self.losses)
+        host = torch.tensor([*map(float, self.counts), preempt, pace], dtype=torch.float64)
+        losses = torch.stack(self.losses).to(device=comm.device, dtype=torch.float64)
+        values = comm.sum_tensor(torch.cat([losses, host.to(comm.device)]))  # the one host sync
+        self.losses.clear()
+        self.counts.clear()
+        return values[:k], values[k : 2 * k], values[2 * k], values[2 * k + 1] / comm.world_size
+
+
+# ------------------------------------------------------------------ epoch-end saves
+# Which epoch ends write a checkpoint.
+#
+# Every one when epochs are long; when they are short, one once ``checkpoint_interval_s`` seconds
+# of training have passed since the newest checkpoint, so that a save's cost on the training path
+# and beside it, which a sub-second epoch cannot absorb (benchmarks/NOTES.md), stays under 1 % of
+# training. The last epoch's end always saves, and so do preemptions and ``checkpoint_every_steps``.
+#
+# Every rank must enter a save's collectives or none: the decision uses only values all ranks
+# hold identically, the global step and the ranks' mean pace agreed at the last sync point
+# (AgreeSchedule.agreed_pace), never a rank's own clock.
+
+
+@dataclass
+class EpochEndSaves:
+    """The epoch-end saving policy of one run (one attempt: ``since_step`` is where it began)."""
+
+    interval_s: float  # TrainConfig.checkpoint_interval_s; 0 saves every epoch end
+    since_step: int = 0  # global step of the newest checkpoint, or of this attempt's start
+    told: bool = False  # the one log line about thinned saves was written
+    trained_s: float = 0.0  # training since the newest checkpoint, at the last decision
+
+    def due(self, step: int, pace: float, *, final: bool) -> bool:
+        """Whether the epoch ending at global ``step`` saves, at ``pace`` agreed seconds/step
+        (<= 0: not measured yet, so it saves)."""
+        self.trained_s = (step - self.since_step) * pace
+        if final or self.interval_s <= 0 or pace <= 0:
+            return True
+        return self.trained_s >= self.interval_s
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of ``step`` was written (at an epoch end or elsewhere)."""
+        self.since_step = step
+
+    def first_skip(self) -> bool:
+        """True once: at the first epoch end that does not save (the run says why)."""
+        told, self.told = self.told, True
+        return not told
 
 
 @dataclass
@@ -245,7 +382,7 @@ class Trainer:
                 logging = done % cfg.log_every == 0 or last
                 every = cfg.checkpoint_every_steps
                 saving = bool(every) and not last and progress.global_step % every == 0
-                # Sync points (syncpoints.py): the same steps on every rank. The epoch's last
+                # Sync points (above): the same steps on every rank. The epoch's last
                 # step skips the flag: its checkpoint comes after evaluation.
                 due = agree.due(progress.global_step, flag.requested)
                 if last:
