@@ -315,7 +315,7 @@ class Bench:
         them, one run of ours that reads the CIFAR files for the first time (it writes the
         .npy cache the later runs read): what the first job on new data pays."""
         if not self.args.smoke:
-            from hpc_ddp.train.cifar.array_cache import CACHE_DIR
+            from hpc_ddp.train.fast.array_cache import CACHE_DIR
 
             shutil.rmtree(self.root / "cifar-100-python" / CACHE_DIR, ignore_errors=True)
             top = max(self.gpus)

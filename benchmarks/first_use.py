@@ -17,7 +17,7 @@ it, and rank 0 reports. ``--warm-allreduce`` runs one all-reduce at the gradient
 the step, as its own row: whether the first step's extra time on several GPUs is that
 collective's first run or the processes loading kernels side by side (on 4 x H200 it was not:
 the gradients' first all-reduce took 0.46 ms). ``--warm-kernels`` runs the trainer's CUDA warm-up
-(hpc_ddp/train/kernel_warmup.py) on a thread beside the join, as ``train()`` does: what of the
+(hpc_ddp/train/fast/kernel_warmup.py) on a thread beside the join, as ``train()`` does: what of the
 first use it takes off the step.
 """
 
@@ -35,10 +35,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpc_ddp.runtime.evaluation import EvalSums, batch_terms, totals
-from hpc_ddp.train.cifar.gpu_data import normalize
 from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.kernel_warmup import KernelWarmup, optimizer_factory
+from hpc_ddp.train.fast.gpu_data import normalize
+from hpc_ddp.train.fast.kernel_warmup import KernelWarmup, optimizer_factory
 from hpc_ddp.train.optim import build_optimizer
 
 # The reference workload's optimizer (benchmarks/README.md): AdamW, 1e-3, no weight decay.
@@ -128,7 +128,7 @@ def measure(rank: int, args: argparse.Namespace) -> None:
         flat = torch.zeros(sum(p.numel() for p in net.parameters()), device=dev)
         op("collective: all-reduce at the gradients' size", lambda: dist.all_reduce(flat))
     if dev.type == "cuda":
-        from hpc_ddp.train.cuda_graphs import GraphedStep
+        from hpc_ddp.train.fast.cuda_graphs import GraphedStep
 
         step = GraphedStep(net, opt)
         for i in range(step.warmup + 2):  # eager warm-up steps, the capture, the first replays

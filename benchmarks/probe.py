@@ -23,7 +23,7 @@ trainer.ddp_options);
 ``--probe-stock-optimizer`` keeps torch.optim's torch._dynamo wrappers (optim.without_dynamo off);
 ``--probe-store-backoff`` lets ranks > 0 meet a refusal and TCPStore's backoff (no listener wait);
 ``--probe-one-stage-prefetch`` imports torch._dynamo whole from the start, as the trainer did
-before hpc_ddp/train/prefetch.py's two stages (init_process_group then waits for it);
+before hpc_ddp/train/fast/prefetch.py's two stages (init_process_group then waits for it);
 ``--probe-deterministic`` asks for deterministic kernels (exact-resume comparisons on GPUs).
 """
 
@@ -84,15 +84,12 @@ import hpc_ddp.dist as hdist  # noqa: E402
 from hpc_ddp import spawn  # noqa: E402
 from hpc_ddp.checkpoint import checkpointer  # noqa: E402
 from hpc_ddp.run_dir.paths import RunPaths  # noqa: E402
-from hpc_ddp.train import (  # noqa: E402
-    config,
-    cuda_graphs,
-    loop,
-)
+from hpc_ddp.train import config, loop  # noqa: E402
 from hpc_ddp.train import report as train_report  # noqa: E402
-from hpc_ddp.train import state as train_state  # noqa: E402
 from hpc_ddp.train import trainer as tr  # noqa: E402
-from hpc_ddp.train.cifar import data, gpu_data  # noqa: E402
+from hpc_ddp.train.cifar import data  # noqa: E402
+from hpc_ddp.train.fast import choice as fast  # noqa: E402
+from hpc_ddp.train.fast import cuda_graphs, gpu_data  # noqa: E402
 
 T_IMPORTS = time.time()
 T_WORKER: list[float] = []  # when a forked worker began (--probe-nproc)
@@ -217,7 +214,7 @@ def instrument(no_ddp: bool) -> None:
             def __new__(cls, module: Any, **_: Any) -> Any:
                 return module
 
-        train_state.DDP = BareModel  # type: ignore[misc,assignment]
+        fast.DDP = BareModel  # type: ignore[misc,assignment]
 
 
 def report(path: str, cfg: config.TrainConfig, code: int) -> None:
@@ -300,7 +297,7 @@ def main() -> None:
     ours.add_argument(
         "--probe-ddp-of-one",
         action="store_true",
-        help="DDP in a job of one process too (state.gradient_sync says none there)",
+        help="DDP in a job of one process too (fast.sync.gradient_sync says none there)",
     )
     ours.add_argument(
         "--probe-ddp-defaults",
@@ -347,18 +344,18 @@ def main() -> None:
     instrument(pargs.probe_no_ddp)
     save_every_epochs(pargs.probe_save_every_epochs)
     if pargs.probe_ddp_of_one:
-        train_state.gradient_sync = (  # type: ignore[assignment]
+        fast.gradient_sync = (  # type: ignore[assignment]
             lambda backend, world_size, captured: "none" if captured else "ddp"
         )
     if pargs.probe_ddp_defaults:
-        train_state.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
+        fast.ddp_options = lambda net, **_: {}  # type: ignore[assignment]
     if pargs.probe_stock_optimizer:
         from hpc_ddp.train import optim
 
         optim.without_dynamo = lambda base: base  # type: ignore[assignment]
 
     if pargs.probe_one_stage_prefetch:
-        from hpc_ddp.train import prefetch
+        from hpc_ddp.train.fast import prefetch
 
         prefetch.STAGE_ONE = (prefetch.TARGET,)  # stage two then finds it imported
     if pargs.probe_store_backoff:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.train.cifar.models import build_model
-from hpc_ddp.train.cuda_graphs import GraphedStep
+from hpc_ddp.train.fast.cuda_graphs import GraphedStep
 
 
 def eager_step(model, opt, x, y, amp):

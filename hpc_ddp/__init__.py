@@ -22,19 +22,35 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "init_distributed": ("hpc_ddp.dist", "init_distributed"),
     "shutdown": ("hpc_ddp.dist", "shutdown_and_exit"),
     "run_main": ("hpc_ddp.dist", "run_main"),
+    "exit_code_of": ("hpc_ddp.dist", "exit_code_of"),
+    "end_process_group": ("hpc_ddp.dist", "end_process_group"),
+    "process_device": ("hpc_ddp.dist", "process_device"),
+    "pick_backend": ("hpc_ddp.network", "pick_backend"),
+    "spawn_workers": ("hpc_ddp.spawn", "launch"),
+    "usable_cores": ("hpc_ddp.spawn", "usable_cores"),
+    "die_with_parent": ("hpc_ddp.spawn", "die_with_parent"),
     # the trainer (torch once it trains; a finished run is answered without it)
     "run_training": ("hpc_ddp.train.cli", "run_training"),
     # training runtime (torch)
     "Resumable": ("hpc_ddp.runtime.resumable", "Resumable"),
     "Checkpointer": ("hpc_ddp.checkpoint", "Checkpointer"),
     "Preemption": ("hpc_ddp.runtime.preemption", "Preemption"),
+    "parse_signal": ("hpc_ddp.runtime.preemption", "parse_signal"),
+    "requeue": ("hpc_ddp.runtime.preemption", "requeue"),
+    "Comm": ("hpc_ddp.runtime.collectives", "Comm"),
     "ShardPlan": ("hpc_ddp.runtime.shard_plan", "ShardPlan"),
     "ResumableDistributedSampler": ("hpc_ddp.runtime.sampler", "ResumableDistributedSampler"),
     "evaluate": ("hpc_ddp.runtime.evaluation", "evaluate"),
+    "EvalSums": ("hpc_ddp.runtime.evaluation", "EvalSums"),
+    "eval_sums": ("hpc_ddp.runtime.evaluation", "accumulate"),
     "eval_indices": ("hpc_ddp.runtime.shard_plan", "eval_indices"),
     "per_tensor_allreduce": ("hpc_ddp.runtime.exact_allreduce", "per_tensor_allreduce"),
+    "per_tensor_comm_hook": ("hpc_ddp.runtime.exact_allreduce", "per_tensor_comm_hook"),
+    "average_each": ("hpc_ddp.runtime.exact_allreduce", "average_each"),
     "capture_rng_state": ("hpc_ddp.runtime.rng", "capture"),
     "restore_rng_state": ("hpc_ddp.runtime.rng", "restore"),
+    "seed_everything": ("hpc_ddp.runtime.rng", "seed_everything"),
+    "use_deterministic_kernels": ("hpc_ddp.runtime.rng", "use_deterministic_kernels"),
     "params_sha256": ("hpc_ddp.train.fingerprint", "params_sha256"),
     # jobs (torch-free)
     "JobSpec": ("hpc_ddp.deploy.spec", "JobSpec"),
@@ -51,6 +67,9 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "DryRun": ("hpc_ddp.deploy.backend", "DryRun"),
     "Job": ("hpc_ddp.deploy.backend", "Job"),
     "Finished": ("hpc_ddp.deploy.backend", "Finished"),
+    "ProgramHook": ("hpc_ddp.deploy.program", "ProgramHook"),
+    "ProgramFlags": ("hpc_ddp.deploy.program", "ProgramFlags"),
+    "JobNeeds": ("hpc_ddp.deploy.program", "JobNeeds"),
     "RunPaths": ("hpc_ddp.run_dir", "RunPaths"),
     # job control after submission (torch-free)
     "attach_job": ("hpc_ddp.deploy.job_control", "attach_job"),
@@ -86,25 +105,31 @@ __all__ = [
     "Check",
     "Checkpointer",
     "ClusterUp",
+    "Comm",
     "ConfigError",
     "DistContext",
     "DistEnv",
     "DryRun",
+    "EvalSums",
     "Executor",
     "Finished",
     "HpcDdpError",
     "Job",
+    "JobNeeds",
     "JobReport",
     "JobSpec",
     "LaunchSpec",
     "LocalCluster",
     "Preemption",
+    "ProgramFlags",
+    "ProgramHook",
     "Resumable",
     "ResumableDistributedSampler",
     "RunPaths",
     "ShardPlan",
     "__version__",
     "attach_job",
+    "average_each",
     "cancel_job",
     "capture_rng_state",
     "cluster_down",
@@ -112,10 +137,14 @@ __all__ = [
     "cluster_up",
     "describe",
     "detect_env",
+    "die_with_parent",
     "doctor",
+    "end_process_group",
     "ensure_local_cluster",
     "eval_indices",
+    "eval_sums",
     "evaluate",
+    "exit_code_of",
     "follow_logs",
     "get_backend",
     "init_distributed",
@@ -125,17 +154,26 @@ __all__ = [
     "make_launch_spec",
     "nccl_dump_report",
     "params_sha256",
+    "parse_signal",
     "per_tensor_allreduce",
+    "per_tensor_comm_hook",
+    "pick_backend",
+    "process_device",
     "render",
+    "requeue",
     "restore_rng_state",
     "run_dir_report",
     "run_main",
     "run_training",
     "running_cluster",
+    "seed_everything",
     "shutdown",
+    "spawn_workers",
     "stop_launch",
     "submit",
     "torch_contract",
+    "usable_cores",
+    "use_deterministic_kernels",
 ]  # the keys of _PUBLIC (tests/test_public_api.py checks)
 
 if TYPE_CHECKING:
@@ -153,13 +191,21 @@ if TYPE_CHECKING:
         log_paths,
         run_dir_report,
     )
+    from hpc_ddp.deploy.program import JobNeeds, ProgramFlags, ProgramHook
     from hpc_ddp.deploy.sbatch.render import render
     from hpc_ddp.deploy.shell.runner import stop_all as stop_launch
     from hpc_ddp.deploy.shell.spec import LaunchSpec
     from hpc_ddp.deploy.shell.spec import make_spec as make_launch_spec
     from hpc_ddp.deploy.spec import JobSpec
     from hpc_ddp.deploy.spec import build_spec as load_job_spec
-    from hpc_ddp.dist import DistContext, init_distributed, run_main
+    from hpc_ddp.dist import (
+        DistContext,
+        end_process_group,
+        exit_code_of,
+        init_distributed,
+        process_device,
+        run_main,
+    )
     from hpc_ddp.dist import shutdown_and_exit as shutdown
     from hpc_ddp.doctor_checks import Check, doctor
     from hpc_ddp.errors import ConfigError, HpcDdpError
@@ -173,15 +219,25 @@ if TYPE_CHECKING:
         cluster_up,
         running_cluster,
     )
+    from hpc_ddp.network import pick_backend
     from hpc_ddp.run_dir import RunPaths
-    from hpc_ddp.runtime.evaluation import evaluate
-    from hpc_ddp.runtime.exact_allreduce import per_tensor_allreduce
-    from hpc_ddp.runtime.preemption import Preemption
+    from hpc_ddp.runtime.collectives import Comm
+    from hpc_ddp.runtime.evaluation import EvalSums, evaluate
+    from hpc_ddp.runtime.evaluation import accumulate as eval_sums
+    from hpc_ddp.runtime.exact_allreduce import (
+        average_each,
+        per_tensor_allreduce,
+        per_tensor_comm_hook,
+    )
+    from hpc_ddp.runtime.preemption import Preemption, parse_signal, requeue
     from hpc_ddp.runtime.resumable import Resumable
     from hpc_ddp.runtime.rng import capture as capture_rng_state
     from hpc_ddp.runtime.rng import restore as restore_rng_state
+    from hpc_ddp.runtime.rng import seed_everything, use_deterministic_kernels
     from hpc_ddp.runtime.sampler import ResumableDistributedSampler
     from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
+    from hpc_ddp.spawn import die_with_parent, usable_cores
+    from hpc_ddp.spawn import launch as spawn_workers
     from hpc_ddp.submission import Executor
     from hpc_ddp.train.cli import run_training
     from hpc_ddp.train.fingerprint import params_sha256

@@ -50,9 +50,9 @@ per host. The node agent is ``hpc_ddp.deploy.shell.node_agent``; spawn is ``hpc_
 |                            |                                  | even where another Slurm       |
 |                            |                                  | answers                        |
 | `HPC_DDP_LOCAL_SLURM_DIR`  | hpc_ddp.localslurm.embedded      | the embedded cluster's dir     |
-| `HPC_DDP_GRAPH_FUSED_ADAM` | hpc_ddp.train.cuda_graphs        | `0`: Adam's multi-tensor       |
+| `HPC_DDP_GRAPH_FUSED_ADAM` | hpc_ddp.train.fast.cuda_graphs   | `0`: Adam's multi-tensor       |
 |                            |                                  | kernels in a captured step     |
-| `HPC_DDP_GRAPH_ALLREDUCE`  | hpc_ddp.train.cuda_graphs        | `0`: the all-reduce stays out  |
+| `HPC_DDP_GRAPH_ALLREDUCE`  | hpc_ddp.train.fast.cuda_graphs   | `0`: the all-reduce stays out  |
 |                            |                                  | of the captured graph          |
 | `HPC_DDP_TORCH_CPU_INDEX`  | scripts/install.sh               | the package index of PyTorch's |
 |                            |                                  | CPU-only build (a mirror of    |

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.cluster._vars import ascii_int
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.regular_file import FileTooLargeError, NotRegularFileError, read_small
 
@@ -592,3 +593,19 @@ def given_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
             value = table
         out[f.name] = value
     return out
+
+
+def gpus_per_process_setting(value: int | None, name: str = "gpus_per_process") -> int | None:
+    """A gpus_per_process read from a file or a flag: 0 there has always meant "not given",
+    which is None everywhere else."""
+    if value is not None and value < 0:
+        raise ConfigError(
+            f"{name}={value} is negative",
+            hint="give the GPUs one process drives (1 = one process per GPU), or 0 to leave it "
+            f"to ${GPUS_PER_PROCESS_VAR} (else 1)",
+        )
+    return value or None
+
+
+# --nproc-per-node's declared range (train and exec); the spawn checks the machine's bound.
+NPROC_PER_NODE = Range(1, MAX_PER_NODE)

@@ -202,6 +202,14 @@ def restarts(info: Mapping[str, str]) -> int:
     return int(info.get("Restarts", "0") or 0)
 
 
+def slurm_job_to_requeue(environ: Mapping[str, str]) -> str | None:
+    """The id ``scontrol requeue`` needs: ``ARRAYJOB_TASK`` for an array task, else the job id."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
 def is_job_id(text: str) -> bool:
     """Whether ``text`` names one job. Never 0: Slurm's tools read job 0 as every job
     (``scontrol show job 0`` lists them all)."""

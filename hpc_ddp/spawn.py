@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hpc_ddp import schema
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.cluster._vars import get_opt_int
 from hpc_ddp.cluster.devices import count_visible_gpus, resolve_gpus_per_process
@@ -54,9 +53,6 @@ _PR_SET_PDEATHSIG = 1
 CPU_WORKERS_PER_CORE = 4
 # Descriptors the parent keeps for itself besides the one per worker it watches.
 _FD_RESERVE = 32
-
-# --nproc-per-node's declared range (train and exec); check_can_spawn adds the machine's bound.
-NPROC_PER_NODE = schema.Range(1, schema.MAX_PER_NODE)
 
 
 def worker_environ(rank: int, nproc: int, port: int, gpus_per_process: int) -> dict[str, str]:

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_ddp.train.cifar import array_cache, synthetic
 from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
+from hpc_ddp.train.cifar import synthetic
 from hpc_ddp.train.cifar.data import CIFAR_FILES
-from hpc_ddp.train.cifar.gpu_data import load_cifar_arrays
+from hpc_ddp.train.fast import array_cache
+from hpc_ddp.train.fast.gpu_data import load_cifar_arrays
 
 KEYS = cifar_pickle.LABEL_KEYS
 

@@ -23,9 +23,10 @@ from hostile_files import evil_pickle, make_fifo, python2_pickle, run_child
 from trainer_helpers import HPC_DDP, job_env, train_args
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.train.cifar import array_cache, gpu_data, synthetic
+from hpc_ddp.train.cifar import synthetic
 from hpc_ddp.train.cifar.data import load_datasets
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import array_cache, gpu_data
 
 TRAIN, TEST = 40, 10
 FILES = {
@@ -150,7 +151,7 @@ def test_object_arrays_and_unexpected_encodings_are_refused(tmp_path: Path) -> N
 # --------------------------------------------------------------------- blocking and the cache
 READ = """
 import json, sys
-from hpc_ddp.train.cifar import array_cache
+from hpc_ddp.train.fast import array_cache
 cap_memory()
 try:
     images, labels = array_cache.read_batch(__import__("pathlib").Path(sys.argv[1]), ("labels",))

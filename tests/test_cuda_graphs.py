@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import cuda_graphs
 from hpc_ddp.train.loop import Stepper, Times
 
 CPU = torch.device("cpu")

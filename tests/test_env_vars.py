@@ -26,7 +26,7 @@ NAME = re.compile(r"HPC_DDP_[A-Z0-9_]*[A-Z0-9]")
 KNOWN = set(env_vars.LAUNCH_VARS) | set(env_vars.JOB_SHELL_VARS) | set(env_vars.SETTINGS_VARS)
 # Not yet moved: hpc_ddp/train/ was being reworked elsewhere when the owner module came; its two
 # CUDA-graph switches are in the owner's table and must move to its constants.
-NOT_YET_MOVED = {"hpc_ddp/train/cuda_graphs.py"}
+NOT_YET_MOVED = {"hpc_ddp/train/fast/cuda_graphs.py"}
 
 
 def _spellings(path: Path) -> set[str]:

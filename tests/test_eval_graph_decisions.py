@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpc_ddp.train.cifar.models import build_model
-from hpc_ddp.train.eval_graph import GraphedEval
+from hpc_ddp.train.fast.eval_graph import GraphedEval
 
 
 def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +33,7 @@ def test_a_shape_is_recorded_at_its_second_batch_and_not_while_a_save_runs() -> 
 
 def test_at_most_max_recorded_shapes_are_recorded() -> None:
     """Inputs of many sizes: the first MAX_RECORDED shapes get graphs, the rest run eagerly."""
-    from hpc_ddp.train.eval_graph import MAX_RECORDED
+    from hpc_ddp.train.fast.eval_graph import MAX_RECORDED
 
     graphed = GraphedEval(build_model("lenet", 10), torch.device("cpu"))
     graphed._record = lambda x, y, amp: "graph"  # type: ignore[method-assign]

@@ -253,7 +253,7 @@ def test_default_step_is_the_explicit_cuda_graphs_step(data_dir, tmp_path) -> No
             ]
         ).stdout
         assert out.count("CUDA graphs: on (") == 1, out
-        # LeNet's step: ~0.4 ms for 0.25 GFLOP per GPU, said once (train/step_rate.py)
+        # LeNet's step: ~0.4 ms for 0.25 GFLOP per GPU, said once (train/fast/step_rate.py)
         assert out.count("bound by kernel latency, not arithmetic") == 1, out
     default, forced = result(tmp_path / "default"), result(tmp_path / "forced")
     assert default["extra"]["cuda_graphs"] and forced["extra"]["cuda_graphs"]
@@ -316,9 +316,9 @@ def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
 def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
     """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
     from hpc_ddp.runtime.shard_plan import ShardPlan
-    from hpc_ddp.train.cifar import gpu_data
     from hpc_ddp.train.cifar.data import LoaderTrainData, load_datasets
     from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.fast import gpu_data
 
     cfg = TrainConfig(dataset="cifar100", synthetic=True, augment=True, seed=3)
     root = synthetic.synthetic_root(data_dir, "cifar100", TRAIN, TEST)
@@ -347,7 +347,7 @@ def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
     (AdamW, capturable and fused) runs, and leaves the CPU's and the GPU's generators as they
     were: the run it overlaps computes what it would have computed without it."""
     from hpc_ddp.train.config import TrainConfig
-    from hpc_ddp.train.kernel_warmup import KernelWarmup, optimizer_factory
+    from hpc_ddp.train.fast.kernel_warmup import KernelWarmup, optimizer_factory
 
     device = torch.device("cuda", 0)
     make = optimizer_factory(TrainConfig(), captured=True)
@@ -365,7 +365,7 @@ def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
     from hpc_ddp.train.cifar.models import build_model
-    from hpc_ddp.train.cuda_graphs import GraphedStep, make_capturable
+    from hpc_ddp.train.fast.cuda_graphs import GraphedStep, make_capturable
 
     torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda", 0)

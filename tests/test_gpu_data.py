@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime.shard_plan import ShardPlan
-from hpc_ddp.train.cifar import gpu_data, synthetic
+from hpc_ddp.train.cifar import synthetic
 from hpc_ddp.train.cifar.data import (
     CifarTensors,
     LoaderTrainData,
@@ -26,6 +26,7 @@ from hpc_ddp.train.cifar.data import (
     load_datasets,
 )
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import gpu_data
 
 CPU = torch.device("cpu")
 TRAIN, TEST = 203, 37  # odd sizes: uneven shards, a dropped tail, a short eval batch
@@ -203,7 +204,7 @@ def test_choose_falls_back_with_arrays_read_without_torchvision(staged) -> None:
 
 GPU_PATH_RUN = r"""
 import json, sys
-from hpc_ddp.train.cifar import gpu_data
+from hpc_ddp.train.fast import gpu_data
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.trainer import train
 if sys.argv[1] == "gpu":  # the GPU-resident classes, run on the CPU: pretend the device fits

@@ -1,4 +1,4 @@
-"""Evaluation replayed as CUDA graphs (``train/eval_graph.py``) gives eager evaluation's numbers,
+"""Evaluation replayed as CUDA graphs (``fast/eval_graph.py``) gives eager evaluation's numbers,
 bit for bit, while the weights change between evaluations, beside a captured training step that
 shares its memory pool, and falls back to eager batches where a forward cannot be recorded.
 
@@ -42,7 +42,7 @@ def _sums(fn, model, batches, amp):
     ids=["lenet", "resnet18-bf16"],
 )
 def test_graphed_evaluation_equals_eager_as_weights_change(model_name, amp) -> None:
-    from hpc_ddp.train.eval_graph import GraphedEval
+    from hpc_ddp.train.fast.eval_graph import GraphedEval
 
     torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda", 0)
@@ -65,8 +65,8 @@ def test_graphed_evaluation_equals_eager_as_weights_change(model_name, amp) -> N
 def test_graphed_evaluation_beside_a_captured_step_sharing_its_pool() -> None:
     """The training graph and the evaluation graph in one pool, replayed in turn: evaluation
     still equals eager evaluation of the weights the steps produced."""
-    from hpc_ddp.train.cuda_graphs import GraphedStep
-    from hpc_ddp.train.eval_graph import GraphedEval
+    from hpc_ddp.train.fast.cuda_graphs import GraphedStep
+    from hpc_ddp.train.fast.eval_graph import GraphedEval
 
     torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda", 0)
@@ -100,7 +100,7 @@ class _ReadsOnHost(nn.Module):
 
 
 def test_a_forward_that_cannot_be_recorded_runs_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
-    from hpc_ddp.train.eval_graph import GraphedEval
+    from hpc_ddp.train.fast.eval_graph import GraphedEval
 
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)

@@ -19,6 +19,17 @@ ABOVE_THE_TRAINER = {"hpc_ddp", "hpc_ddp.train", "hpc_ddp.commands", "hpc_ddp.cl
 IMPORT_CALLS = ("import_module", "__import__")
 
 
+def typing_only_nodes(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:`` (annotations only)."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+
+
 def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the modules of the package it imports. An import of one of the module's own
     packages is left out: Python imports those first anyway, and the package's lazy facade
@@ -39,13 +50,7 @@ def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     for name, (path, home) in modules.items():
         targets: set[str | None] = set()
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-            for stmt in node.body
-            for inner in ast.walk(stmt)
-        }
+        typing_only = typing_only_nodes(tree)
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
@@ -296,4 +301,107 @@ def test_the_launcher_definition_reader_sees_modules_types_and_tables(tmp_path: 
         "hpc_ddp/env_vars.py:1",
         "hpc_ddp/env_vars.py:2",
         "hpc_ddp/env_vars.py:3",
+    ]
+
+
+# What the trainer may import from outside hpc_ddp/train besides the public API: the package's
+# torch-free helpers that every layer shares and that hold no layer's logic (errors, logging,
+# bounded reads of files, private files, polling, settings, optional extras, variable names),
+# and the run directory's layout, which every program writing a run dir shares.
+FOUNDATION = {
+    "hpc_ddp.errors",
+    "hpc_ddp.exit_codes",
+    "hpc_ddp.log",
+    "hpc_ddp.regular_file",
+    "hpc_ddp.private_paths",
+    "hpc_ddp.polling",
+    "hpc_ddp.schema",
+    "hpc_ddp.extras",
+    "hpc_ddp.env_vars",
+}
+RUN_DIRECTORY = {
+    "hpc_ddp.run_dir",
+    "hpc_ddp.run_dir.paths",
+    "hpc_ddp.run_dir.lock",
+    "hpc_ddp.run_dir.marker",
+    "hpc_ddp.checkpoint.committed",
+}
+
+
+def public_names(package: Path = PACKAGE) -> set[str]:
+    """The keys of ``_PUBLIC`` in the package's ``__init__.py``: the public API."""
+    tree = ast.parse((package / "__init__.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "_PUBLIC":
+            assert isinstance(node.value, ast.Dict)
+            return {ast.literal_eval(key) for key in node.value.keys if key is not None}
+    raise AssertionError(f"no _PUBLIC in {package / '__init__.py'}")
+
+
+def private_imports(package: Path = PACKAGE, application: str = "train") -> list[str]:
+    """Each import of a module under ``package/application`` that reaches outside it for
+    something other than a public name (``from hpc_ddp import X``, X in ``_PUBLIC``) or the
+    foundation, as ``path:line: what``. As for the graph above, an import under
+    ``if TYPE_CHECKING:`` does not count (annotations only)."""
+    public = public_names(package)
+    inside = f"{package.name}.{application}"
+    allowed = FOUNDATION | RUN_DIRECTORY
+
+    def outside(module: str) -> bool:
+        return module.startswith(package.name + ".") and not (
+            module == inside or module.startswith(inside + ".")
+        )
+
+    found = []
+    root = package / application
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(package.parent)
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = typing_only_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if outside(alias.name)]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module == package.name:
+                    names = [f"{package.name}.{a.name}" for a in node.names if a.name not in public]
+                    names = [name for name in names if name not in allowed]
+                elif outside(node.module) and node.module not in allowed:
+                    names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Call) and node.args:
+                first, call = node.args[0], ast.unparse(node.func)
+                literal = str(first.value) if isinstance(first, ast.Constant) else ""
+                if call.endswith(IMPORT_CALLS) and outside(literal) and literal not in allowed:
+                    names = [literal]
+            found += [f"{where}:{node.lineno}: {name}" for name in names]
+    return found
+
+
+def test_the_trainer_imports_only_public_names() -> None:
+    """The built-in trainer is an application of the public API: what it needs from the layers
+    below is what a script of the user's can import too."""
+    assert not private_imports(), "\n".join(private_imports())
+
+
+def test_the_private_import_reader_sees_every_spelling(tmp_path: Path) -> None:
+    package = tmp_path / "hpc_ddp"
+    (package / "train").mkdir(parents=True)
+    (package / "__init__.py").write_text('_PUBLIC: dict = {"Resumable": ("m", "a")}\n')
+    (package / "train" / "m.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from hpc_ddp import Resumable, schema, secret\n"  # 2: secret
+        "from hpc_ddp.runtime.rng import capture\n"  # 3
+        "import hpc_ddp.dist\n"  # 4
+        "from hpc_ddp.errors import ConfigError\n"
+        "from hpc_ddp.train.loop import Stepper\n"
+        "if TYPE_CHECKING:\n    from hpc_ddp.dist import DistContext\n"
+        "def f():\n    importlib.import_module('hpc_ddp.spawn')\n"  # 10
+    )
+    assert private_imports(package) == [
+        "hpc_ddp/train/m.py:2: hpc_ddp.secret",
+        "hpc_ddp/train/m.py:3: hpc_ddp.runtime.rng.capture",
+        "hpc_ddp/train/m.py:4: hpc_ddp.dist",
+        "hpc_ddp/train/m.py:10: hpc_ddp.spawn",
     ]

@@ -1,4 +1,4 @@
-"""The CUDA warm-up beside the process group (hpc_ddp/train/kernel_warmup.py).
+"""The CUDA warm-up beside the process group (hpc_ddp/train/fast/kernel_warmup.py).
 
 Its promise is to change nothing the run computes. The miniature step runs on the CPU here with
 the same code the GPU thread runs (no GPU in CI: tests/test_gpu.py runs it on one), so what it
@@ -18,7 +18,7 @@ from trainer_helpers import job_env, train_args
 
 from hpc_ddp.cluster import detect_env
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.kernel_warmup import KernelWarmup, warm_kernels
+from hpc_ddp.train.fast.kernel_warmup import KernelWarmup, warm_kernels
 from hpc_ddp.train.optim import build_optimizer
 
 
@@ -64,7 +64,7 @@ def test_the_warmup_imports_no_torch_dynamo() -> None:
     script = (
         "import sys, torch\n"
         "from hpc_ddp.train.config import TrainConfig\n"
-        "from hpc_ddp.train.kernel_warmup import warm_kernels\n"
+        "from hpc_ddp.train.fast.kernel_warmup import warm_kernels\n"
         "from hpc_ddp.train.optim import build_optimizer\n"
         "warm_kernels(torch.device('cpu'), lambda p: build_optimizer(TrainConfig(), p), None)\n"
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
@@ -85,12 +85,13 @@ def test_a_deterministic_run_sets_cublas_up_before_the_warmup_uses_it(tmp_path: 
 import argparse, os, torch
 import hpc_ddp.train.trainer as trainer
 from hpc_ddp.train import config
+from hpc_ddp.train.fast.kernel_warmup import KernelWarmup
 
 seen = []
 def start(cfg, env):
     seen.append((torch.are_deterministic_algorithms_enabled(),
                  os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
-trainer.KernelWarmup.start = start
+KernelWarmup.start = start
 for deterministic in (False, True):
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""The torch._dynamo prefetch (hpc_ddp/train/prefetch.py), in fresh interpreters.
+"""The torch._dynamo prefetch (hpc_ddp/train/fast/prefetch.py), in fresh interpreters.
 
 Its first stage must not import torch._dynamo: ``dist.init_process_group`` would then wait for
 the whole import. That depends on the installed torch, so it is checked against it.
@@ -20,7 +20,7 @@ from hpc_ddp.train.config import TrainConfig
 SCRIPT = """
 import importlib, sys, time
 import torch
-from hpc_ddp.train.prefetch import STAGE_ONE, TARGET, DynamoPrefetch
+from hpc_ddp.train.fast.prefetch import STAGE_ONE, TARGET, DynamoPrefetch
 
 def loaded(name):
     module = sys.modules.get(name)
@@ -56,7 +56,7 @@ def test_only_eager_ddp_runs_are_prefetched() -> None:
     --cuda-graphs on a CPU, NCCL without a GPU) imports nothing, so no. Pretended GPUs: the
     rule reads only the rank's view (DistEnv.gpus)."""
     from hpc_ddp.cluster import detect_env
-    from hpc_ddp.train.prefetch import needs_dynamo
+    from hpc_ddp.train.fast.prefetch import needs_dynamo
 
     cpu_alone = detect_env({})
     cpu = dataclasses.replace(cpu_alone, world_size=2, local_world_size=2)

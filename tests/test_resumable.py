@@ -134,6 +134,61 @@ def test_a_position_out_of_range_in_a_rehashed_manifest_is_refused_by_name(
     assert f"meta[{key!r}] is {value!r}, not an integer >= 0" in str(err.value)
 
 
+def test_a_loop_of_its_own_saves_in_the_background_and_restores_when_ready(
+    tmp_path: Path,
+) -> None:
+    """The lower-level use the built-in trainer makes of Resumable, in one process: a copy
+    staged early, a background save with extra meta, ``keep`` honoured, the newest checkpoint
+    named, and a restore the caller starts and may refuse before anything changes."""
+    from hpc_ddp import ConfigError, Resumable
+    from hpc_ddp.checkpoint.manifest import read_manifest
+
+    class Counter:  # the loop's own extra state: any object with state_dict/load_state_dict
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    def make(**options: object) -> tuple[Resumable, torch.nn.Linear, Counter]:
+        net, counter = torch.nn.Linear(2, 2), Counter()
+        run = Resumable(tmp_path, signals=[], keep=1, log=lambda _: None, model=net,
+                        counter=counter, **options)  # type: ignore[arg-type]  # fmt: skip
+        return run, net, counter
+
+    run, net, counter = make(async_save=True)
+    for step in (3, 5):
+        run.steps, counter.n = step, step * 10
+        staged, saved = run.stage("model"), net.weight.detach().clone()
+        with torch.no_grad():
+            net.weight.add_(1.0)  # after the stage: the checkpoint keeps the staged weights
+        assert run.save(meta={"start": step}, staged=staged) is None  # in the background
+        assert run.wait() == tmp_path / "checkpoints" / f"step-{step:08d}"
+    assert run.newest == tmp_path / "checkpoints" / "step-00000005"
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert steps == ["step-00000005"]  # keep=1
+    assert read_manifest(run.newest)["meta"]["start"] == 5
+    run.close()
+
+    again, net2, counter2 = make(restore=False)
+    assert again.resumed_from is None and counter2.n == 0  # nothing until restore()
+
+    def refuse(loaded: object) -> None:
+        raise ConfigError("not this one")
+
+    with pytest.raises(ConfigError, match="not this one"):
+        again.restore(refuse)
+    assert counter2.n == 0 and again.steps == 0
+    loaded = again.restore()
+    assert loaded is not None and loaded.path == again.resumed_from == run.newest
+    assert (again.steps, counter2.n) == (5, 50)
+    assert torch.equal(net2.weight, saved)  # the staged copy, not the later change
+    again.close()
+
+
 # --- the local Slurm: the torchrun layout ------------------------------------------------------
 # One job, the torchrun layout, where rank 0 of a script's job asks for the requeue itself
 # (requeue("auto") runs scontrol requeue). The srun layout's path (exit 75, the batch shell

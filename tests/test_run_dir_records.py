@@ -114,7 +114,7 @@ def test_read_json_refuses_what_is_not_a_small_regular_file(tmp_path: Path) -> N
 def test_progress_json_names_its_slurm_job_only_from_valid_variables() -> None:
     """progress.json records the job and restart count from Slurm's variables (what `status
     RUN_DIR` shows once the run ended), and nothing from values that are no job id or count."""
-    from hpc_ddp.train.report import slurm_attempt
+    from hpc_ddp.run_dir.paths import slurm_attempt
 
     ok = {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"}
     assert slurm_attempt(ok) == {"id": "12", "restarts": 2}

@@ -21,7 +21,7 @@ from trainer_helpers import (
 
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.save_policy import EpochEndSaves
+from hpc_ddp.train.trainer import EpochEndSaves
 
 
 def test_short_epochs_save_once_the_interval_has_passed() -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hpc_ddp.train.cifar.models import build_model
-from hpc_ddp.train.step_rate import ForwardFlops, latency_bound_line
+from hpc_ddp.train.fast.step_rate import ForwardFlops, latency_bound_line
 
 # LeNet for 32x32x3 and 100 classes, multiply-adds per sample, by hand:
 LENET_MACS = (
@@ -50,7 +50,7 @@ def test_speaks_for_a_latency_bound_step_only() -> None:
 
 
 def test_the_trainers_advice_counts_first_and_speaks_once_after_the_second_epoch() -> None:
-    from hpc_ddp.train.step_rate import LatencyAdvice
+    from hpc_ddp.train.fast.step_rate import LatencyAdvice
 
     net = build_model("lenet", 100)
     advice = LatencyAdvice(enabled=True)

@@ -36,7 +36,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.train.cifar import models
-from hpc_ddp.train.state import ddp_options
+from hpc_ddp.train.fast.sync import ddp_options
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +219,9 @@ def test_the_cause_is_printed_before_another_rank_failed(
 def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
     tmp_path: Path, data_dir: Path
 ) -> None:
-    """No hold: the ranks agree on the flag only every k steps (syncpoints.AgreeSchedule), so a
+    """No hold: the ranks agree on the flag only every k steps (trainer.AgreeSchedule), so a
     signal at an arbitrary step is acted on at most AGREE_MAX_STEPS steps later; resume is exact."""
-    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS
+    from hpc_ddp.train.trainer import AGREE_MAX_STEPS
 
     # One epoch of 256 steps: the bound below (at most 40 + 64 + 60) ends before the epoch does,
     # so a run that acted on the flag only at the epoch's end (the other place the ranks agree)
@@ -257,9 +257,9 @@ def test_a_signal_between_agreement_points_checkpoints_within_the_bound(
 
 @pytest.mark.slow
 def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
-    """Over Gloo the trainer averages each gradient without DDP (state.gradient_sync,
+    """Over Gloo the trainer averages each gradient without DDP (fast.sync.gradient_sync,
     tensor_average.py); elsewhere it builds DDP with its own settings (gradient buckets as the
-    gradients, no buffer broadcast before each forward: state.ddp_options), under torch's
+    gradients, no buffer broadcast before each forward: fast.sync.ddp_options), under torch's
     current argument names (no FutureWarning of the deprecated ``broadcast_buffers``). Both
     give a BatchNorm model the weights, statistics and test metrics of DDP built with torch's
     defaults, bit for bit: the DDP runs force DDP over Gloo (tests/workers/ddp_train.py)."""

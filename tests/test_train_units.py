@@ -14,13 +14,14 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from hpc_ddp import exit_codes
+from hpc_ddp import exit_codes, slurm_client
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.runtime import preemption, rng
 from hpc_ddp.runtime.shard_plan import ShardPlan, epoch_permutation, eval_indices, rank_indices
 from hpc_ddp.train import config as cfgmod
-from hpc_ddp.train.cifar import array_cache, data, models, synthetic
+from hpc_ddp.train.cifar import data, models, synthetic
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import array_cache
 
 
 # ------------------------------------------------------------------------------------ sampler
@@ -312,7 +313,7 @@ def test_signal_handler_only_sets_a_flag() -> None:
 
 
 def test_requeue_target_and_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = preemption.slurm_job_to_requeue
+    job = slurm_client.slurm_job_to_requeue
     assert job({"SLURM_JOB_ID": "12"}) == "12"
     assert (
         job({"SLURM_JOB_ID": "13", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"})
@@ -357,7 +358,7 @@ def test_official_md5_sums_are_torchvisions(tmp_path: Path) -> None:
 
 def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
     """k = steps between two preemption agreements: ~AGREE_TARGET_S of training, 1..MAX steps."""
-    from hpc_ddp.train.syncpoints import AGREE_MAX_STEPS, AGREE_TARGET_S, AgreeSchedule
+    from hpc_ddp.train.trainer import AGREE_MAX_STEPS, AGREE_TARGET_S, AgreeSchedule
 
     agree = AgreeSchedule(world_size=4)
     assert agree.due(1, requested=False)  # the first step after a (re)start agrees
@@ -379,11 +380,11 @@ def test_agreement_schedule_bounds_the_steps_to_a_preemption() -> None:
 def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> None:
     """The run's wall time and its training loop's both go on from the checkpoint's values:
     result.json's figures cover every attempt, not only the last. A real save and restore
-    (resume.save/restore through a Checkpointer); the clocks' starts are set, so the sums are
-    exact."""
+    (resume.save/restore through the trainer's Resumable); the clocks' starts are set, so the
+    sums are exact."""
     from types import SimpleNamespace
 
-    from hpc_ddp.checkpoint import Checkpointer
+    from hpc_ddp import Resumable
     from hpc_ddp.train.loop import Times
     from hpc_ddp.train.progress import Progress
     from hpc_ddp.train.resume import Clock, restore, save
@@ -396,8 +397,20 @@ def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> N
             scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
             scaler=torch.amp.GradScaler("cpu", enabled=False),
         )
-        ckpt = Checkpointer(tmp_path / "ckpt", rank=0, world_size=1, log=lambda _: None)
-        return SimpleNamespace(ckpt=ckpt, net=net, stepper=stepper)
+        progress = Progress()
+        run = Resumable(
+            tmp_path,
+            signals=[],
+            restore=False,
+            log=lambda _: None,
+            model=net,
+            optimizer=opt,
+            scheduler=stepper.scheduler,
+            scaler=stepper.scaler,
+            progress=progress,
+        )
+        plan = ShardPlan(n=8, seed=0, world_size=1, micro_batch=2)
+        return SimpleNamespace(run=run, net=net, stepper=stepper, progress=progress, plan=plan)
 
     first, before = Clock(), state()
     assert first.loop_elapsed() == 0.0  # the loop has not started: nothing counted yet
@@ -405,7 +418,8 @@ def test_a_resume_continues_both_clocks_from_the_checkpoint(tmp_path: Path) -> N
     now = time.perf_counter()  # the first attempt: 100 s in all, 60 of them in the loop
     first.started, first.loop_started = now - 100.0, now - 60.0
     cfg = TrainConfig(async_checkpoint=False)
-    save(before, cfg, Progress(global_step=7), Times(), first)  # type: ignore[arg-type]
+    before.progress.global_step = 7
+    save(before, cfg, before.progress, Times(), first)  # type: ignore[arg-type]
 
     second = Clock()
     restored = restore(state(), cfg, 1, second)  # type: ignore[arg-type]

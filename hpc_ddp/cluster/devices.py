@@ -6,7 +6,8 @@ Visible GPUs come from CUDA_VISIBLE_DEVICES when it is set (Slurm sets it per ta
 
 How many GPUs one process drives has one rule, :func:`resolve_gpus_per_process`, for every
 place that asks (detect_env, the fork launcher, the job and launch specs). "Not given" is None
-in Python; files and flags say 0, which :func:`gpus_per_process_setting` turns into None.
+in Python; files and flags say 0, which :func:`hpc_ddp.schema.gpus_per_process_setting` turns
+into None.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 
 from hpc_ddp.cluster._vars import parse_int
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
-from hpc_ddp.errors import ConfigError, LaunchEnvError
+from hpc_ddp.errors import LaunchEnvError
 
 DEFAULT_GPUS_PER_PROCESS = 1  # one process per GPU
 
@@ -83,18 +84,6 @@ def assign_gpus(
         "or --gpus-per-task), start fewer processes per node, or lower gpus_per_process "
         f"({GPUS_PER_PROCESS_VAR})",
     )
-
-
-def gpus_per_process_setting(value: int | None, name: str = "gpus_per_process") -> int | None:
-    """A gpus_per_process read from a file or a flag: 0 there has always meant "not given",
-    which is None everywhere else."""
-    if value is not None and value < 0:
-        raise ConfigError(
-            f"{name}={value} is negative",
-            hint="give the GPUs one process drives (1 = one process per GPU), or 0 to leave it "
-            f"to ${GPUS_PER_PROCESS_VAR} (else 1)",
-        )
-    return value or None
 
 
 def resolve_gpus_per_process(requested: int | None, environ: Mapping[str, str]) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from hpc_ddp import schema
 from hpc_ddp.cluster import detect_env
-from hpc_ddp.cluster.devices import gpus_per_process_setting, has_nvidia_driver
+from hpc_ddp.cluster.devices import has_nvidia_driver
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.network import choose_backend
 
@@ -41,7 +41,9 @@ def collect(args: argparse.Namespace, proc_root: str = "/proc", sys_root: str = 
     driver = has_nvidia_driver(proc_root)
     # Without a driver, devices listed in CUDA_VISIBLE_DEVICES cannot be used: report CPU.
     env = detect_env(
-        gpus_per_process=gpus_per_process_setting(args.gpus_per_process, "--gpus-per-process"),
+        gpus_per_process=schema.gpus_per_process_setting(
+            args.gpus_per_process, "--gpus-per-process"
+        ),
         visible_gpus=None if driver else 0,
         proc_root=proc_root,
     )

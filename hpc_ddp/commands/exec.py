@@ -22,7 +22,6 @@ from typing import NoReturn
 from hpc_ddp import schema
 from hpc_ddp.cluster import torch_contract
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.spawn import NPROC_PER_NODE
 
 EXIT_NOT_FOUND = 127  # a shell's code for "command not found"
 
@@ -30,7 +29,7 @@ EXIT_NOT_FOUND = 127  # a shell's code for "command not found"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-per-node",
-        type=schema.number_type(int, NPROC_PER_NODE),
+        type=schema.number_type(int, schema.NPROC_PER_NODE),
         default=None,
         metavar="N",
         help="start CMD N times on this machine, ranks 0..N-1 (default: once, as this process, "

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpc_ddp import schema
-from hpc_ddp.cluster.devices import gpus_per_process_setting, resolve_gpus_per_process
+from hpc_ddp.cluster.devices import resolve_gpus_per_process
 from hpc_ddp.cluster.hostlist import MAX_HOSTS
 from hpc_ddp.deploy.container import ContainerSpec
 from hpc_ddp.deploy.program import ProgramHook
@@ -157,7 +157,9 @@ class ProcessSpec:
         lab = self.label
         p: list[str] = []
         try:
-            requested = gpus_per_process_setting(self.gpus_per_process, lab("gpus_per_process"))
+            requested = schema.gpus_per_process_setting(
+                self.gpus_per_process, lab("gpus_per_process")
+            )
             gpp = resolve_gpus_per_process(requested, self.env)
         except HpcDdpError as err:
             gpp = 1  # lets the other checks run; the spec is refused

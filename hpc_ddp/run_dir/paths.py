@@ -8,6 +8,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from hpc_ddp.slurm_client import MAX_RESTARTS, is_job_id, slurm_job_to_requeue
 
 MARKER = ".hpc-ddp-run"
 LOCK = ".run.lock"
@@ -148,3 +151,14 @@ class RunPaths:
 
     def __fspath__(self) -> str:
         return os.fspath(self.root)
+
+
+def slurm_attempt(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The Slurm job this process runs in and how often Slurm has requeued it (the id an array
+    task is known by, and SLURM_RESTART_COUNT), or None outside Slurm."""
+    job = slurm_job_to_requeue(environ)
+    restart = environ.get("SLURM_RESTART_COUNT") or "0"
+    counted = restart.isascii() and restart.isdigit() and int(restart) <= MAX_RESTARTS
+    if job is None or not is_job_id(job) or not counted:
+        return None
+    return {"id": job, "restarts": int(restart)}

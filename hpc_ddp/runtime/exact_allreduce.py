@@ -40,7 +40,9 @@ def allreduce_per_tensor(bucket: dist.GradBucket) -> torch.futures.Future[torch.
     return torch.futures.collect_all(works).then(refill)
 
 
-def _per_tensor_hook(state, bucket):  # DDP rejects annotations other than its own types
+def per_tensor_comm_hook(state, bucket):  # DDP rejects annotations other than its own types
+    """DDP comm hook (``model.register_comm_hook(None, per_tensor_comm_hook)``, ``state``
+    unused): each gradient of the bucket averaged with its own all-reduce."""
     return allreduce_per_tensor(bucket)
 
 
@@ -50,5 +52,5 @@ def per_tensor_allreduce(model: DistributedDataParallel) -> DistributedDataParal
     more than two ranks). Call it once, before the first step; returns ``model``. It costs one
     collective per parameter: meant for Gloo (CPU) and small models; on NCCL, DDP's buckets are
     much faster and the kernels are not bit-exact anyway."""
-    model.register_comm_hook(None, _per_tensor_hook)
+    model.register_comm_hook(None, per_tensor_comm_hook)
     return model

@@ -22,6 +22,7 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE as EXIT_REQUEUE  # re-exported for callers
 from hpc_ddp.private_paths import create_file
 from hpc_ddp.run_dir.paths import RunPaths, requeue_marker_line
+from hpc_ddp.slurm_client import slurm_job_to_requeue
 
 _COUNT = re.compile(r"[0-9]{1,20}", re.ASCII)  # a Slurm job id or restart count
 
@@ -65,47 +66,6 @@ class PreemptionFlag:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()
-
-
-@dataclass
-class CtrlC:
-    """SIGINT (Ctrl-C) during training: remembers that it came, then raises KeyboardInterrupt.
-
-    A launcher may leave SIGINT at its default action (``--nproc-per-node``'s workers do, so
-    that a forwarded Ctrl-C stops them), which ends the process with no chance to say so; this
-    turns it into an exception the trainer records (progress.json: ``interrupted``). A rank in
-    a collective sees it when the collective returns or fails because a peer left: ``received``
-    then tells that error from a crash. Not installed where SIGINT is a requeue signal.
-    """
-
-    received: bool = False
-    _previous: object = None
-
-    @classmethod
-    def install(cls, flag: PreemptionFlag) -> CtrlC:
-        ctrl_c = cls()
-        if signal.SIGINT not in flag.signals:
-            ctrl_c._previous = signal.signal(signal.SIGINT, ctrl_c._handle)
-        return ctrl_c
-
-    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
-        if self.received:  # the same Ctrl-C again (a launcher forwards the terminal's): the
-            return  # first is already unwinding; raising again could cut its recording short
-        self.received = True
-        raise KeyboardInterrupt
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
-            self._previous = None
-
-
-def slurm_job_to_requeue(environ: Mapping[str, str]) -> str | None:
-    """The id ``scontrol requeue`` needs: ``ARRAYJOB_TASK`` for an array task, else the job id."""
-    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and task:
-        return f"{array_job}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def under_submitit(environ: Mapping[str, str]) -> bool:
@@ -226,6 +186,16 @@ class Preemption:
     def requested(self) -> bool:
         """A signal reached this process (other ranks may not know yet)."""
         return self.flag.requested
+
+    @property
+    def received(self) -> list[str]:
+        """The names of the signals that reached this process, in order (``SIGUSR1``...)."""
+        return self.flag.received
+
+    @property
+    def signals(self) -> tuple[signal.Signals, ...]:
+        """The signals it handles."""
+        return self.flag.signals
 
     def agreed(self) -> bool:
         """Whether any rank got a signal: the same answer on every rank (a collective)."""

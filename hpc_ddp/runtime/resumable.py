@@ -23,11 +23,19 @@ the bucket sums' order would otherwise differ between a run and its resume. A mo
 FSDP2 (``fully_shard``) and its optimizer are saved through ``torch.distributed.checkpoint``
 instead, every rank writing its shards (:mod:`hpc_ddp.runtime.sharded_state`); ``async_save=True``
 writes each checkpoint in the background (``Checkpointer.save_async``).
+
+A loop with its own data position and preemption schedule (the built-in trainer) uses the same
+object through its lower-level methods: ``restore(check=...)`` when it is ready (``restore=False``
+at construction), ``save(meta=..., staged=...)`` at the points it chooses (in the background with
+``async_save=True``; ``stage()`` queues part of the copy earlier), ``preemption.requested`` for
+its own agreement, then ``requeue()``; ``wait()``, ``in_flight`` and ``newest`` for what is
+being or was written. Its extra state (progress, counters) is one more object with
+``state_dict``/``load_state_dict``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +44,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from hpc_ddp.checkpoint import Checkpointer, CheckpointError, Loaded
+from hpc_ddp.checkpoint import Checkpointer, CheckpointError, Loaded, Staged
+from hpc_ddp.checkpoint.committed import read_latest
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_dir.paths import RunPaths
@@ -113,6 +122,14 @@ class Resumable:
     background thread once their copy is queued; a preemption's and the last epoch's are waited
     for before the loop goes on. ``seed``: what every rank's RNG streams are derived from when a
     checkpoint of another world size is resumed (give each run its own).
+
+    ``preemption``: one already installed (a signal that came before counts), instead of one
+    for ``signals``. ``async_save``: ``save()`` queues a copy of the state and writes it in the
+    background (the next save, ``wait()`` or ``close()`` reports its error). ``requeue``: how
+    ``requeue()`` asks for the next attempt (``auto``, ``none``...: ``hpc_ddp.requeue``).
+    ``restore=False``: the caller restores with ``restore()`` once it is ready. ``log``: where
+    its own lines go; without it they are printed on rank 0, and so are its checkpointer's,
+    which otherwise log through hpc_ddp's logger (rank 0's lines, every rank's warnings).
     """
 
     def __init__(
@@ -124,7 +141,11 @@ class Resumable:
         check_every: int = 1,
         keep: int = 2,
         signals: list[str] | None = None,
+        preemption: Preemption | None = None,
         async_save: bool = False,
+        requeue: str = "auto",
+        restore: bool = True,
+        log: Callable[[str], None] | None = None,
         seed: int = 0,
         **objects: Stateful,
     ) -> None:
@@ -140,6 +161,9 @@ class Resumable:
         self.paths = RunPaths(Path(run_dir))
         self.loader = _checked_loader(loader)
         self.checkpoint_every, self.check_every = checkpoint_every, check_every
+        self.async_save, self.requeue_mode = async_save, requeue
+        if log is not None:
+            self.log = log  # type: ignore[method-assign]
         self.objects: dict[str, Stateful] = {}
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -161,19 +185,27 @@ class Resumable:
         self.origin = 0
         self._rank_left = 0  # this rank's samples of the epoch from ``origin`` on
         self.seed = seed
-        self.preemption = Preemption(signals)
-        self.async_save = async_save
+        self.preemption = preemption if preemption is not None else Preemption(signals)
         self.sharded = _sharded_state(self.objects)
         self.checkpointer = Checkpointer(
             self.paths.checkpoints,
             rank=self.rank,
             world_size=self.world_size,
-            log=self.log,
-            async_save=async_save,
+            keep=keep,
+            log=None if log is not None else self.log,
+            async_save=async_save,  # its Gloo group: created now, on every rank
             sharded=self.sharded is not None,
         )
         self.resumed_from: Path | None = None
-        self._restore()
+        self._staged_names: tuple[str, ...] = ()
+        if restore and (loaded := self._restore()) is not None:
+            self.log(f"resumed from {self.resumed_from}: epoch {self.epoch + 1}, step {self.steps}")
+            if loaded.world_size != self.world_size:
+                self.log(
+                    f"resumed from {loaded.world_size} to {self.world_size} ranks at sample "
+                    f"{self.origin} of epoch {self.epoch + 1}; RNG streams derived from seed "
+                    f"{self.seed}, step {self.steps} and each rank"
+                )
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, total: int) -> Iterator[int]:
@@ -210,9 +242,8 @@ class Resumable:
         self.steps += 1
         if self.steps % self.check_every == 0 and self.preemption.agreed():
             self.save()
-            self.checkpointer.wait()
-            said = requeue("auto", run_paths=self.paths) if self.is_main else ""
-            self.log(f"preempted at step {self.steps}: checkpointed; {said}")
+            self.wait()  # a background save: committed on every rank before the requeue
+            self.log(f"preempted at step {self.steps}: checkpointed; {self.requeue()}")
             raise SystemExit(EXIT_REQUEUE)
         if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
             self.save()
@@ -243,29 +274,88 @@ class Resumable:
         return _Rest(sampler, self.origin)
 
     # ----------------------------------------------------------------- state
-    def save(self) -> Path | None:
-        """A checkpoint of everything, now (every rank calls it); with ``async_save``, started
-        now and committed in the background (None is returned)."""
+    def save(
+        self, *, meta: dict[str, Any] | None = None, staged: Staged | None = None
+    ) -> Path | None:
+        """A checkpoint of everything, now (every rank calls it); its directory, or None when
+        it is written in the background (``async_save``). ``meta``: small JSON values added to
+        the manifest's; ``staged``: what ``stage()`` already queued for this step."""
         generator = self.loader.generator if self.loader is not None else None
         per_rank: dict[str, Any] = {"rng": rng.capture()}
         if generator is not None:
             per_rank["loader_generator"] = generator.get_state()
+        # Only rank 0 writes the shared state (Checkpointer): the other ranks skip the copies.
+        done = self._staged_names if staged is not None else ()
         shared = (
-            self.sharded.state_dict()
+            self.sharded.state_dict()  # every rank's shards
             if self.sharded is not None
-            else {name: obj.state_dict() for name, obj in self.objects.items()}
+            else {
+                name: obj.state_dict()
+                for name, obj in self.objects.items()
+                if self.is_main and name not in done
+            }
         )
-        meta = {"epoch": self.epoch, "step": self.steps, "samples": self.samples}
-        if self.async_save:
-            self.checkpointer.save_async(self.steps, shared=shared, per_rank=per_rank, meta=meta)
+        meta = {
+            "epoch": self.epoch,
+            "step": self.steps,
+            "samples": self.samples,
+            **(meta or {}),
+        }
+        if self.async_save:  # waits for the previous save (raising its error), then copies
+            self.checkpointer.save_async(
+                self.steps, shared=shared, per_rank=per_rank, meta=meta, staged=staged
+            )
             return None
         return self.checkpointer.save(self.steps, shared=shared, per_rank=per_rank, meta=meta)
 
-    def _restore(self) -> None:
+    def stage(self, *names: str) -> Staged:
+        """Queue the copy of the named objects' state (all without names) for the checkpoint of
+        this step now, ahead of its ``save(staged=...)`` (``async_save`` only): a copy queued
+        while the GPU still runs earlier work costs training nothing. They must not change
+        before that save."""
+        self._staged_names = names or tuple(self.objects)
+        state = (
+            {n: self.objects[n].state_dict() for n in self._staged_names} if self.is_main else {}
+        )
+        return self.checkpointer.stage(self.steps, state)
+
+    def wait(self) -> Path | None:
+        """Wait for a background save; its directory (None if there was none), or its error."""
+        return self.checkpointer.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being written."""
+        return self.checkpointer.in_flight
+
+    @property
+    def newest(self) -> Path | None:
+        """The newest committed checkpoint's directory (after any save in flight), or None."""
+        self.wait()
+        name, _ = read_latest(self.paths.checkpoints)
+        return self.paths.checkpoints / name if name else None
+
+    def requeue(self) -> str:
+        """On rank 0, ask the launcher to run the job again (``requeue=`` at construction);
+        returns what happened (empty on the other ranks). Then leave with exit 75."""
+        if not self.is_main:
+            return ""
+        return requeue(self.requeue_mode, run_paths=self.paths)
+
+    def restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
+        """Restore the newest checkpoint that verifies (what construction does unless
+        ``restore=False``, without the line construction logs: the caller says what it
+        resumed); returns it, or None when there is none. ``check(loaded)`` may refuse it
+        (raise) before anything is restored."""
+        return self._restore(check)
+
+    def _restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
         into = self.sharded.state_dict() if self.sharded is not None else None
         loaded = self.checkpointer.load_latest(sharded_into=into)
         if loaded is None:
-            return
+            return None
+        if check is not None:
+            check(loaded)
         if self.sharded is not None:
             self.sharded.load_state_dict(_sharded_payload(loaded, into))
         else:
@@ -283,13 +373,7 @@ class Resumable:
             if generator is not None:
                 generator.manual_seed(rng.derived_seed(self.seed, self.steps, self.rank, "loader"))
         self.resumed_from = loaded.path
-        self.log(f"resumed from {loaded.path}: epoch {self.epoch + 1}, step {self.steps}")
-        if loaded.world_size != self.world_size:
-            self.log(
-                f"resumed from {loaded.world_size} to {self.world_size} ranks at sample "
-                f"{self.origin} of epoch {self.epoch + 1}; RNG streams derived from seed "
-                f"{self.seed}, step {self.steps} and each rank"
-            )
+        return loaded
 
     def _sampler(self) -> Any:
         return None if self.loader is None else self.loader.batch_sampler.sampler  # type: ignore[union-attr]

@@ -16,6 +16,8 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (every CUDA device's too) with ``seed``:
+    the same seed on every rank builds identical initial weights."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device

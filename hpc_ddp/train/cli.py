@@ -22,7 +22,6 @@ from typing import NoReturn
 from hpc_ddp import schema
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.extras import require
-from hpc_ddp.spawn import NPROC_PER_NODE
 from hpc_ddp.train import config
 from hpc_ddp.train.finished import finished_answer, finished_result, launched_alone
 from hpc_ddp.train.metric_writers import check_installed
@@ -32,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_arguments(parser)
     parser.add_argument(
         "--nproc-per-node",
-        type=schema.number_type(int, NPROC_PER_NODE),
+        type=schema.number_type(int, schema.NPROC_PER_NODE),
         default=1,
         metavar="N",
         help="fork N worker processes on this machine (one per GPU) after the imports, and wait "
@@ -50,22 +49,20 @@ def run(args: argparse.Namespace) -> NoReturn:
     require("train", "training")
     check_installed(cfg.metrics)  # --metrics tensorboard without it: said before torch loads
 
-    from hpc_ddp.dist import leave_group_to_exit, run_main, shutdown_and_exit
+    from hpc_ddp import run_main, shutdown, spawn_workers
     from hpc_ddp.train.trainer import train  # imports torch: before any fork, on purpose
 
     def worker() -> NoReturn:
-        leave_group_to_exit()  # one training, then the exit: no NCCL destroy on the way out
-        # run_main prints any error with this process's rank and exits with its code (os._exit).
-        run_main(lambda: train(cfg).exit_code)
+        # One training, then the exit: no NCCL destroy on the way out. run_main prints any
+        # error with this process's rank and exits with its code (os._exit).
+        run_main(lambda: train(cfg, exiting=True).exit_code)
 
     if args.nproc_per_node == 1:
         worker()
-    from hpc_ddp.spawn import launch
-
-    code = launch(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
+    code = spawn_workers(worker, args.nproc_per_node, gpus_per_process=cfg.gpus_per_process)
     # Like the workers, flush and leave without the interpreter's teardown: with torch and the
     # trainer imported it is a long wait after the job has ended (benchmarks/NOTES.md).
-    shutdown_and_exit(code)
+    shutdown(code)
 
 
 def main(argv: list[str]) -> NoReturn:

@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp import schema
-from hpc_ddp.cluster.devices import gpus_per_process_setting
+from hpc_ddp import parse_signal, schema
 from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.preemption import parse_signal
 from hpc_ddp.schema import field_doc
 from hpc_ddp.train import registry
 
@@ -183,7 +181,7 @@ class TrainConfig:
             "auto (GPU-resident when it fits, else torchvision), gpu or torchvision"
         ),
     )
-    # auto: captured whenever the run qualifies (hpc_ddp/train/cuda_graphs.py: choose), else
+    # auto: captured whenever the run qualifies (hpc_ddp/train/fast/cuda_graphs.py: choose), else
     # eager DDP with one log line saying why.
     cuda_graphs: str = field(
         default="auto",
@@ -324,7 +322,7 @@ class TrainConfig:
             )
         self.requeue_signals = [parse_signal(s).name for s in self.requeue_signals]
         self.metrics = metrics_formats(self.metrics)
-        self.gpus_per_process = gpus_per_process_setting(self.gpus_per_process)  # 0 -> None
+        self.gpus_per_process = schema.gpus_per_process_setting(self.gpus_per_process)  # 0 -> None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

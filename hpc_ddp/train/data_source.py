@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from hpc_ddp.runtime.shard_plan import ShardPlan
+from hpc_ddp import ShardPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

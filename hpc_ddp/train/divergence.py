@@ -2,7 +2,7 @@
 
 The trainer looks only where the values reach the host anyway, so a step costs nothing more:
 
-- every step's loss, at the sync point that folds it into the epoch's sums (syncpoints.py): the
+- every step's loss, at the sync point that folds it into the epoch's sums (trainer.py): the
   all-reduced sums, so a NaN on one rank is a NaN on every rank, and all ranks find the same
   first bad step at the same sync point;
 - the test loss of each evaluation (all-reduced too), before the epoch's row is written;

@@ -30,7 +30,7 @@ from hpc_ddp.train.results import finished_epochs, read_json, summary_lines
 def launched_alone(cfg: TrainConfig) -> bool:
     """True when no launcher started this process as one of several (the command then starts
     every process of the run itself, or is the only one)."""
-    from hpc_ddp.cluster import detect_env
+    from hpc_ddp import detect_env
 
     try:
         return detect_env(gpus_per_process=cfg.gpus_per_process or None).world_size == 1

@@ -42,11 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from hpc_ddp import Comm, ShardPlan
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.log import get_logger
 from hpc_ddp.regular_file import open_regular, read_whole
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train import image_synthetic, loader_settings
 from hpc_ddp.train.data_source import Batch, EvalData, TrainData
 from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
+from hpc_ddp import ResumableDistributedSampler, ShardPlan, eval_indices
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.sampler import ResumableDistributedSampler
-from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train import data_wait
 from hpc_ddp.train.data_source import Batch
 from hpc_ddp.train.loader_settings import LoaderSettings, reads_from_disk

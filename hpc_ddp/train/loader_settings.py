@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_ddp.spawn import die_with_parent, usable_cores
+from hpc_ddp import die_with_parent, usable_cores
 
 # More workers than this mostly add processes to start and memory to hold: each worker holds
 # `PREFETCH` batches in flight, and decoding beyond the GPU's pace buys nothing.

@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.runtime.evaluation import Batches, EvalSums, accumulate
-from hpc_ddp.runtime.exact_allreduce import allreduce_per_tensor
+from hpc_ddp import EvalSums, eval_sums, per_tensor_comm_hook
 
 if TYPE_CHECKING:
-    from hpc_ddp.train.tensor_average import PerTensorAverage
+    from hpc_ddp.runtime.evaluation import Batches
+    from hpc_ddp.train.fast.tensor_average import PerTensorAverage
 
 
 @dataclass
@@ -70,7 +70,7 @@ def timed_allreduce(timer, bucket):  # DDP rejects annotations other than its ow
     """DDP comm hook: DDP's default all-reduce (same numerics), timed into ``timer``."""
     timer.launched()
     if timer.per_tensor:
-        fut = allreduce_per_tensor(bucket)
+        fut = per_tensor_comm_hook(None, bucket)
     else:
         fut = default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 
@@ -122,7 +122,7 @@ class Stepper:
         self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
     ) -> EvalSums:
         """Evaluation's per-rank sums (``evaluate``'s ``sums_of``): eager, batch by batch."""
-        return accumulate(model, batches, amp_dtype)
+        return eval_sums(model, batches, amp_dtype)
 
     def step(
         self, micro: list[tuple[torch.Tensor, torch.Tensor]], times: Times
@@ -130,8 +130,8 @@ class Stepper:
         """One optimizer step over ``micro``; returns (sum of per-sample losses, samples).
 
         The loss sum is a float64 scalar on the output device, not read here: reading it would
-        make the host wait for the GPU every step (the trainer reads it at sync points, see
-        syncpoints.py), so ``times.compute`` counts the host's part; the wait lands at the sync.
+        make the host wait for the GPU every step (the trainer reads it at its sync points,
+        trainer.py), so ``times.compute`` counts the host's part; the wait lands at the sync.
 
         Each micro-batch's loss is divided by the step's sample count, so the accumulated
         gradient is the mean over the whole step, as one big batch would give; all ranks have

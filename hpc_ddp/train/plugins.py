@@ -33,17 +33,16 @@ import torch
 from torch.utils.data import Dataset
 
 import hpc_ddp
+from hpc_ddp import Comm, ShardPlan
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.shard_plan import ShardPlan
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
 from hpc_ddp.train.loader_settings import LoaderSettings, choose, reads_from_disk
 from hpc_ddp.train.plugin_spec import CONTRACTS, PluginSpec
 
 if TYPE_CHECKING:  # annotations only: config -> registry -> plugins must not loop back
-    from hpc_ddp.dist import DistContext
+    from hpc_ddp import DistContext
     from hpc_ddp.train.config import TrainConfig
 
 log = get_logger("data")

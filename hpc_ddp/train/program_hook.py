@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_ddp.deploy.program import JobNeeds, ProgramFlags, ProgramHook
-from hpc_ddp.doctor_checks import FAIL, OK, WARN, Check
+from hpc_ddp import Check, JobNeeds, ProgramFlags, ProgramHook
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.run_dir.paths import RunPaths
 from hpc_ddp.train import config, results
@@ -64,19 +63,19 @@ class TrainerNeeds(JobNeeds):
 def check_data_dir(t: config.TrainConfig, workdir: Path) -> Check:
     path = workdir / t.data_dir
     if t.synthetic:
-        return Check(OK, "data dir", f"synthetic {t.dataset}: no files needed")
+        return Check("OK", "data dir", f"synthetic {t.dataset}: no files needed")
     if path.is_dir() and any(path.iterdir()):
-        return Check(OK, "data dir", f"{path} exists")
+        return Check("OK", "data dir", f"{path} exists")
     if not t.download:
         return Check(
-            FAIL, "data dir", f"{path} is missing or empty and --no-download is set",
+            "FAIL", "data dir", f"{path} is missing or empty and --no-download is set",
             "put the dataset there first, or let the trainer download it",
         )  # fmt: skip
     parent = path if path.is_dir() else path.parent
     if not os.access(parent, os.W_OK):
-        return Check(FAIL, "data dir", f"{path} is missing and {parent} is not writable")
+        return Check("FAIL", "data dir", f"{path} is missing and {parent} is not writable")
     return Check(
-        WARN,
+        "WARN",
         "data dir",
         f"{path} is empty: the trainer will download {t.dataset} there",
         "compute nodes often have no internet access: download it on the login node first",

@@ -29,6 +29,14 @@ class Progress:
     # checkpoint writes it again, with the epoch row of the same step.
     last_log: dict[str, Any] | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of it. Shallow: a save writes it at once, a background save
+        copies it; a deep copy would first copy the growing history on the training thread."""
+        return vars(self).copy()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self).update(vars(Progress(**state)))  # every field checked by the constructor
+
 
 def wants_live_bar(stream: TextIO, environ: Mapping[str, str]) -> bool:
     """A terminal that asked for nothing plainer: not a pipe or a log file, no ``NO_COLOR``

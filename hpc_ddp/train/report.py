@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Literal
 
 from hpc_ddp.log import get_logger
-from hpc_ddp.run_dir.paths import PROGRESS_SLURM_JOB, RunPaths
-from hpc_ddp.runtime.preemption import slurm_job_to_requeue
-from hpc_ddp.slurm_client import MAX_RESTARTS, is_job_id
+from hpc_ddp.run_dir.paths import PROGRESS_SLURM_JOB, RunPaths, slurm_attempt
 from hpc_ddp.train import results
 from hpc_ddp.train.divergence import TrainingDiverged
 from hpc_ddp.train.fingerprint import params_sha256
@@ -24,17 +21,6 @@ ProgressStatus = Literal[
     "training", "holding", "preempted", "finished", "interrupted", "failed", "diverged"
 ]
 ROUTINE_INTERVAL_S = 0.5
-
-
-def slurm_attempt(environ: Mapping[str, str]) -> dict[str, Any] | None:
-    """The Slurm job this process runs in and how often Slurm has requeued it (the id an array
-    task is known by, and SLURM_RESTART_COUNT), or None outside Slurm."""
-    job = slurm_job_to_requeue(environ)
-    restart = environ.get("SLURM_RESTART_COUNT") or "0"
-    counted = restart.isascii() and restart.isdigit() and int(restart) <= MAX_RESTARTS
-    if job is None or not is_job_id(job) or not counted:
-        return None
-    return {"id": job, "restarts": int(restart)}
 
 
 class ProgressFile:

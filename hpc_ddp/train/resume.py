@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from hpc_ddp.checkpoint import Staged
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime import rng
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.loop import Times
 from hpc_ddp.train.progress import Progress
 from hpc_ddp.train.state import TrainState
+
+if TYPE_CHECKING:
+    from hpc_ddp.checkpoint import Staged
 
 log = get_logger("train")
 
@@ -44,17 +45,19 @@ class Clock:
 
 
 def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) -> Progress:
-    """Load the newest committed checkpoint into ``state``; a fresh Progress when there is none.
+    """Restore the newest committed checkpoint into ``state`` (``state.run``: the model, its
+    optimizer, schedule and scaler, the progress, every RNG); the progress, fresh when there is
+    none.
 
     The run may end elsewhere than the run that wrote the checkpoint (``--epochs`` changed):
     it continues to ``cfg.epochs``, with the learning rate of this run's schedule
-    (:func:`schedule_lr`); a checkpoint past that end is refused.
+    (:func:`schedule_lr`); a checkpoint past that end is refused. One written by another
+    number of processes resumes at its global sample position (docs/checkpoints.md).
     """
-    loaded = state.ckpt.load_latest(map_location="cpu")
+    progress = state.progress
+    loaded = state.run.restore()
     if loaded is None:
-        return Progress()
-    s = loaded.shared
-    progress = Progress(**s["progress"])
+        return progress
     reached = progress.epoch + 1 if progress.start else progress.epoch  # epochs begun
     if reached > cfg.epochs:
         raise ConfigError(
@@ -62,10 +65,6 @@ def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) 
             f"{reached}, past --epochs {cfg.epochs}",
             hint=f"give --epochs {reached} or more: a run continues, it is never cut back",
         )
-    state.net.load_state_dict(s["model"])
-    state.stepper.optimizer.load_state_dict(s["optimizer"])
-    state.stepper.scheduler.load_state_dict(s["scheduler"])
-    state.stepper.scaler.load_state_dict(s["scaler"])
     elastic = loaded.world_size != world_size
     if elastic:  # the schedule where this world's steps would be at the same sample
         plan = state.plan
@@ -74,10 +73,6 @@ def restore(state: TrainState, cfg: TrainConfig, world_size: int, clock: Clock) 
     schedule_lr(state, cfg)
     progress.interruptions += 1
     clock.base, clock.loop_base = progress.wall_seconds, progress.train_wall_seconds
-    if elastic:  # the saved streams are the old ranks': derived afresh (docs/checkpoints.md)
-        rng.reseed(cfg.seed, progress.global_step, state.ckpt.rank)
-    else:
-        rng.restore(loaded.per_rank["rng"])
     log.info(
         f"resumed from {loaded.path} (epoch {progress.epoch + 1}, "
         f"{progress.start} samples into it, step {progress.global_step})"
@@ -121,23 +116,15 @@ def schedule_lr(state: TrainState, cfg: TrainConfig) -> None:
         )
 
 
-def training_state(state: TrainState) -> dict[str, Any]:
-    """What of the state a checkpoint's ``shared`` part holds besides the progress: on rank 0,
-    which alone writes it (the other ranks' state dicts would only cost them time)."""
-    if state.ckpt.rank != 0:
-        return {}
-    stepper = state.stepper
-    return {
-        "model": state.net.state_dict(),
-        "optimizer": stepper.optimizer.state_dict(),
-        "scheduler": stepper.scheduler.state_dict(),
-        "scaler": stepper.scaler.state_dict(),
-    }
+# What ``stage`` copies early: the training state, not the progress (which the save adds).
+STAGED = ("model", "optimizer", "scheduler", "scaler")
 
 
-def stage(state: TrainState, step: int) -> Staged:
-    """Queue the copy of the training state for checkpoint ``step`` now (background saves)."""
-    return state.ckpt.stage(step, training_state(state))
+def stage(state: TrainState, progress: Progress) -> Staged:
+    """Queue the copy of the training state for the checkpoint of ``progress.global_step`` now
+    (background saves)."""
+    state.run.epoch, state.run.steps = progress.epoch, progress.global_step
+    return state.run.stage(*STAGED)
 
 
 def save(
@@ -154,17 +141,8 @@ def save(
     progress.epoch_times = times.to_dict()
     progress.wall_seconds = clock.elapsed()
     progress.train_wall_seconds = clock.loop_elapsed()
-    # Shallow: save() writes it at once, save_async() copies it; asdict() would first deep-copy
-    # the growing history on the training thread.
-    shared = {"progress": vars(progress).copy()}
-    if staged is None:
-        shared.update(training_state(state))
-    meta = {"epoch": progress.epoch, "start": progress.start, "model": cfg.model}
-    per_rank = {"rng": rng.capture()}
-    if cfg.async_checkpoint:  # waits for the previous save (raising its error), then copies
-        state.ckpt.save_async(
-            progress.global_step, shared=shared, per_rank=per_rank, meta=meta, staged=staged
-        )
-    else:
-        state.ckpt.save(progress.global_step, shared=shared, per_rank=per_rank, meta=meta)
+    run = state.run
+    run.epoch, run.steps = progress.epoch, progress.global_step
+    run.batches_done = state.plan.steps_done(progress.start) * cfg.accum_steps
+    run.save(meta={"start": progress.start, "model": cfg.model}, staged=staged)
     times.checkpoint += time.perf_counter() - t0

@@ -5,56 +5,222 @@ Every rank runs the same code; rank 0 alone writes files, and the log keeps rank
 through one collective each, so a rank that fails alone is reported by name instead of leaving
 the others in a collective; a NaN or infinite loss is read from values every rank shares
 (divergence.py), so every rank stops at the same step. The trainer's parts: state.py builds
-what it trains with, resume.py is its checkpoint glue, report.py its progress file and Result;
-this module is the epoch loop and the run's lifetime.
+what it trains with, resume.py is its checkpoint glue, report.py its progress file and Result,
+fast/ its speed machinery; this module is the epoch loop, read top to bottom: its sync points,
+which epoch ends save, the loop itself (Trainer) and the run's lifetime (train).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from hpc_ddp.checkpoint import Staged
-from hpc_ddp.checkpoint.committed import read_latest
-from hpc_ddp.cluster import detect_env
+import torch
+
+from hpc_ddp import Comm, Preemption, detect_env, evaluate, use_deterministic_kernels
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.log import before_each_line, get_logger, set_rank
 from hpc_ddp.polling import poll_until
 from hpc_ddp.run_dir import RunDirLock, RunPaths
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.evaluation import evaluate
-from hpc_ddp.runtime.preemption import CtrlC, PreemptionFlag, requeue
-from hpc_ddp.runtime.rng import use_deterministic_kernels
 from hpc_ddp.train import results
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.divergence import TrainingDiverged, first_nonfinite, state_is_finite
+from hpc_ddp.train.fast.choice import LatencyAdvice, StartUp
 from hpc_ddp.train.finished import finished_answer
-from hpc_ddp.train.kernel_warmup import KernelWarmup
 from hpc_ddp.train.loop import Times, grouped
 from hpc_ddp.train.metric_records import Record, step_record
 from hpc_ddp.train.metric_writers import MetricWriters, open_writers
 from hpc_ddp.train.plotter import Plotter
 from hpc_ddp.train.plugins import exited_in_training
-from hpc_ddp.train.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.progress import LiveBar, Progress, wants_live_bar
 from hpc_ddp.train.report import ProgressFile, make_result
 from hpc_ddp.train.resume import Clock, restore, save, stage
 from hpc_ddp.train.run_dir_rules import open_run_dir
-from hpc_ddp.train.save_policy import EpochEndSaves
 from hpc_ddp.train.state import TrainState, build_state, load_splits, preflight
-from hpc_ddp.train.step_rate import LatencyAdvice
-from hpc_ddp.train.syncpoints import AgreeSchedule, PendingSteps
 
 if TYPE_CHECKING:
-    from hpc_ddp.dist import DistContext
+    from hpc_ddp import DistContext
+    from hpc_ddp.checkpoint import Staged
 
 HOLD_TIMEOUT_S = 120.0
 log = get_logger("train")
+
+
+# ------------------------------------------------------------------ sync points
+# Where training synchronises the host with the devices and the ranks with each other.
+#
+# A step's loss stays on the device; nothing in a step waits for the GPU. The ranks meet at *sync
+# points*, and only there: one all-reduce carries the per-step loss sums and sample counts of every
+# step since the last sync point (in step order), the preemption vote and each rank's recent pace,
+# and one host read takes the result. Reading the loss every step would cost a host sync per step:
+# the CPU could not queue step s+1 while the GPU finished step s, a sizeable share of a step,
+# eager or captured (benchmarks/NOTES.md).
+#
+# Sync points are a function of the step count and of values every rank holds identically (the
+# config, the result of the previous all-reduce), so all ranks enter the same collectives:
+# - the epoch's last step, log points (``log_every``), in-epoch checkpoint steps, the test hook
+#   ``debug_hold_at_step``: where a value must be known (the log line, a checkpoint's progress);
+# - agreement points (``AgreeSchedule``) for the preemption flag: every ``k`` steps with ``k`` set
+#   from the measured pace so that ``k`` steps take about ``AGREE_TARGET_S`` seconds, at most
+#   ``AGREE_MAX_STEPS``. A signal thus leads to a checkpoint after at most ``k`` more steps
+#   (docs/training.md has the bound). One process needs no agreement: it reads its own flag after
+#   every step and syncs only when it is set.
+#
+# Results do not depend on where sync points fall: the losses are folded into the epoch's sums in
+# step order, in float64, exactly as when each step was reduced on its own (bit-identical for one or
+# two ranks; with three or more, a ring all-reduce may add a step's rank values in another order
+# than for a 3-element message, a last-bit difference in the logged loss only).
+
+AGREE_TARGET_S = 0.25  # seconds of training between two preemption agreements, about
+AGREE_MAX_STEPS = 64  # and never more steps than this
+
+
+@dataclass
+class AgreeSchedule:
+    """At which global steps the ranks agree on the preemption flag (several ranks only)."""
+
+    world_size: int
+    target_s: float = AGREE_TARGET_S
+    max_steps: int = AGREE_MAX_STEPS
+    next_step: int = 0  # the first step after (re)start agrees
+    pace: float = -1.0  # this rank's seconds per step over the last full interval; -1 unknown
+    agreed_pace: float = -1.0  # the ranks' mean pace from the last sync point: the same on all
+    _mark: float | None = field(default=None, repr=False)
+    _mark_step: int = 0
+
+    def due(self, step: int, requested: bool) -> bool:
+        """Whether ``step`` must be a sync point for the flag (``requested``: this rank's own)."""
+        if self.world_size == 1:
+            return requested  # no one to agree with: act at this step boundary
+        return step >= self.next_step
+
+    def interval(self, pace: float) -> int:
+        """Steps until the next agreement at ``pace`` seconds per step (all ranks' mean)."""
+        if pace <= 0:
+            return 1
+        return max(1, min(self.max_steps, int(self.target_s / pace)))
+
+    def start_epoch(self, step: int) -> None:
+        """Measure the pace from here: evaluation and checkpoints are not training steps."""
+        self._mark, self._mark_step = time.perf_counter(), step
+
+    def synced(self, step: int, pace: float) -> None:
+        """After a sync point at ``step``: plan the next agreement, measure the pace from here."""
+        now = time.perf_counter()
+        if self._mark is not None and step > self._mark_step:
+            self.pace = (now - self._mark) / (step - self._mark_step)
+        self._mark, self._mark_step = now, step
+        self.agreed_pace = pace
+        self.next_step = step + self.interval(pace)
+
+
+@dataclass
+class PendingSteps:
+    """The steps since the last sync point: device loss sums and sample counts, in step order."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, loss_sum: torch.Tensor, n: int) -> None:
+        self.losses.append(loss_sum)
+        self.counts.append(n)
+
+    def reduce(
+        self, comm: Comm, preempt: float, pace: float
+    ) -> tuple[list[float], list[float], float, float]:
+        """One all-reduce SUM and one host read; empties the list.
+
+        Returns (global loss sum per step, global samples per step, preemption votes, the
+        ranks' mean pace).
+        """
+        k = len(self.losses)
+        host = torch.tensor([*map(float, self.counts), preempt, pace], dtype=torch.float64)
+        losses = torch.stack(self.losses).to(device=comm.device, dtype=torch.float64)
+        values = comm.sum_tensor(torch.cat([losses, host.to(comm.device)]))  # the one host sync
+        self.losses.clear()
+        self.counts.clear()
+        return values[:k], values[k : 2 * k], values[2 * k], values[2 * k + 1] / comm.world_size
+
+
+# ------------------------------------------------------------------ epoch-end saves
+# Which epoch ends write a checkpoint.
+#
+# Every one when epochs are long; when they are short, one once ``checkpoint_interval_s`` seconds
+# of training have passed since the newest checkpoint, so that a save's cost on the training path
+# and beside it, which a sub-second epoch cannot absorb (benchmarks/NOTES.md), stays under 1 % of
+# training. The last epoch's end always saves, and so do preemptions and ``checkpoint_every_steps``.
+#
+# Every rank must enter a save's collectives or none: the decision uses only values all ranks
+# hold identically, the global step and the ranks' mean pace agreed at the last sync point
+# (AgreeSchedule.agreed_pace), never a rank's own clock.
+
+
+@dataclass
+class EpochEndSaves:
+    """The epoch-end saving policy of one run (one attempt: ``since_step`` is where it began)."""
+
+    interval_s: float  # TrainConfig.checkpoint_interval_s; 0 saves every epoch end
+    since_step: int = 0  # global step of the newest checkpoint, or of this attempt's start
+    told: bool = False  # the one log line about thinned saves was written
+    trained_s: float = 0.0  # training since the newest checkpoint, at the last decision
+
+    def due(self, step: int, pace: float, *, final: bool) -> bool:
+        """Whether the epoch ending at global ``step`` saves, at ``pace`` agreed seconds/step
+        (<= 0: not measured yet, so it saves)."""
+        self.trained_s = (step - self.since_step) * pace
+        if final or self.interval_s <= 0 or pace <= 0:
+            return True
+        return self.trained_s >= self.interval_s
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of ``step`` was written (at an epoch end or elsewhere)."""
+        self.since_step = step
+
+    def first_skip(self) -> bool:
+        """True once: at the first epoch end that does not save (the run says why)."""
+        told, self.told = self.told, True
+        return not told
+
+
+@dataclass
+class CtrlC:
+    """SIGINT (Ctrl-C) during training: remembers that it came, then raises KeyboardInterrupt.
+
+    A launcher may leave SIGINT at its default action (``--nproc-per-node``'s workers do, so
+    that a forwarded Ctrl-C stops them), which ends the process with no chance to say so; this
+    turns it into an exception the trainer records (progress.json: ``interrupted``). A rank in
+    a collective sees it when the collective returns or fails because a peer left: ``received``
+    then tells that error from a crash. Not installed where SIGINT is a requeue signal.
+    """
+
+    received: bool = False
+    _previous: object = None
+
+    @classmethod
+    def install(cls, preemption: Preemption) -> CtrlC:
+        ctrl_c = cls()
+        if signal.SIGINT not in preemption.signals:
+            ctrl_c._previous = signal.signal(signal.SIGINT, ctrl_c._handle)
+        return ctrl_c
+
+    def _handle(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.received:  # the same Ctrl-C again (a launcher forwards the terminal's): the
+            return  # first is already unwinding; raising again could cut its recording short
+        self.received = True
+        raise KeyboardInterrupt
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+            self._previous = None
 
 
 class Trainer:
@@ -135,11 +301,11 @@ class Trainer:
         if not self.cfg.async_checkpoint:
             return None
         t0 = time.perf_counter()
-        staged = stage(self.state, progress.global_step)
+        staged = stage(self.state, progress)
         times.checkpoint += time.perf_counter() - t0
         return staged
 
-    def hold_for_signal(self, progress: Progress, flag: PreemptionFlag) -> None:
+    def hold_for_signal(self, progress: Progress, flag: Preemption) -> None:
         """Test hook (``debug_hold_at_step``): wait, bounded, until a requeue signal arrives."""
         self.progress_file.write(progress, "holding")
         # Polling our own flag, set by the signal handler.
@@ -150,19 +316,18 @@ class Trainer:
         """Stop every rank: each calls this at the same point, on values all ranks share. A
         background save in flight holds a state checked finite: it commits first, and the
         error names the newest checkpoint."""
-        self.state.ckpt.wait()
-        newest, _ = read_latest(self.paths.checkpoints)
+        newest = self.state.run.newest
         epoch = progress.epoch + 1 if progress.start else progress.epoch  # of the last step
         raise TrainingDiverged(
             what,
             step=step,
             epoch=epoch,
             stopped=progress.global_step,
-            checkpoint=str(self.paths.checkpoints / newest) if newest else None,
+            checkpoint=str(newest) if newest else None,
             cfg=self.cfg,
         )
 
-    def run(self, flag: PreemptionFlag) -> results.Result:
+    def run(self, flag: Preemption) -> results.Result:
         if self.rank == 0:
             # The plot's helper imports matplotlib from now on, beside the training: started
             # any later, it would still be importing when a short run ends, and rank 0 would
@@ -217,7 +382,7 @@ class Trainer:
                 logging = done % cfg.log_every == 0 or last
                 every = cfg.checkpoint_every_steps
                 saving = bool(every) and not last and progress.global_step % every == 0
-                # Sync points (syncpoints.py): the same steps on every rank. The epoch's last
+                # Sync points (above): the same steps on every rank. The epoch's last
                 # step skips the flag: its checkpoint comes after evaluation.
                 due = agree.due(progress.global_step, flag.requested)
                 if last:
@@ -240,7 +405,7 @@ class Trainer:
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=epoch_save)
         # An async save still in flight: committed (or raised) before result.json.
-        self.state.ckpt.wait()
+        self.state.run.wait()
         return self.finish(progress)
 
     def sync_steps(
@@ -353,13 +518,13 @@ class Trainer:
         self.metrics.write(Record("epoch", row))
 
     def preempted(
-        self, progress: Progress, times: Times, flag: PreemptionFlag, *, saved: bool = False
+        self, progress: Progress, times: Times, flag: Preemption, *, saved: bool = False
     ) -> results.Result:
         if not saved:
             self.save(progress, times)
-        self.state.ckpt.wait()  # async: committed on every rank before requeueing and exiting 75
+        self.state.run.wait()  # async: committed on every rank before requeueing and exiting 75
         what = ", ".join(sorted(set(flag.received))) or "another rank's signal"
-        message = requeue(self.cfg.requeue, run_paths=self.paths) if self.rank == 0 else ""
+        message = self.state.run.requeue()
         log.info(f"preempted ({what}): checkpointed at step {progress.global_step}; {message}")
         self.progress_file.write(progress, "preempted")
         return self.result(progress, "preempted", EXIT_REQUEUE)
@@ -409,15 +574,19 @@ def _finished_result(cfg: TrainConfig) -> results.Result:
     return results.Result(**saved)
 
 
-def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Result:
+def train(
+    config: TrainConfig, *, ctx: DistContext | None = None, exiting: bool = False
+) -> results.Result:
     """Train in this process (one rank of the job); returns the Result on every rank.
 
     Initialises the process group through ``hpc_ddp.dist`` unless one is already up (``ctx`` lets
     a caller pass its DistContext). Raises on errors; ``run_process`` turns them into exit codes.
+    ``exiting``: the process exits once this returns (the command's worker), so an NCCL group
+    is left to the exit (``end_process_group``).
     """
     import torch.distributed as dist
 
-    from hpc_ddp.dist import end_process_group, init_distributed
+    from hpc_ddp import end_process_group, init_distributed
 
     clock = Clock()
     if config.deterministic:  # before any CUDA work of ours: cuBLAS reads its setting once
@@ -425,9 +594,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
     own_group = ctx is None and not dist.is_initialized()
     env = ctx.env if ctx else detect_env(gpus_per_process=config.gpus_per_process or None)
     set_rank(env.rank)
-    prefetch = DynamoPrefetch.start() if needs_dynamo(config, env) else None
+    startup = StartUp.begin(config, env, joining=ctx is None)  # beside the join (fast/)
     if ctx is None:
-        warmup = KernelWarmup.start(config, env)  # CUDA's one-time costs beside the join
         try:
             ctx = init_distributed(
                 env,
@@ -436,13 +604,11 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
                 connect_timeout_s=config.connect_timeout_s,
             )
         finally:
-            if warmup is not None:
-                warmup.finish()
-    if prefetch is not None:
-        prefetch.process_group_ready()
+            startup.joined()
+    startup.process_group_ready()
     comm = Comm(ctx.device)
     lock = RunDirLock(config.run_dir)
-    flag = PreemptionFlag.install(config.requeue_signals)
+    flag = Preemption(config.requeue_signals)
     ctrl_c = CtrlC.install(flag)
     state: TrainState | None = None
     trainer: Trainer | None = None
@@ -456,7 +622,8 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
                     "\n".join(finished_answer(config.run_dir, result.to_dict(), config.epochs))
                 )
                 return result
-            state = build_state(config, ctx, comm, amp, load_splits(config, ctx, comm))
+            splits = load_splits(config, ctx, comm)
+            state = build_state(config, ctx, comm, amp, splits, flag)
             trainer = Trainer(config, ctx, comm, state, clock)
             try:
                 result = trainer.run(flag)
@@ -477,11 +644,11 @@ def train(config: TrainConfig, *, ctx: DistContext | None = None) -> results.Res
         if trainer is not None:
             trainer.close()
         ctrl_c.uninstall()
-        flag.uninstall()
+        flag.close()
         lock.release()
     if own_group:  # only on success: on errors peers may be gone
         # Captured NCCL work must go before its communicator (cuda_graphs.GraphedStep.release).
-        end_process_group(release=state.stepper.close)
+        end_process_group(release=state.stepper.close, exiting=exiting)
     if trainer.plotter is not None:
         trainer.plotter.finish()
     return result
@@ -495,12 +662,12 @@ def _stop(
     if trainer is not None:
         trainer.record_stop(err, ctrl_c=ctrl_c)
     if state is not None:
-        state.ckpt.close(timeout=HOLD_TIMEOUT_S)
+        state.run.checkpointer.close(timeout=HOLD_TIMEOUT_S)
 
 
 def run_process(config: TrainConfig) -> int:
     """Train and return the exit code (0, 2 bad input, 1 crash, 65 diverged, 75 requeue), errors
     printed."""
-    from hpc_ddp.dist import exit_code_of
+    from hpc_ddp import exit_code_of
 
     return exit_code_of(lambda: train(config).exit_code)

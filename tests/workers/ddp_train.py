@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 
 from hpc_ddp.train import cli as command
-from hpc_ddp.train import state
+from hpc_ddp.train.fast import choice as fast
 
 TORCH_DEFAULTS = "--torch-ddp-defaults"
-trainer_options, trainer_sync = state.ddp_options, state.gradient_sync
+trainer_options, trainer_sync = fast.ddp_options, fast.gradient_sync
 
 
 def always_ddp(backend: str, world_size: int, captured: bool) -> str:
@@ -34,8 +34,8 @@ def announced_options(net: object, **kwargs: object) -> dict[str, bool]:
 
 
 torch_defaults = sys.argv[1:2] == [TORCH_DEFAULTS]
-state.gradient_sync = always_ddp
-state.ddp_options = announced_options
+fast.gradient_sync = always_ddp  # where the trainer's plan_step and StepPlan look them up
+fast.ddp_options = announced_options
 
 if __name__ == "__main__":
     command.main(sys.argv[2:] if torch_defaults else sys.argv[1:])

@@ -6,7 +6,8 @@ committed. Two wrappers, applied before ``--nproc-per-node`` forks the workers:
 
 - ``committed.write_latest`` (the commit point, on the saving thread) waits ``COMMIT_DELAY_S``
   first: a slow ``latest`` rename, not a wait for anything in the test;
-- at the two reporting points (``results.write_json`` of result.json, ``trainer.requeue``) the
+- at the two reporting points (``results.write_json`` of result.json, the requeue that the
+  trainer's ``Resumable.requeue`` asks for: ``hpc_ddp.runtime.resumable.requeue``) the
   worker appends what ``checkpoints/latest`` names at that moment to ``<run-dir>/reports.jsonl``.
 """
 
@@ -20,8 +21,9 @@ from typing import Any
 
 from hpc_ddp.checkpoint import committed
 from hpc_ddp.run_dir import paths as run_dir_paths
+from hpc_ddp.runtime import resumable
 from hpc_ddp.train import cli as command
-from hpc_ddp.train import results, trainer
+from hpc_ddp.train import results
 
 COMMIT_DELAY_S = 1.0
 
@@ -33,7 +35,7 @@ def record(run_dir: Path, event: str) -> None:
         fh.write(json.dumps({"event": event, "latest": named}) + "\n")
 
 
-write_latest, write_json, requeue = committed.write_latest, results.write_json, trainer.requeue
+write_latest, write_json, requeue = committed.write_latest, results.write_json, resumable.requeue
 
 
 def slow_write_latest(root: Path, name: str) -> None:
@@ -54,7 +56,7 @@ def recording_requeue(mode: str, *args: Any, **kwargs: Any) -> str:
 
 committed.write_latest = slow_write_latest
 results.write_json = recording_write_json
-trainer.requeue = recording_requeue
+resumable.requeue = recording_requeue
 
 if __name__ == "__main__":
     command.main(sys.argv[1:])

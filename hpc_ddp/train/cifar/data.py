@@ -36,8 +36,9 @@ from hpc_ddp.log import get_logger
 from hpc_ddp.private_paths import replace_file
 from hpc_ddp.regular_file import open_regular, read_small
 from hpc_ddp.train import loader_data
-from hpc_ddp.train.cifar import array_cache, safe_pickle, synthetic
+from hpc_ddp.train.cifar import safe_pickle, synthetic
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import array_cache
 from hpc_ddp.train.loader_data import eval_batches  # noqa: F401  (the CIFAR tests' name)
 
 if TYPE_CHECKING:

@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hpc_ddp import Comm, ShardPlan
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.collectives import Comm
-from hpc_ddp.runtime.shard_plan import ShardPlan
-from hpc_ddp.train.cifar import data, gpu_data
+from hpc_ddp.train.cifar import data
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, TrainData
+from hpc_ddp.train.fast import gpu_data
 
 if TYPE_CHECKING:
-    from hpc_ddp.dist import DistContext
+    from hpc_ddp import DistContext
 
 
 @dataclass

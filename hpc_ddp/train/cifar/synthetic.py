@@ -35,8 +35,8 @@ import numpy as np
 
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.regular_file import read_json
-from hpc_ddp.train.cifar import array_cache
 from hpc_ddp.train.cifar import safe_pickle as cifar_pickle
+from hpc_ddp.train.fast import array_cache
 
 FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}

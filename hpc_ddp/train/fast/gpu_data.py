@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from hpc_ddp import ShardPlan, eval_indices
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.shard_plan import ShardPlan, eval_indices
 from hpc_ddp.train.cifar.data import (
     MEAN,
     SIZE,

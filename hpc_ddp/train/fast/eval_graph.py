@@ -25,12 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from hpc_ddp import EvalSums
 from hpc_ddp.log import get_logger
-from hpc_ddp.runtime.evaluation import Batches, EvalSums
+
+if TYPE_CHECKING:
+    from hpc_ddp.runtime.evaluation import Batches
 
 log = get_logger("train")
 

@@ -11,7 +11,7 @@ compares them); each all-reduce's summation order depends on its tensor alone, a
 
 What DDP also did, done here too: rank 0's parameters and buffers broadcast at the start, and
 rank 0's buffers broadcast before each step's forward when the model has buffers other than
-normalization statistics (``state.training_reads_buffers``). A parameter that got no gradient
+normalization statistics (``sync.training_reads_buffers``). A parameter that got no gradient
 fails the step (exit 2, naming it), as under DDP without ``find_unused_parameters``:
 averaging it on some ranks and not others would pair different tensors in the collectives.
 """
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpc_ddp import average_each
 from hpc_ddp.errors import ConfigError, first_few
-from hpc_ddp.runtime.exact_allreduce import average_each
 from hpc_ddp.train.loop import CommTimer
 
 

@@ -32,22 +32,24 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp.cluster import DistEnv
-from hpc_ddp.dist import process_device
+from hpc_ddp import DistEnv, EvalSums, process_device
 from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.runtime.evaluation import Batches, EvalSums
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.eval_graph import GraphedEval
-from hpc_ddp.train.grad_buckets import BucketedAllReduce
+from hpc_ddp.train.fast.eval_graph import GraphedEval
+from hpc_ddp.train.fast.grad_buckets import BucketedAllReduce
 from hpc_ddp.train.loop import Stepper, Times
 from hpc_ddp.train.optim import amp_dtype
+
+if TYPE_CHECKING:
+    from hpc_ddp.runtime.evaluation import Batches
 
 
 def unsupported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> list[str]:

@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp.cluster import DistEnv
-from hpc_ddp.dist import process_device
+from hpc_ddp import DistEnv, process_device
 from hpc_ddp.log import get_logger
-from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.fast import cuda_graphs
 from hpc_ddp.train.optim import amp_dtype, build_optimizer
 
 log = get_logger("train")
@@ -58,7 +57,7 @@ def warm_kernels(
     device: torch.device, make_optimizer: MakeOptimizer, amp: torch.dtype | None
 ) -> None:
     """One miniature training step and evaluation on ``device``, on tensors made for it."""
-    from hpc_ddp.train.cifar.gpu_data import (
+    from hpc_ddp.train.fast.gpu_data import (
         normalize,  # GPU runs only: CPU ones never import it here
     )
 

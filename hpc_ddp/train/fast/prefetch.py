@@ -2,7 +2,7 @@
 
 Why: DDP's constructor reads torch._dynamo's settings and its forward enters a
 ``torch._disable_dynamo`` wrapper (eager DDP on GPUs; Gloo jobs average without DDP: see
-state.gradient_sync). The trainer never compiles, but torch offers no way around the
+sync.gradient_sync). The trainer never compiles, but torch offers no way around the
 import, and it takes seconds (benchmarks/NOTES.md). On a thread it overlaps the start of the
 process group and the data.
 
@@ -22,12 +22,11 @@ import importlib
 import sys
 import threading
 
-from hpc_ddp.cluster import DistEnv
+from hpc_ddp import DistEnv, pick_backend
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.network import pick_backend
-from hpc_ddp.train import cuda_graphs
 from hpc_ddp.train.config import TrainConfig
-from hpc_ddp.train.state import gradient_sync
+from hpc_ddp.train.fast import cuda_graphs
+from hpc_ddp.train.fast.sync import gradient_sync
 
 # About half of torch._dynamo's import time (benchmarks/NOTES.md).
 STAGE_ONE = ("torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
@@ -35,7 +34,7 @@ TARGET = "torch._dynamo"
 
 
 def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
-    """Whether this run will import torch._dynamo: only eager DDP does (state.gradient_sync:
+    """Whether this run will import torch._dynamo: only eager DDP does (sync.gradient_sync:
     NCCL or MPI jobs of several processes). A captured step has no DDP wrapper and its
     optimizer skips the import (optim.py), Gloo jobs average without DDP, and neither reader
     of the data imports torchvision. Settings the trainer will refuse count as not needing it:
