@@ -35,6 +35,7 @@ being or was written. Its extra state (progress, counters) is one more object wi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -390,11 +391,27 @@ class Resumable:
 
 def _sharded_state(objects: dict[str, Stateful]) -> Any:
     """A ShardedState when any object is an FSDP2 model or its optimizer, else None."""
-    if not any(isinstance(o, (torch.nn.Module, torch.optim.Optimizer)) for o in objects.values()):
+    # No parameter can be a DTensor before torch.distributed.tensor is imported, and a DDP run
+    # is spared importing torch.distributed.checkpoint (about a second of its start-up).
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
         return None
-    from hpc_ddp.runtime.sharded_state import ShardedState, is_sharded
+    params = [
+        p
+        for o in objects.values()
+        for p in (
+            o.parameters()
+            if isinstance(o, torch.nn.Module)
+            else [q for g in o.param_groups for q in g["params"]]
+            if isinstance(o, torch.optim.Optimizer)
+            else []
+        )
+    ]
+    if not any(isinstance(p, dtensor) for p in params):
+        return None
+    from hpc_ddp.runtime.sharded_state import ShardedState
 
-    return ShardedState(objects) if any(map(is_sharded, objects.values())) else None
+    return ShardedState(objects)
 
 
 def _sharded_payload(loaded: Any, into: Any) -> Any:

@@ -21,14 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from hpc_ddp.errors import ConfigError
-
-
-def is_sharded(obj: Any) -> bool:
-    """A module with DTensor parameters (FSDP2), or an optimizer over such parameters."""
-    return any(isinstance(p, DTensor) for p in _params(obj))
 
 
 def _params(obj: Any) -> list[Any]:
