@@ -46,6 +46,7 @@ def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
+    facade = public_modules(package)
     graph: dict[str, set[str]] = {}
     for name, (path, home) in modules.items():
         targets: set[str | None] = set()
@@ -67,7 +68,9 @@ def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
                     base = base.rpartition(".")[0]
                 source = f"{base}.{node.module}" if node.level else node.module or ""
                 source = source.rstrip(".")
-                if source.startswith(package.name):
+                if source == package.name:  # the lazy facade: each name's own module
+                    targets |= {known(facade.get(a.name, f"{source}.{a.name}")) for a in node.names}
+                elif source.startswith(package.name):
                     targets |= {known(source)} | {known(f"{source}.{a.name}") for a in node.names}
         graph[name] = {t for t in targets if t and t != name and not name.startswith(t + ".")}
     return graph
@@ -328,14 +331,23 @@ RUN_DIRECTORY = {
 }
 
 
-def public_names(package: Path = PACKAGE) -> set[str]:
-    """The keys of ``_PUBLIC`` in the package's ``__init__.py``: the public API."""
-    tree = ast.parse((package / "__init__.py").read_text())
+def public_modules(package: Path = PACKAGE) -> dict[str, str]:
+    """``_PUBLIC`` of the package's ``__init__.py``: each public name -> the module defining it
+    (empty for a package without one)."""
+    init = package / "__init__.py"
+    tree = ast.parse(init.read_text()) if init.exists() else ast.Module(body=[], type_ignores=[])
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "_PUBLIC":
             assert isinstance(node.value, ast.Dict)
-            return {ast.literal_eval(key) for key in node.value.keys if key is not None}
-    raise AssertionError(f"no _PUBLIC in {package / '__init__.py'}")
+            return {name: module for name, (module, _) in ast.literal_eval(node.value).items()}
+    return {}
+
+
+def public_names(package: Path = PACKAGE) -> set[str]:
+    """The keys of ``_PUBLIC``: the public API."""
+    names = set(public_modules(package))
+    assert names, f"no _PUBLIC in {package / '__init__.py'}"
+    return names
 
 
 def private_imports(package: Path = PACKAGE, application: str = "train") -> list[str]:
