@@ -30,6 +30,7 @@ from hpc_ddp.deploy.safe_text import (
     directive_problem,
 )
 from hpc_ddp.deploy.spec_fields import Slurm, sbatch_option
+from hpc_ddp.env_vars import GPUS_PER_PROCESS_VAR
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.schema import field_doc as _doc
 
@@ -76,7 +77,7 @@ _PROCESS_FIELDS: Mapping[str, Slurm] = MappingProxyType(
         ),
         "gpus_per_process": Slurm(
             sbatch="--ntasks-per-node, --gpus-per-task",
-            script="the processes' environment (HPC_DDP_GPUS_PER_PROCESS)",
+            script=f"the processes' environment ({GPUS_PER_PROCESS_VAR})",
             submitit="tasks_per_node, slurm_gpus_per_task",
         ),
         "procs_per_node": Slurm(sbatch="--ntasks-per-node", submitit="tasks_per_node"),

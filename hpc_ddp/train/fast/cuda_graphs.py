@@ -147,8 +147,8 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
 
     On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones): the
     same algorithm in less GPU time per captured step (benchmarks/NOTES.md).
-    $HPC_DDP_GRAPH_FUSED_ADAM=0 keeps the multi-tensor kernels. SGD has no such choice: only its
-    fused kernel reads a tensor LR on the GPU.
+    ``env_vars.GRAPH_FUSED_ADAM_VAR`` set to 0 keeps the multi-tensor kernels. SGD has no such
+    choice: only its fused kernel reads a tensor LR on the GPU.
     """
     fused = device.type == "cuda" and os.environ.get(GRAPH_FUSED_ADAM_VAR, "1") != "0"
     for group in optimizer.param_groups:
