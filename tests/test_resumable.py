@@ -145,9 +145,11 @@ def test_a_position_out_of_range_in_a_rehashed_manifest_is_refused_by_name(
     manifest["meta"][key] = value
     manifest["manifest_sha256"] = _self_hash(manifest)
     path.write_text(json.dumps(manifest))
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(CheckpointError) as err:
         hpc_ddp_api.Resumable(run_dir, model=model).close()
     assert f"meta[{key!r}] is {value!r}, not an integer >= 0" in str(err.value)
+    assert signal.getsignal(signal.SIGTERM) == before  # its handlers gone with the error
 
 
 def test_a_loop_of_its_own_saves_in_the_background_and_restores_when_ready(

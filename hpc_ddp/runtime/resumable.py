@@ -186,8 +186,9 @@ class Resumable:
         self.origin = 0
         self._rank_left = 0  # this rank's samples of the epoch from ``origin`` on
         self.seed = seed
-        self.preemption = preemption if preemption is not None else Preemption(signals)
         self.sharded = _sharded_state(self.objects)
+        self.resumed_from: Path | None = None
+        self._staged_names: tuple[str, ...] = ()
         self.checkpointer = Checkpointer(
             self.paths.checkpoints,
             rank=self.rank,
@@ -197,9 +198,17 @@ class Resumable:
             async_save=async_save,  # its Gloo group: created now, on every rank
             sharded=self.sharded is not None,
         )
-        self.resumed_from: Path | None = None
-        self._staged_names: tuple[str, ...] = ()
-        if restore and (loaded := self._restore()) is not None:
+        self.preemption = preemption if preemption is not None else Preemption(signals)
+        try:
+            loaded = self._restore() if restore else None
+        except BaseException:
+            # A caller that catches the error must not be left with handlers that only set a
+            # flag nobody reads: SIGTERM would no longer end the process.
+            self.checkpointer.close()
+            if preemption is None:
+                self.preemption.close()
+            raise
+        if loaded is not None:
             self.log(f"resumed from {self.resumed_from}: epoch {self.epoch + 1}, step {self.steps}")
             if loaded.world_size != self.world_size:
                 self.log(
