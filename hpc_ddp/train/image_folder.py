@@ -179,10 +179,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | FailedItem:
-        try:
-            return self.item(index)
-        except HpcDdpError as err:
-            return FailedItem(err.message, err.hint)
+        return FailedItem.or_item(self.item, index)
 
     def item(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[int(index)]

@@ -12,18 +12,20 @@ unexpectedly", neither naming the dataset nor the item.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
 from hpc_ddp import ResumableDistributedSampler, ShardPlan, eval_indices
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.train import data_wait
 from hpc_ddp.train.data_source import Batch
 from hpc_ddp.train.loader_settings import LoaderSettings, reads_from_disk
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,15 @@ class FailedItem:
 
     def error(self) -> ConfigError:
         return ConfigError(self.message, hint=self.hint)
+
+    @classmethod
+    def or_item(cls, get: Callable[[int], T], index: int) -> T | FailedItem:
+        """``get(index)``, or the error it raised as a ``FailedItem``: a dataset's
+        ``__getitem__`` runs in a loader worker, where a raised error would lose its hint."""
+        try:
+            return get(index)
+        except HpcDdpError as err:
+            return cls(err.message, err.hint)
 
 
 def collate(items: list[Any]) -> Any:

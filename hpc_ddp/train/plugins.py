@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 import hpc_ddp
 from hpc_ddp import Comm, ShardPlan
-from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
@@ -203,10 +203,7 @@ class CheckedDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
         return self.size  # checked once: the plug-in's __len__ may not answer the same again
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | FailedItem:
-        try:
-            return self.item(index)
-        except HpcDdpError as err:
-            return FailedItem(err.message, err.hint)
+        return FailedItem.or_item(self.item, index)
 
     def item(self, index: int) -> tuple[torch.Tensor, int]:
         where = f'item {index} of split "{self.split}"'
