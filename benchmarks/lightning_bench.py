@@ -55,10 +55,19 @@ def _steady(epochs_s: list[float], samples: int) -> float | None:
 # ------------------------------------------------------------------------------- children
 
 
-def _model(num_classes: int):
-    from hpc_ddp.train import registry
+def _model(name: str, num_classes: int):
+    """A registered model (``resnet18``) or a plug-in ``FILE.py:FUNCTION``, as ``--model`` takes."""
+    if ":" not in name:
+        from hpc_ddp.train import registry
 
-    return registry.resolve("model", "resnet18")(num_classes)
+        return registry.resolve("model", name)(num_classes)
+    import importlib.util
+
+    path, function = name.rsplit(":", 1)
+    spec = importlib.util.spec_from_file_location("bench_plugin", REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, function)(num_classes)
 
 
 def _datasets(args: argparse.Namespace):
@@ -116,7 +125,7 @@ def child_lightning(args: argparse.Namespace) -> None:
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = _model(num_classes)
+            self.net = _model(args.model, num_classes)
 
         def forward(self, x):
             return self.net(x)
@@ -177,19 +186,21 @@ def child_lightning(args: argparse.Namespace) -> None:
 
 
 def child_bare(args: argparse.Namespace) -> None:
-    """One GPU: forward + backward + SGD on a batch already there; NCHW and channels_last."""
+    """One GPU: forward + backward + SGD on a batch already there, in each memory format and
+    optimizer a user could pick (``--variants``); the best is the bare loop's figure."""
     import torch
     import torch.nn.functional as F
 
     device = torch.device("cpu" if args.cpu else "cuda")
     size = 32 if args.data == "cifar" else args.size
     out: dict[str, float] = {}
-    for fmt in ("nchw", "channels_last"):
+    for variant in args.variants.split(","):
         torch.manual_seed(0)
-        net = _model(100).to(device)
-        memory = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+        net = _model(args.model, 100).to(device)
+        memory = torch.channels_last if "channels_last" in variant else torch.contiguous_format
         net = net.to(memory_format=memory)
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        fused = {"fused": True} if "fused" in variant and device.type == "cuda" else {}
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, **fused)
         x = torch.randn(args.batch_size, 3, size, size, device=device).to(memory_format=memory)
         y = torch.randint(0, 100, (args.batch_size,), device=device)
 
@@ -200,18 +211,22 @@ def child_bare(args: argparse.Namespace) -> None:
             loss.backward()
             opt.step()
 
+        if "compile" in variant:
+            step = torch.compile(step)
+        t0 = time.perf_counter()
         for _ in range(args.warmup):
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        out[variant + "_warmup_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        out[fmt] = args.steps * args.batch_size / (time.perf_counter() - t0)
-    best = max(out.values())
-    print("RESULT " + json.dumps({"steady_samples_per_s": best, "by_format": out}), flush=True)
+        out[variant] = args.steps * args.batch_size / (time.perf_counter() - t0)
+    best = max(v for k, v in out.items() if not k.endswith("_s"))
+    print("RESULT " + json.dumps({"steady_samples_per_s": best, "by_variant": out}), flush=True)
 
 
 # -------------------------------------------------------------------------------- parent
@@ -232,7 +247,7 @@ def cifar_root(args: argparse.Namespace) -> Path:
 
 def ours_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "hpc_ddp.train", "--nproc-per-node", str(args.gpus)]
-    cmd += ["--model", "resnet18", "--batch-size", str(args.batch_size), "--optimizer", "sgd"]
+    cmd += ["--model", args.model, "--batch-size", str(args.batch_size), "--optimizer", "sgd"]
     cmd += ["--lr", "0.05", "--epochs", str(args.epochs), "--run-dir", str(run_dir)]
     if args.data == "cifar":
         cmd += ["--dataset", "cifar100", "--synthetic", "--data-dir", args.root]
@@ -242,12 +257,12 @@ def ours_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
         cmd += ["--dataset", "imagefolder", "--data-dir", args.root]
     if args.cpu:
         cmd += ["--log-every", "1000"]
-    return cmd
+    return cmd + args.extra.split()
 
 
 def measure(args: argparse.Namespace) -> dict:
     """Run the measurement's command as a child: command-to-exit, and its figures."""
-    run_dir = Path(args.work) / f"run-{args.trainer}-{args.data}-{args.gpus}"
+    run_dir = Path(args.work) / f"run-{args.trainer}-{args.data}-{args.gpus}-{args.tag}"
     if args.data == "cifar":
         cifar_root(args)  # written before the clock starts, once for every trainer
     if args.trainer == "ours":
@@ -277,6 +292,7 @@ def measure(args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - t0
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     record = {"trainer": args.trainer, "data": args.data, "gpus": args.gpus, "rc": done.returncode,
+              "model": args.model, "tag": args.tag,
               "command_to_exit_s": wall, "cmd": " ".join(cmd)}  # fmt: skip
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -287,7 +303,9 @@ def measure(args: argparse.Namespace) -> dict:
         record["epochs_samples_per_s"] = rates
         record["steady_samples_per_s"] = statistics.median(rates[1:] or rates)
         record["metrics"] = {"test_accuracy": rows[-1]["test_accuracy"]}
-        record["notes"] = [ln for ln in done.stdout.splitlines() if ln.startswith(("data", "CUDA"))]
+        record["notes"] = [
+            ln for ln in done.stdout.splitlines() if ln.startswith(("data", "CUDA", "step"))
+        ]
     if done.returncode != 0:
         record["tail"] = (done.stdout + done.stderr)[-3000:]
     return record
@@ -295,28 +313,39 @@ def measure(args: argparse.Namespace) -> dict:
 
 def summary(folder: Path) -> str:
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    lines = ["| data | trainer | GPUs | steady samples/s | command to exit s | rc |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in sorted(records, key=lambda r: (r["data"], r["gpus"], r["trainer"])):
+    for r in records:
+        r.setdefault("model", "resnet18")
+        r.setdefault("tag", "")
+    lines = ["| model | data | trainer | GPUs | steady samples/s | command to exit s | rc |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    key = lambda r: (r["model"], r["data"], r["gpus"], r["trainer"], r["tag"])  # noqa: E731
+    for r in sorted(records, key=key):
         rate = r.get("steady_samples_per_s")
         shown = f"{rate:,.0f}" if rate else "-"
-        lines.append(f"| {r['data']} | {r['trainer']} | {r['gpus']} | {shown} | "
+        name = r["trainer"] + (f" ({r['tag']})" if r["tag"] else "")
+        lines.append(f"| {r['model']} | {r['data']} | {name} | {r['gpus']} | {shown} | "
                      f"{r['command_to_exit_s']:.1f} | {r['rc']} |")  # fmt: skip
-    by = {(r["data"], r["gpus"], r["trainer"]): r for r in records}
+    by = {key(r): r for r in records}
     lines.append("")
-    for data in sorted({r["data"] for r in records}):
-        for gpus in sorted({r["gpus"] for r in records}):
-            ours, light = by.get((data, gpus, "ours")), by.get((data, gpus, "lightning"))
-            if not (ours and light and ours.get("steady_samples_per_s")
-                    and light.get("steady_samples_per_s")):  # fmt: skip
+    for (model, data, gpus, trainer, tag), ours in sorted(by.items()):
+        rate = ours.get("steady_samples_per_s")
+        if trainer != "ours" or not rate:
+            continue
+        for other in ("lightning", "bare"):
+            ref = by.get((model, data, 1 if other == "bare" else gpus, other, ""))
+            if not (ref and ref.get("steady_samples_per_s")):
                 continue
-            speed = ours["steady_samples_per_s"] / light["steady_samples_per_s"]
-            exit_ = light["command_to_exit_s"] / ours["command_to_exit_s"]
-            lines.append(f"- {data}, {gpus} GPU(s): ours / Lightning = {speed:.2f}x steady "
-                         f"samples/s, {exit_:.2f}x command-to-exit")  # fmt: skip
-    for r in records:  # what ours said about its data (the loader, a starved step)
+            if other == "bare":
+                ratio = rate / (ref["steady_samples_per_s"] * gpus)
+                said = f"ours / (bare loop x {gpus} GPUs) = {ratio:.3f}"
+            else:
+                exit_ = ref["command_to_exit_s"] / ours["command_to_exit_s"]
+                said = f"ours / Lightning = {rate / ref['steady_samples_per_s']:.2f}x steady "
+                said += f"samples/s, {exit_:.2f}x command-to-exit"
+            lines.append(f"- {model}, {data}, {gpus} GPU(s){' ' + tag if tag else ''}: {said}")
+    for r in records:  # what ours said about its data and step
         for note in r.get("notes", []):
-            lines.append(f"- ours, {r['data']}, {r['gpus']} GPU(s): `{note}`")
+            lines.append(f"- ours, {r['model']}, {r['data']}, {r['gpus']} GPU(s): `{note}`")
     return "\n".join(lines) + "\n"
 
 
@@ -324,6 +353,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainer", choices=("bare", "ours", "lightning"), default="lightning")
     p.add_argument("--data", choices=("cifar", "folder"), default="cifar")
+    p.add_argument(
+        "--model", default="resnet18", help="resnet18 or a plug-in FILE.py:FUNCTION (from the repo)"
+    )
+    p.add_argument("--tag", default="", help="a label for this record (e.g. the flags it adds)")
+    p.add_argument("--extra", default="", help="ours: more `hpc-ddp train` flags, space-separated")
+    p.add_argument(
+        "--variants",
+        default="nchw,channels_last,channels_last_fused",
+        help="bare loop: comma-separated variants (nchw, channels_last, fused, compile combined)",
+    )
     p.add_argument(
         "--root",
         help="cifar: the data dir of `hpc-ddp train --synthetic` (the files are written there "
