@@ -12,12 +12,14 @@ layers (the default: 60 x 4096^2, 1.01 B parameters), each ``fully_shard``-ed wi
 precision on GPU, AdamW: per save the state is 4 bytes of weights + 8 of Adam moments per
 parameter (12 GB at 1 B parameters, half per rank on 2 GPUs).
 
-Per kind of save, three numbers, medians over ``--repeats``:
+Per kind of save, three numbers per save, ``--repeats`` saves of each kind (``--async-repeats``
+of the async sharded one: its first save also pins the host memory later saves reuse):
 
 * ``call``: how long the save call kept the training thread (sync: the whole save; async: the
   queued copy, plus waiting for the previous save, which has always ended here);
-* ``stall``: the wall-clock time of the save call and the ``--window`` steps after it, minus as
-  many steps of the clean baseline: what training lost, the background thread's share included;
+* ``stall``: the wall-clock time of the save call and the steps after it until the save is
+  committed (at least ``--window``), minus as many steps of the clean baseline: what training
+  lost, the background thread's share included;
 * ``done``: from the call until the checkpoint is committed (async: in the background).
 
 Prints a markdown table; ``--json`` writes the numbers too.
@@ -37,6 +39,8 @@ import time
 from pathlib import Path
 
 TINY = {"layers": 4, "width": 64, "batch": 4, "repeats": 2, "window": 3, "baseline": 5}
+TINY["async_repeats"] = 2
+MAX_STEPS_PER_SAVE = 10_000
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +51,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8, help="rows per rank and step")
     p.add_argument("--repeats", type=int, default=1, help="saves of each kind")
-    p.add_argument("--window", type=int, default=10, help="steps after a save counted in stall")
+    p.add_argument("--async-repeats", type=int, default=3, help="async saves (first pins memory)")
+    p.add_argument(
+        "--window", type=int, default=10, help="steps after a save counted in stall, at least"
+    )
     p.add_argument("--baseline", type=int, default=20, help="clean steps timed for the baseline")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU (Gloo): a test run")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
@@ -57,7 +64,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.tiny:
         for key, value in TINY.items():
             setattr(a, key, value)
-    for name in ("gpus", "layers", "width", "batch", "repeats", "window", "baseline"):
+    for name in (
+        "gpus",
+        "layers",
+        "width",
+        "batch",
+        "repeats",
+        "async_repeats",
+        "window",
+        "baseline",
+    ):
         if not 1 <= getattr(a, name) <= 1_000_000:
             p.error(f"--{name} must be between 1 and 1000000")
     return a
@@ -152,20 +168,24 @@ def rank_main(a: argparse.Namespace) -> None:
     step_no = iter(range(1, 1_000_000))
     gloo = dist.new_group(backend="gloo")
 
-    def measure(kind: str, start, pending, finish) -> None:
-        for _ in range(a.repeats):
+    def measure(kind: str, start, pending, finish, repeats: int) -> None:
+        for _ in range(repeats):
             sync()
             dist.barrier()
             t0 = time.perf_counter()
             handle = start()
             call = time.perf_counter() - t0
             done = call if not pending(handle) else None
-            for _ in range(a.window):
+            # Train on until the save is committed (at least --window steps): the stall counts
+            # every step the background work slowed, not only the first few.
+            n = 0
+            while n < a.window or (done is None and n < MAX_STEPS_PER_SAVE):
                 train_step()
+                n += 1
                 if done is None and not pending(handle):  # committed by now (one step's grain)
                     done = time.perf_counter() - t0
             sync()
-            stall = time.perf_counter() - t0 - a.window * base
+            stall = time.perf_counter() - t0 - n * base
             finish(handle)
             if done is None:
                 done = time.perf_counter() - t0
@@ -208,14 +228,25 @@ def rank_main(a: argparse.Namespace) -> None:
     raw_pending = lambda h: not h[1].done()  # noqa: E731
     raw = "bare dcp.async_save (no manifest, no hash)"
     try:
-        measure(raw, raw_async, raw_pending, raw_done)
+        measure(raw, raw_async, raw_pending, raw_done, a.repeats)
     except Exception as exc:  # a torch without a thread-based async_save: the row says why
         results[raw] = {"error": [str(exc)[:120]]}
-    measure("torch.save of the gathered state (rank 0)", gathered, never, lambda _h: dist.barrier())
-    measure("sharded, sync (Checkpointer.save)", sharded_sync, never, lambda _h: None)
-    # Last: its newest save is the checkpoint the resume phase loads.
     measure(
-        "sharded, async (Checkpointer.save_async)", sharded_async, in_flight, lambda _h: ck.wait()
+        "torch.save of the gathered state (rank 0)",
+        gathered,
+        never,
+        lambda _h: dist.barrier(),
+        a.repeats,
+    )
+    measure("sharded, sync (Checkpointer.save)", sharded_sync, never, lambda _h: None, a.repeats)
+    # Last: its newest save is the checkpoint the resume phase loads.
+    # Repeated: the first save also pins its host memory, which later saves reuse.
+    measure(
+        "sharded, async (Checkpointer.save_async)",
+        sharded_async,
+        in_flight,
+        lambda _h: ck.wait(),
+        a.async_repeats,
     )
     ck.close()
     if rank == 0:
@@ -245,6 +276,7 @@ def torchrun(a: argparse.Namespace, phase: str, result: Path) -> subprocess.Comp
     cmd += [f"--nproc-per-node={a.gpus}", __file__, "--phase", phase, "--result", str(result)]
     cmd += ["--dir", str(a.dir), "--layers", str(a.layers), "--width", str(a.width)]
     cmd += ["--batch", str(a.batch), "--repeats", str(a.repeats), "--window", str(a.window)]
+    cmd += ["--async-repeats", str(a.async_repeats)]
     cmd += ["--baseline", str(a.baseline)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     done = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900, check=False)
@@ -260,6 +292,9 @@ def table(train: dict, resume: dict, resume_s: float) -> str:
         f"{gb:.1f} GB per checkpoint ({gb / train['world']:.1f} GB per rank), "
         f"step {train['step_s'] * 1e3:.1f} ms",
         "",
+        "Each save of a kind, in order (`a / b / c`). Stall: the wall-clock time from the save "
+        "call until it is committed (at least the next steps), minus as many clean steps.",
+        "",
         "| save | training thread blocked, s | stall (wall clock), s | until committed, s |",
         "|---|---|---|---|",
     ]
@@ -267,8 +302,8 @@ def table(train: dict, resume: dict, resume_s: float) -> str:
         if "error" in row:
             lines.append(f"| {kind} | failed: {row['error'][0]} | | |")
             continue
-        med = {k: statistics.median(v) for k, v in row.items()}
-        lines.append(f"| {kind} | {med['call']:.3f} | {med['stall']:.3f} | {med['done']:.3f} |")
+        shown = {k: " / ".join(f"{x:.3f}" for x in v) for k, v in row.items()}
+        lines.append(f"| {kind} | {shown['call']} | {shown['stall']} | {shown['done']} |")
     lines += [
         "",
         "| resume after a requeue | s |",

@@ -262,7 +262,8 @@ def ours_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 def measure(args: argparse.Namespace) -> dict:
     """Run the measurement's command as a child: command-to-exit, and its figures."""
-    run_dir = Path(args.work) / f"run-{args.trainer}-{args.data}-{args.gpus}-{args.tag}"
+    model = Path(args.model.split(":")[-1]).name  # two runs of one call never share a run dir
+    run_dir = Path(args.work) / f"run-{args.trainer}-{args.data}-{args.gpus}-{model}-{args.tag}"
     if args.data == "cifar":
         cifar_root(args)  # written before the clock starts, once for every trainer
     if args.trainer == "ours":
