@@ -273,8 +273,9 @@ def measure(args: argparse.Namespace) -> dict:
         cmd = ours_cmd(args, run_dir)
     else:
         cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
+    code = [args.code] if args.code else []  # another revision's hpc_ddp/, before this one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+        p for p in (*code, str(REPO), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on the lent machines
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -358,6 +359,7 @@ def main() -> int:
         "--model", default="resnet18", help="resnet18 or a plug-in FILE.py:FUNCTION (from the repo)"
     )
     p.add_argument("--tag", default="", help="a label for this record (e.g. the flags it adds)")
+    p.add_argument("--code", help="ours: a folder holding another revision's hpc_ddp/ to run")
     p.add_argument("--extra", default="", help="ours: more `hpc-ddp train` flags, space-separated")
     p.add_argument(
         "--variants",
