@@ -110,12 +110,12 @@ def test_crop_flip_matches_pad_and_slice() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 3, 32, 32, generator=g)
     fill = torch.tensor([-1.5, 0.25, 2.0])
-    params = torch.tensor([[0, 0, 0], [8, 8, 1], [3, 5, 0], [8, 0, 1], [0, 8, 2], [4, 4, 1]])
+    params = torch.tensor([[0, 0, 0], [8, 8, 1], [3, 5, 0], [8, 0, 1], [0, 8, 0], [4, 4, 1]])
     out = gpu_data.crop_flip(x, params, fill)
     for i, (dx, dy, flip) in enumerate(params.tolist()):
         padded = F.pad(x[i] - fill.view(3, 1, 1), (4, 4, 4, 4)) + fill.view(3, 1, 1)
         want = padded[:, dy : dy + 32, dx : dx + 32]
-        if flip % 2:
+        if flip:
             want = want.flip(2)
         assert torch.allclose(out[i], want, atol=1e-6)
 

@@ -12,8 +12,8 @@ never depends on which path ran:
   positions, whole steps only), cut into micro-batches in order;
 - values: ``x.float() / 255`` then ``(x - mean) / std`` in float32, the same element-wise
   operations as ``data.CifarTensors``, done once at load time;
-- augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
-  crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
+- augmentation: the same draws of (seed, epoch, sample index) (``crop_draws``), made for the
+  whole epoch at once on the GPU; the pixel moves run batched there too, as one gather.
 
 Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches through a restricted
 unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
@@ -32,13 +32,14 @@ import torch
 from hpc_ddp import ShardPlan, eval_indices
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
+from hpc_ddp.train import crop_draws
 from hpc_ddp.train.cifar.data import (
     MEAN,
+    PAD,
     SIZE,
     STD,
     CifarTensors,
     LoaderTrainData,
-    _sample_seed,
     load_cifar_arrays,
     load_datasets,
     read_arrays,
@@ -46,8 +47,6 @@ from hpc_ddp.train.cifar.data import (
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 from hpc_ddp.train.data_source import TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData
-
-PAD = 4  # RandomCrop(32, padding=4)
 
 
 def _as_dataset(split: Split, *, augment: bool, seed: int) -> CifarTensors:
@@ -97,16 +96,9 @@ def normalize(
 
 
 def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Tensor:
-    """(len, 3) int64 of (dx, dy, flip) per sample, drawn exactly as ``data.CifarTensors`` does.
-
-    One tiny CPU generator per sample: what keeps the draws the loader's, bit for bit; it runs
-    once per epoch, a small share of it (benchmarks/NOTES.md).
-    """
-    out = torch.empty(len(indices), 3, dtype=torch.int64)
-    for row, index in enumerate(indices.tolist()):
-        g = torch.Generator().manual_seed(_sample_seed(seed, epoch, index))
-        out[row] = torch.randint(0, 9, (3,), generator=g)
-    return out
+    """(len, 3) int64 of (dx, dy, flip) per sample, drawn as ``data.CifarTensors`` draws them,
+    where ``indices`` live."""
+    return crop_draws.draws(indices, seed=seed, epoch=epoch, span=2 * PAD + 1)
 
 
 def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
@@ -115,7 +107,7 @@ def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torc
     One gather: each output pixel reads its source pixel, or ``fill`` (the normalized value of
     the zero padding) where the source lies in the padding.
     """
-    dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3] % 2
+    dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3]
     ar = torch.arange(SIZE, device=x.device).view(1, -1)
     rows = dy - PAD + ar
     cols = dx - PAD + torch.where(flip.bool(), SIZE - 1 - ar, ar)
@@ -154,11 +146,10 @@ class GpuTrainData:
         self._fill = ((0.0 - m) / s).to(self.images.device)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        cpu_idx = self.plan.indices(epoch, self.rank, start)
-        idx = cpu_idx.to(self.images.device, non_blocking=True)
+        idx = self.plan.indices(epoch, self.rank, start).to(self.images.device, non_blocking=True)
         params = None
-        if self.augment:
-            params = augment_params(cpu_idx, seed=self.seed, epoch=epoch).to(self.images.device)
+        if self.augment:  # drawn on the device, queued like the batches: no wait for the host
+            params = augment_params(idx, seed=self.seed, epoch=epoch)
         step = self.plan.micro_batch
         for lo in range(0, len(idx), step):
             sel = idx[lo : lo + step]
