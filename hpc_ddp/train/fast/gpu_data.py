@@ -101,8 +101,21 @@ def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Ten
     return crop_draws.draws(indices, seed=seed, epoch=epoch, span=2 * PAD + 1)
 
 
+def channels_last(x: torch.Tensor) -> bool:
+    """``x`` is laid out NHWC (and not also NCHW, as a tensor with one channel or pixel is)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def take(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``images[rows]`` in ``images``' memory format (``index_select`` alone gives NCHW)."""
+    if channels_last(images):
+        return images.permute(0, 2, 3, 1).index_select(0, rows).permute(0, 3, 1, 2)
+    return images.index_select(0, rows)
+
+
 def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images.
+    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images,
+    in ``x``'s memory format.
 
     One gather: each output pixel reads its source pixel, or ``fill`` (the normalized value of
     the zero padding) where the source lies in the padding.
@@ -117,7 +130,8 @@ def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torc
     c = cols.clamp(0, SIZE - 1).unsqueeze(1)
     pixels = x.permute(0, 2, 3, 1)[b, r, c]  # (B, 32, 32, C)
     out = torch.where(valid.unsqueeze(3), pixels, fill.view(1, 1, 1, -1))
-    return out.permute(0, 3, 1, 2).contiguous()
+    layout = torch.channels_last if channels_last(x) else torch.contiguous_format
+    return out.permute(0, 3, 1, 2).contiguous(memory_format=layout)  # NHWC: no copy for that
 
 
 @dataclass
@@ -145,6 +159,10 @@ class GpuTrainData:
         s = torch.tensor(self.std, dtype=torch.float32)
         self._fill = ((0.0 - m) / s).to(self.images.device)
 
+    def use_memory_format(self, memory_format: torch.memory_format) -> None:
+        """Lay the split out once in the model's memory format: its batches come in it."""
+        self.images = self.images.contiguous(memory_format=memory_format)
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx = self.plan.indices(epoch, self.rank, start).to(self.images.device, non_blocking=True)
         params = None
@@ -153,7 +171,7 @@ class GpuTrainData:
         step = self.plan.micro_batch
         for lo in range(0, len(idx), step):
             sel = idx[lo : lo + step]
-            x = self.images.index_select(0, sel)
+            x = take(self.images, sel)
             if params is not None:
                 x = crop_flip(x, params[lo : lo + step], self._fill)
             yield x, self.labels.index_select(0, sel)
@@ -168,11 +186,15 @@ class GpuEvalData:
     rank: int = 0
     world_size: int = 1
 
+    def use_memory_format(self, memory_format: torch.memory_format) -> None:
+        """As ``GpuTrainData.use_memory_format``."""
+        self.images = self.images.contiguous(memory_format=memory_format)
+
     def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shard = eval_indices(len(self.labels), self.rank, self.world_size)
         idx = torch.arange(shard.start, shard.stop, shard.step, device=self.images.device)
         for sel in idx.split(batch_size):
-            yield self.images.index_select(0, sel), self.labels.index_select(0, sel)
+            yield take(self.images, sel), self.labels.index_select(0, sel)
 
 
 def resident_bytes(n_samples: int) -> int:
