@@ -234,3 +234,37 @@ def test_a_contiguous_models_checkpoint_continues_in_channels_last_and_fused(
     assert rest_fused == pytest.approx(rest_plain, rel=1e-4, abs=1e-5)
     for a, b in zip(plain_net.parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("model", "memory_format", "line"),
+    [
+        ("lenet", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
+        ("my_models:net", "auto", "step: contiguous (memory_format=contiguous), fused AdamW; "
+         "auto keeps a plug-in model as built: --memory-format channels_last to try it"),
+        ("my_models:net", "channels_last", "step: channels_last (2 Conv2d), fused AdamW"),
+        ("lenet", "contiguous", "step: contiguous (memory_format=contiguous), fused AdamW"),
+    ],
+)  # fmt: skip
+def test_the_trainer_speeds_up_its_step_as_configured(
+    on_a_gpu: None, model: str, memory_format: str, line: str, capsys: pytest.CaptureFixture
+) -> None:
+    """StepPlan.speed_up, the trainer's one call of hpc_ddp.speed_up: auto takes channels_last
+    for the built-in models, not for a plug-in one (whose code may view NCHW activations)."""
+    from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.fast.choice import StepPlan
+    from hpc_ddp.train.optim import build_optimizer
+
+    cfg = TrainConfig(model=model, memory_format=memory_format)
+    plan = StepPlan(cfg, None, None, captured=False, sync="none")  # type: ignore[arg-type]
+    net = conv_net()
+    capsys.readouterr()
+    sped = plan.speed_up(net, build_optimizer(cfg, net.parameters()))
+    assert capsys.readouterr().out.splitlines() == [line]  # the trainer's log: rank 0's stdout
+    assert sped.fused and sped.channels_last == line.startswith("step: channels_last")
+    off = TrainConfig(fused_optimizer=False, memory_format="contiguous")
+    net = conv_net()
+    sped = StepPlan(off, None, None, False, "none").speed_up(  # type: ignore[arg-type]
+        net, build_optimizer(off, net.parameters())
+    )
+    assert not sped.fused and not sped.channels_last

@@ -201,7 +201,8 @@ class TrainConfig:
         default="auto",
         metadata=field_doc(
             "the model's memory format and the GPU-resident batches': auto (channels_last for a "
-            "model with 2-D convolutions on a CUDA GPU), channels_last or contiguous",
+            "built-in model with 2-D convolutions on a CUDA GPU; a plug-in model stays as "
+            "built), channels_last or contiguous",
             choices=MEMORY_FORMATS,
         ),
     )
