@@ -268,3 +268,46 @@ def test_the_trainer_speeds_up_its_step_as_configured(
         net, build_optimizer(off, net.parameters())
     )
     assert not sped.fused and not sped.channels_last
+
+
+TRAINER_ON_A_GPU = r"""
+import json, sys
+from hpc_ddp.runtime import fast_step
+from hpc_ddp.train.fast import gpu_data
+from hpc_ddp.train.config import TrainConfig
+from hpc_ddp.train.trainer import train
+fast_step.FAST_DEVICES = ("cpu",)  # the CPU stands in for the GPU: channels_last, fused SGD
+gpu_data.fits_on_device = lambda nbytes, device, fraction=0.25: (True, "pretended")
+print("SHA", train(TrainConfig(**json.loads(sys.argv[1]))).params_sha256)
+"""
+
+
+@pytest.mark.slow
+def test_the_trainers_faster_step_resumes_bit_identical(tmp_path: Path) -> None:
+    """The trainer with speed_up's choices (channels_last, fused SGD, the GPU-resident batches
+    in channels_last; the CPU standing in for the GPU): a run continued from its epoch-1
+    checkpoint ends with the uninterrupted run's weights, bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    from trainer_helpers import job_env
+
+    def train(run_dir: str, epochs: int) -> str:
+        settings = {
+            "data_dir": str(tmp_path / "data"), "synthetic": True, "synthetic_train_size": 256,
+            "synthetic_test_size": 64, "batch_size": 32, "lr_schedule": "constant",
+            "optimizer": "sgd", "lr": 0.05, "log_every": 1000, "epochs": epochs,
+            "run_dir": str(tmp_path / run_dir),
+        }  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", TRAINER_ON_A_GPU, json.dumps(settings)],
+            env=job_env(), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "step: channels_last (2 Conv2d), fused SGD" in done.stdout, done.stdout
+        return done.stdout.split("SHA ")[-1].strip()
+
+    straight = train("straight", 2)
+    train("continued", 1)
+    assert train("continued", 2) == straight
