@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp import SpeedUp, speed_up
 from hpc_ddp.log import get_logger
-from hpc_ddp.train import registry
+from hpc_ddp.train import optim
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.fast import cuda_graphs
 from hpc_ddp.train.fast.gpu_data import GpuEvalData, GpuTrainData
@@ -45,16 +45,9 @@ class StepPlan:
     def speed_up(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> SpeedUp:
         """``hpc_ddp.speed_up`` as the config asks (``memory_format``, ``fused_optimizer``),
         said beside the ``CUDA graphs:`` line. Before ``wrap``: DDP lays its gradient buckets
-        out after the parameters' format.
-
-        ``auto`` leaves a plug-in model as built: code written for NCHW activations (a
-        ``view`` that flattens a feature map) fails on channels_last ones, and the built-in
-        models are the ones known not to; ``--memory-format channels_last`` opts a plug-in in.
-        """
-        layout, note = self.cfg.memory_format, ""
-        if layout == "auto" and registry.is_plugin(self.cfg.model):
-            layout = "contiguous"
-            note = "; auto keeps a plug-in model as built: --memory-format channels_last to try it"
+        out after the parameters' format (``optim.memory_format``: what ``auto`` means for a
+        plug-in model)."""
+        layout, note = optim.memory_format(self.cfg)
         return speed_up(
             net,
             optimizer,
