@@ -120,6 +120,16 @@ def test_what_it_leaves_and_why(on_a_gpu: None) -> None:
     assert fast.optimizer is opt and net[0].weight.is_contiguous()
     assert hpc_ddp.speed_up(conv_net(), log=lambda _: None).line == "step: channels_last (2 Conv2d)"
 
+    class MySGD(torch.optim.SGD):  # a constructor speed_up cannot call for the user
+        def __init__(self, params, scale: float) -> None:
+            super().__init__(params, lr=0.1 * scale)
+
+    net = conv_net()
+    opt = MySGD(net.parameters(), 2.0)
+    fast = hpc_ddp.speed_up(net, opt, log=lambda _: None)
+    assert fast.optimizer is opt and not fast.fused
+    assert fast.line.endswith("MySGD as given (its own constructor: pass it fused=True)")
+
 
 def test_channels_last_can_be_asked_for_on_a_cpu() -> None:
     net = conv_net()

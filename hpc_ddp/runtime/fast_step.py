@@ -175,6 +175,8 @@ def _fuse(
         return optimizer, False, f"{name} as given (fused off)"
     if not isinstance(optimizer, FUSED_OPTIMIZERS):
         return optimizer, False, f"{name} as given (no fused CUDA kernel)"
+    if type(optimizer).__init__ not in {cls.__init__ for cls in FUSED_OPTIMIZERS}:
+        return optimizer, False, f"{name} as given (its own constructor: pass it fused=True)"
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not on_cuda:
         return optimizer, False, f"{name} as given (no CUDA device)"
