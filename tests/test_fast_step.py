@@ -69,7 +69,7 @@ def test_on_a_cpu_nothing_changes_and_it_says_so() -> None:
     fast = hpc_ddp.speed_up(net, opt, log=lines.append)
     model, optimizer = fast
     assert model is net and optimizer is opt and not fast.fused and not fast.channels_last
-    assert fast.memory_format == torch.contiguous_format
+    assert fast.memory_format == torch.contiguous_format and not fast.on_gpu
     assert lines == [fast.line] == ["step: as given (the model is on cpu, not a CUDA device)"]
     assert net[0].weight.is_contiguous() and opt.param_groups[0]["fused"] is None
 
@@ -85,7 +85,7 @@ def test_on_a_gpu_channels_last_and_fused_with_the_same_groups(on_a_gpu: None) -
     model, fused = fast = hpc_ddp.speed_up(net, opt, log=lines.append)
     assert lines == [fast.line] == ["step: channels_last (2 Conv2d), fused SGD"]
     assert model is net and fast.channels_last and fast.fused and type(fused) is type(opt)
-    assert fast.memory_format == torch.channels_last
+    assert fast.memory_format == torch.channels_last and fast.on_gpu
     assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert list(net.parameters()) == params  # the same tensors: nothing else holds stale ones
     for old, new in zip(opt.param_groups, fused.param_groups, strict=True):
@@ -272,12 +272,26 @@ def test_the_trainer_speeds_up_its_step_as_configured(
     sped = plan.speed_up(net, build_optimizer(cfg, net.parameters()))
     assert capsys.readouterr().out.splitlines() == [line]  # the trainer's log: rank 0's stdout
     assert sped.fused and sped.channels_last == line.startswith("step: channels_last")
-    off = TrainConfig(fused_optimizer=False, memory_format="contiguous")
+    off = TrainConfig(model="my_models:net", fused_optimizer=False, memory_format="contiguous")
     net = conv_net()
     sped = StepPlan(off, None, None, False, "none").speed_up(  # type: ignore[arg-type]
         net, build_optimizer(off, net.parameters())
     )
     assert not sped.fused and not sped.channels_last
+
+
+def test_the_trainer_on_a_cpu_says_only_that(capsys: pytest.CaptureFixture) -> None:
+    from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.fast.choice import StepPlan
+    from hpc_ddp.train.optim import build_optimizer
+
+    cfg = TrainConfig(model="my_models:net")  # a plug-in's note only where speed_up acts
+    net = conv_net()
+    capsys.readouterr()
+    StepPlan(cfg, None, None, False, "none").speed_up(  # type: ignore[arg-type]
+        net, build_optimizer(cfg, net.parameters())
+    )
+    assert capsys.readouterr().out == "step: as given (the model is on cpu, not a CUDA device)\n"
 
 
 TRAINER_ON_A_GPU = r"""

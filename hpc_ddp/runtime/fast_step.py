@@ -45,7 +45,8 @@ class SpeedUp(tuple):
     """``speed_up``'s answer: unpacks as ``(model, optimizer)``; ``line`` says what was chosen
     (``"step: channels_last (20 Conv2d), fused SGD"``), ``memory_format`` is the model's (give
     4-D inputs this format to spare the first convolution a conversion), ``channels_last`` and
-    ``fused`` say whether each was taken."""
+    ``fused`` say whether each was taken, ``on_gpu`` whether the model is on a CUDA device
+    (where ``auto`` and ``fused`` act)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
@@ -53,6 +54,7 @@ class SpeedUp(tuple):
     memory_format: torch.memory_format
     channels_last: bool
     fused: bool
+    on_gpu: bool
 
     def __new__(cls, model: nn.Module, optimizer: Any, **choice: Any) -> SpeedUp:
         self = super().__new__(cls, (model, optimizer))
@@ -115,6 +117,7 @@ def speed_up(
         memory_format=layout,
         channels_last=layout == torch.channels_last,
         fused=took_fused,
+        on_gpu=on_cuda,
     )
 
 

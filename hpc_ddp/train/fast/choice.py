@@ -48,13 +48,15 @@ class StepPlan:
         out after the parameters' format (``optim.memory_format``: what ``auto`` means for a
         plug-in model)."""
         layout, note = optim.memory_format(self.cfg)
-        return speed_up(
+        sped = speed_up(
             net,
             optimizer,
             memory_format=layout,  # type: ignore[arg-type]  # one of MEMORY_FORMATS (config)
             fused=self.cfg.fused_optimizer,
-            log=lambda line: log.info(line + note),
+            log=lambda _line: None,  # said below, with the note where it applies
         )
+        log.info(sped.line + (note if sped.on_gpu else ""))
+        return sped
 
     @staticmethod
     def feed(
