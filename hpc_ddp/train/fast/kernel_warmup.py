@@ -6,9 +6,10 @@ loading): for a small model the first step takes far longer than the next ones, 
 first evaluation's new kernels it is most of what makes a short run's first epoch longer than
 the rest (benchmarks/NOTES.md). Meanwhile the process group's start, which is longer still,
 waits on its peers with the GPU idle. ``KernelWarmup`` runs a miniature of the trainer's step in
-that wait: the GPU data path's conversion and gathers, convolution, batch norm, pooling, linear,
-cross-entropy and backward (under the run's autocast, in the run's memory format), the run's
-optimizer as the step will call it, and evaluation's reductions, on zeros of its own.
+that wait: the GPU data path's conversion, augmentation draws and gathers, convolution, batch
+norm, pooling, linear, cross-entropy and backward (under the run's autocast, in the run's memory
+format), the run's optimizer as the step will call it, and evaluation's reductions, on zeros of
+its own.
 
 It changes nothing the run computes: no random number generator is drawn from and no tensor of the
 run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process group
@@ -75,8 +76,11 @@ def warm_kernels(
 ) -> None:
     """One miniature training step and evaluation on ``device``, on tensors made for it, its
     convolution in ``layout`` (the run's)."""
-    from hpc_ddp.train.fast.gpu_data import (
-        normalize,  # GPU runs only: CPU ones never import it here
+    from hpc_ddp.train.fast.gpu_data import (  # GPU runs only: CPU ones never import it here
+        augment_params,
+        crop_flip,
+        normalize,
+        take,
     )
 
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
@@ -87,6 +91,11 @@ def warm_kernels(
         pick = torch.arange(32, device=device)
         x, y = normalize(raw).index_select(0, pick), labels.index_select(0, pick)
         x = x.contiguous(memory_format=layout)
+        # The augmentation's draws (integer hashing) and its gather, at CIFAR's size.
+        images = normalize(torch.zeros(32, 3, 32, 32, dtype=torch.uint8, device=device))
+        fill = torch.zeros(3, device=device)
+        crop_flip(take(images.contiguous(memory_format=layout), pick),
+                  augment_params(pick, seed=0, epoch=0), fill)  # fmt: skip
         conv_w = nn.Parameter(
             torch.zeros(4, 3, 3, 3, device=device).contiguous(memory_format=layout)
         )
