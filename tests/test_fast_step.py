@@ -335,3 +335,22 @@ def test_the_trainers_faster_step_resumes_bit_identical(tmp_path: Path) -> None:
     straight = train("straight", 2)
     train("continued", 1)
     assert train("continued", 2) == straight
+
+
+def test_a_sharded_model_is_left_as_given(on_a_gpu: None) -> None:
+    """FSDP2's fully_shard makes the parameters DTensors: their layout and the optimizer's
+    kernel are the sharding's (one real Gloo process group of one process)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = conv_net()
+        fully_shard(net)
+        opt = OPTIMIZERS["adamw"](net.parameters())
+        fast = hpc_ddp.speed_up(net, opt, log=lambda _: None)
+        assert fast.line == "step: as given (a sharded model: its parameters are DTensors)"
+        assert fast.optimizer is opt and not fast.fused and not fast.channels_last
+        assert net[0].weight.to_local().is_contiguous()
+    finally:
+        dist.destroy_process_group()

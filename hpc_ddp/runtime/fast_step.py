@@ -83,7 +83,8 @@ def speed_up(
     ``memory_format``: ``auto`` takes channels_last for a model with ``nn.Conv2d`` layers on a
     CUDA device; ``channels_last`` takes it on any device; ``contiguous`` never. ``fused``:
     take the fused kernel of SGD, Adam or AdamW where every parameter is a floating-point CUDA
-    tensor (``False`` keeps the optimizer as given). ``log``: where the one-line answer goes
+    tensor (``False`` keeps the optimizer as given). A model sharded into DTensors (FSDP2's
+    ``fully_shard``) is left as given. ``log``: where the one-line answer goes
     (default: the ``hpc_ddp`` logger, rank 0's line). Raises ``ConfigError`` for a wrapped model,
     an optimizer that already stepped or has a scheduler, or an unknown ``memory_format``.
     """
@@ -96,16 +97,21 @@ def speed_up(
     if optimizer is not None:
         _refuse_started(optimizer)
     on_cuda = _device_type(model) in FAST_DEVICES
+    sharded = _sharded(model)
     convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
-    layout = _choose_layout(memory_format, on_cuda=on_cuda, convs=convs)
+    layout = torch.contiguous_format
+    if not sharded:
+        layout = _choose_layout(memory_format, on_cuda=on_cuda, convs=convs)
     if layout == torch.channels_last:
         model.to(memory_format=torch.channels_last)
     parts = [_layout_words(layout, memory_format, convs)]
     took_fused = False
-    if optimizer is not None:
+    if optimizer is not None and not sharded:
         optimizer, took_fused, words = _fuse(optimizer, wanted=fused, on_cuda=on_cuda)
         parts.append(words)
-    if not on_cuda and layout != torch.channels_last:
+    if sharded:
+        line = "step: as given (a sharded model: its parameters are DTensors)"
+    elif not on_cuda and layout != torch.channels_last:
         line = f"step: as given (the model is on {_device_type(model)}, not a CUDA device)"
     else:
         line = "step: " + ", ".join(parts)
@@ -124,6 +130,16 @@ def speed_up(
 def _device_type(model: nn.Module) -> str:
     first = next(iter(model.parameters()), None)
     return first.device.type if first is not None else "cpu"
+
+
+def _sharded(model: nn.Module) -> bool:
+    """The model's parameters are DTensors (FSDP2's ``fully_shard``, tensor parallelism): their
+    layout and the optimizer's kernel are the sharding's to choose, not this function's."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed: nothing can be sharded
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
