@@ -210,7 +210,7 @@ class TrainConfig:
         default=True,
         metadata=field_doc(
             "the optimizer's fused CUDA kernel (sgd, adam) on GPUs; --no-fused-optimizer keeps "
-            "the multi-tensor one in eager steps (the captured step fuses SGD regardless)"
+            "the multi-tensor one in eager steps (the captured step keeps its own kernels)"
         ),
     )
     time_allreduce: bool = field(
