@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps; 0: epoch ends only")
+    p.add_argument("--fast", action="store_true", help="hpc_ddp.speed_up: a faster GPU step")
     p.add_argument("--hold-at-step", type=int, default=0, help="tests: wait there for a signal")
     return p.parse_args()
 
@@ -68,10 +69,12 @@ def main() -> int:
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)).to(dev)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    if args.fast:  # on GPUs: channels_last for convolutions, the fused optimizer; before DDP
+        net, opt = hpc_ddp.speed_up(net, opt, log=log)
     model = DDP(net, device_ids=[dev] if dev.type == "cuda" else None)
     if ctx.backend == "gloo":  # bit-exact resume with > 2 ranks: see docs/your-code.md
         hpc_ddp.per_tensor_allreduce(model)
-    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     torch.manual_seed(args.seed + 1 + ctx.rank)  # each rank its own dropout masks
 
     train_set, test_set = Blobs(args.samples, args.seed), Blobs(args.samples // 4, args.seed + 1)

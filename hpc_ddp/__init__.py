@@ -52,6 +52,8 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "seed_everything": ("hpc_ddp.runtime.rng", "seed_everything"),
     "use_deterministic_kernels": ("hpc_ddp.runtime.rng", "use_deterministic_kernels"),
     "params_sha256": ("hpc_ddp.train.fingerprint", "params_sha256"),
+    "speed_up": ("hpc_ddp.runtime.fast_step", "speed_up"),
+    "SpeedUp": ("hpc_ddp.runtime.fast_step", "SpeedUp"),
     # jobs (torch-free)
     "JobSpec": ("hpc_ddp.deploy.spec", "JobSpec"),
     "load_job_spec": ("hpc_ddp.deploy.spec", "build_spec"),
@@ -127,6 +129,7 @@ __all__ = [
     "ResumableDistributedSampler",
     "RunPaths",
     "ShardPlan",
+    "SpeedUp",
     "__version__",
     "attach_job",
     "average_each",
@@ -169,6 +172,7 @@ __all__ = [
     "seed_everything",
     "shutdown",
     "spawn_workers",
+    "speed_up",
     "stop_launch",
     "submit",
     "torch_contract",
@@ -229,6 +233,7 @@ if TYPE_CHECKING:
         per_tensor_allreduce,
         per_tensor_comm_hook,
     )
+    from hpc_ddp.runtime.fast_step import SpeedUp, speed_up
     from hpc_ddp.runtime.preemption import Preemption, parse_signal, requeue
     from hpc_ddp.runtime.resumable import Resumable
     from hpc_ddp.runtime.rng import capture as capture_rng_state

@@ -69,6 +69,29 @@ def test_single_process_identical_to_stepper() -> None:
         assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
+def test_a_channels_last_model_steps_as_eager_with_the_fused_kernel() -> None:
+    """Each .grad view takes its weight's strides: the fused kernel pairs a weight with its
+    gradient element for element in memory, so an NCHW gradient of a channels_last weight
+    would update every weight from another one's gradient."""
+    torch.manual_seed(0)
+    a = build_model("lenet", 10).to(memory_format=torch.channels_last)
+    b = copy.deepcopy(a)
+
+    def fused(model: torch.nn.Module):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), scaler
+
+    eager = Stepper(a, *fused(a), None, CPU)
+    graphed = cuda_graphs.GraphedStepper(b, *fused(b), None, CPU)
+    for x, y in _batches(2, n=3):
+        eager.step([(x, y)], Times())
+        graphed.step([(x, y)], Times())
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert pb.grad.stride() == pb.stride(), name
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -167,6 +190,38 @@ def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     assert isinstance(lr, torch.Tensor) and opt.param_groups[0]["capturable"]
     sched.step()
     assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(5e-3)
+
+
+def test_make_capturable_lays_loaded_state_out_as_its_channels_last_weight() -> None:
+    """A checkpoint's momentum comes back contiguous (the async save packs it flat); the fused
+    kernel would pair it element by element with a channels_last weight's memory. The twin
+    goes on with its own state and the multi-tensor SGD."""
+    torch.manual_seed(0)
+    model, twin = build_model("lenet", 10), build_model("lenet", 10)
+    twin.load_state_dict(model.state_dict())
+    for m in (model, twin):
+        m.to(memory_format=torch.channels_last)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, twin)]
+    batches = _batches(4, n=4)
+
+    def train(steps: list) -> None:
+        for x, y in steps:
+            for m, o in zip((model, twin), opts, strict=True):
+                o.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+
+    train(batches[:2])
+    saved = copy.deepcopy(opts[0].state_dict())
+    for state in saved["state"].values():  # as the async save restores it
+        state["momentum_buffer"] = state["momentum_buffer"].contiguous()
+    opts[0].load_state_dict(saved)
+    cuda_graphs.make_capturable(opts[0], CPU)
+    weight = next(p for p in model.parameters() if p.dim() == 4)
+    assert opts[0].state[weight]["momentum_buffer"].stride() == weight.stride()
+    train(batches[2:])
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")

@@ -67,6 +67,16 @@ def test_uninterrupted_run_learns_with_exact_evaluation(reference: dict) -> None
     assert reference["test_accuracy"] > CHANCE + 0.5, reference  # learnt, not guessed
 
 
+def test_fast_changes_nothing_on_a_cpu_and_says_so(reference: dict, tmp_path: Path) -> None:
+    """--fast: hpc_ddp.speed_up before DDP (docs/your-code.md, "A faster step"); on the CPU it
+    leaves the model and optimizer as built, so the run ends with the reference's weights."""
+    run_dir = tmp_path / "run"
+    done = run(torchrun_cmd(2, [*ARGS, "--fast", "--run-dir", str(run_dir)], script=EXAMPLE))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("step: as given (the model is on cpu, not a CUDA device)") == 1
+    assert _result(run_dir)["params_sha256"] == reference["params_sha256"]
+
+
 @pytest.mark.slow
 def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
     reference: dict, tmp_path: Path

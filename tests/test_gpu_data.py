@@ -106,16 +106,36 @@ def test_eval_batches_identical_and_exact(staged, world: int) -> None:
     assert sum(len(y) for y in seen) == TEST  # every test sample once, none padded in
 
 
+@pytest.mark.parametrize("augment", [False, True])
+def test_batches_come_in_the_models_memory_format(staged, augment: bool) -> None:
+    """Laid out once in channels_last (what the trainer's StepPlan.feed asks of the resident
+    path), the batches are channels_last with the loader's values; a loader is left alone."""
+    from hpc_ddp.train.fast.choice import StepPlan
+
+    dataset, root = staged
+    loader, resident, _ = _paths(dataset, root, world=2, rank=1, augment=augment)
+    images, labels = gpu_data.load_split(root, dataset, train=False, device=CPU)
+    test = gpu_data.GpuEvalData(images, labels, rank=1, world_size=2)
+    plain = gpu_data.GpuEvalData(images.clone(), labels, rank=1, world_size=2)
+    assert StepPlan.feed(torch.channels_last, resident, test) == (resident, test)
+    assert StepPlan.feed(torch.channels_last, loader, test)[0] is loader
+    for data in (resident.batches(1, 0), test.batches(10)):
+        for x, _ in data:
+            assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    assert _assert_same(loader.batches(1, 0), resident.batches(1, 0)) > 3
+    _assert_same(plain.batches(10), test.batches(10))
+
+
 def test_crop_flip_matches_pad_and_slice() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 3, 32, 32, generator=g)
     fill = torch.tensor([-1.5, 0.25, 2.0])
-    params = torch.tensor([[0, 0, 0], [8, 8, 1], [3, 5, 0], [8, 0, 1], [0, 8, 2], [4, 4, 1]])
+    params = torch.tensor([[0, 0, 0], [8, 8, 1], [3, 5, 0], [8, 0, 1], [0, 8, 0], [4, 4, 1]])
     out = gpu_data.crop_flip(x, params, fill)
     for i, (dx, dy, flip) in enumerate(params.tolist()):
         padded = F.pad(x[i] - fill.view(3, 1, 1), (4, 4, 4, 4)) + fill.view(3, 1, 1)
         want = padded[:, dy : dy + 32, dx : dx + 32]
-        if flip % 2:
+        if flip:
             want = want.flip(2)
         assert torch.allclose(out[i], want, atol=1e-6)
 
@@ -216,11 +236,19 @@ print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
 """
 
 
+STEP_LINES = {
+    "auto": "step: as given (the model is on cpu, not a CUDA device)",
+    "channels_last": "step: channels_last (2 Conv2d), AdamW as given (no CUDA device)",
+}
+
+
 @pytest.mark.slow
-def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
+@pytest.mark.parametrize("memory_format", sorted(STEP_LINES))
+def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path, memory_format: str) -> None:
     """A whole training run on the GPU-resident path (on the CPU), and one on the loader path,
     neither importing torchvision (the files are read without it), with the same weights, loss
-    and accuracy."""
+    and accuracy; in channels_last too (the resident path's batches come in it, the loader's
+    are converted by the first convolution), said beside the CUDA graphs line."""
     import json
     import subprocess
     import sys
@@ -239,6 +267,7 @@ def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
             "batch_size": 16,
             "augment": True,
             "data_path": "auto" if path == "gpu" else "torchvision",
+            "memory_format": memory_format,
         }
         done = subprocess.run(
             [sys.executable, "-c", GPU_PATH_RUN, path, json.dumps(settings)],
@@ -250,6 +279,9 @@ def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert ("data: GPU-resident" in done.stdout) == (path == "gpu"), done.stdout
+        lines = done.stdout.splitlines()
+        step = lines[lines.index("CUDA graphs: off (device cpu is not a CUDA GPU)") + 1]
+        assert step == STEP_LINES[memory_format]
         out[path] = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["gpu"]["torchvision"] is False and out["torchvision"]["torchvision"] is False
     assert out["gpu"]["sha"] == out["torchvision"]["sha"]

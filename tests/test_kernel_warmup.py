@@ -109,3 +109,33 @@ for deterministic in (False, True):
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("SEEN ")]
     assert seen == [["False", "None"], ["True", ":4096:8"]], done.stdout[-3000:]
+
+
+def test_the_warmup_takes_the_runs_memory_format_and_fused_optimizer(monkeypatch) -> None:
+    """channels_last kernels where the run's convolutions will be channels_last (a built-in
+    model under auto), and the optimizer hpc_ddp.speed_up will give the step (fused; the CPU
+    stands in for the GPU through fast_step.FAST_DEVICES)."""
+    from hpc_ddp.runtime import fast_step
+    from hpc_ddp.train.fast.kernel_warmup import optimizer_factory, warms_channels_last
+
+    assert warms_channels_last(TrainConfig())  # lenet, auto
+    assert warms_channels_last(TrainConfig(model="mine:net", memory_format="channels_last"))
+    assert not warms_channels_last(TrainConfig(model="mine:net"))  # a plug-in stays as built
+    assert not warms_channels_last(TrainConfig(memory_format="contiguous"))
+    monkeypatch.setattr(fast_step, "FAST_DEVICES", ("cpu",))
+    made: list[torch.optim.Optimizer] = []
+    for fused in (True, False):
+        cfg = TrainConfig(optimizer="sgd", fused_optimizer=fused)
+        make = optimizer_factory(cfg, captured=False)
+        torch.manual_seed(7)
+        before = torch.get_rng_state()
+
+        def keep(params: list, make=make) -> torch.optim.Optimizer:
+            made.append(make(params))
+            return made[-1]
+
+        warm_kernels(torch.device("cpu"), keep, None, torch.channels_last)
+        assert torch.equal(torch.get_rng_state(), before)
+        conv_w = made[-1].param_groups[0]["params"][0]
+        assert conv_w.is_contiguous(memory_format=torch.channels_last) and conv_w.grad is not None
+        assert bool(made[-1].param_groups[0]["fused"]) is fused

@@ -23,6 +23,8 @@ AMP_MODES = ("auto", "off", "bf16", "fp16")
 REQUEUE_MODES = ("auto", "scontrol", "none")
 DATA_PATHS = ("auto", "gpu", "torchvision")
 CUDA_GRAPHS_MODES = ("auto", "on", "off")
+# hpc_ddp.runtime.fast_step.MEMORY_FORMATS, spelled again: no torch import here
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 # hpc_ddp.train.cifar.synthetic.VARIANTS, spelled again: no numpy import here
 SYNTHETIC_VARIANTS = ("easy", "hard")
 # Where rank 0 writes the metrics it logs (train/metric_writers.py); jsonl is always written.
@@ -193,6 +195,24 @@ class TrainConfig:
             switch=("on", "off"),
         ),
     )
+    # hpc_ddp.speed_up, applied to the model and optimizer (train/fast/choice.py: speed_up); said
+    # in one log line beside the CUDA graphs one.
+    memory_format: str = field(
+        default="auto",
+        metadata=field_doc(
+            "the model's memory format and the GPU-resident batches': auto (channels_last for a "
+            "built-in model with 2-D convolutions on a CUDA GPU; a plug-in model stays as "
+            "built), channels_last or contiguous",
+            choices=MEMORY_FORMATS,
+        ),
+    )
+    fused_optimizer: bool = field(
+        default=True,
+        metadata=field_doc(
+            "the optimizer's fused CUDA kernel (sgd, adam) on GPUs; --no-fused-optimizer keeps "
+            "the multi-tensor one in eager steps (the captured step keeps its own kernels)"
+        ),
+    )
     time_allreduce: bool = field(
         default=False,
         metadata=field_doc(
@@ -301,6 +321,7 @@ class TrainConfig:
             "data_path": DATA_PATHS,
             "synthetic_variant": SYNTHETIC_VARIANTS,
             "cuda_graphs": CUDA_GRAPHS_MODES,
+            "memory_format": MEMORY_FORMATS,
         }
         registry.check("dataset", self.dataset)
         registry.check("model", self.model)

@@ -18,9 +18,10 @@ Where each part of the input pipeline runs, and why there:
 - Normalisation, on the GPU: the batch crosses PCIe as uint8 (a quarter of float32's bytes,
   from pinned memory) and becomes float there in one elementwise kernel.
 
-Each sample's crop and flip are drawn from a generator seeded by (seed, epoch, sample index)
-(the loader's ``EpochIndex``), never from a worker's RNG: which worker decodes which sample, and
-where a resumed epoch starts, change nothing, so a resumed run is bit-identical.
+Each sample's crop and flip are drawn from (seed, epoch, sample index) (the loader's
+``EpochIndex``; ``crop_draws``, the CIFAR paths' draws), never from a worker's RNG: which worker
+decodes which sample, and where a resumed epoch starts, change nothing, so a resumed run is
+bit-identical.
 
 Every file is someone else's input: a non-image file, a file that does not decode, one larger
 than MAX_FILE_BYTES or over MAX_PIXELS, a FIFO or device in a class folder are each an error
@@ -46,7 +47,7 @@ from hpc_ddp import Comm, ShardPlan
 from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.log import get_logger
 from hpc_ddp.regular_file import open_regular, read_whole
-from hpc_ddp.train import image_synthetic, loader_settings
+from hpc_ddp.train import crop_draws, image_synthetic, loader_settings
 from hpc_ddp.train.data_source import Batch, EvalData, TrainData
 from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
 
@@ -212,15 +213,9 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
     def _crop_flip(self, x: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         """A random window of the image padded by size/8 with zeros, flipped half the time."""
         pad = max(self.size // 8, 1)
-        g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, index))
-        dx, dy, flip = torch.randint(0, 2 * pad + 1, (3,), generator=g).tolist()
+        dx, dy, flip = crop_draws.draw(index, seed=self.seed, epoch=epoch, span=2 * pad + 1)
         x = F.pad(x, (pad, pad, pad, pad))[:, dy : dy + self.size, dx : dx + self.size]
-        return x.flip(2) if flip % 2 else x.contiguous()
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """One sample's augmentation seed in one epoch (the CIFAR path's formula)."""
-    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
+        return x.flip(2) if flip else x.contiguous()
 
 
 def _header(path: str, data: bytes | None = None) -> tuple[int, int]:

@@ -94,13 +94,17 @@ def build_state(
     net = build_net(cfg, splits.num_classes, devices)
     in_device, out_device = models.input_device(net), models.output_device(net)
     step = fast.plan_step(cfg, ctx, amp, comm.world_size)  # captured or eager; the averaging
+    sped = step.speed_up(net, build_optimizer(cfg, net.parameters()))  # layout, fused kernel
+    opt = sped.optimizer
     model = step.wrap(net)  # DDP(net), or net where DDP does not average
-    opt = build_optimizer(cfg, net.parameters())
     total = plan.steps_per_epoch() * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp == torch.float16)
     stepper = step.stepper(net, model, opt, sched, scaler, out_device)
-    train_data, eval_data = splits.make(plan, rank=rank, world_size=world_size, device=in_device)
+    train_data, eval_data = step.feed(
+        sped.memory_format,
+        *splits.make(plan, rank=rank, world_size=world_size, device=in_device),
+    )
     progress = Progress()
     run = Resumable(
         cfg.run_dir,

@@ -35,7 +35,7 @@ from hpc_ddp.errors import ConfigError, HpcDdpError
 from hpc_ddp.log import get_logger
 from hpc_ddp.private_paths import replace_file
 from hpc_ddp.regular_file import open_regular, read_small
-from hpc_ddp.train import loader_data
+from hpc_ddp.train import crop_draws, loader_data
 from hpc_ddp.train.cifar import safe_pickle, synthetic
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast import array_cache
@@ -49,6 +49,7 @@ log = get_logger("data")
 # CIFAR-10's training-set statistics, the values the conventional scripts use for both sets.
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
+PAD = 4  # RandomCrop(32, padding=4)
 DOWNLOAD_TIMEOUT_S = 60.0
 # Staging is serialised by a file lock in the data dir; its holder writes who it is beside it.
 # One holder's download of CIFAR-100 (161 MB) or check of a staged copy ends well inside
@@ -218,11 +219,11 @@ def _download(cls: type[CIFAR10], root: Path) -> None:
 
 
 class CifarTensors(Dataset):
-    """Images as normalised float tensors, augmented with a generator seeded per sample.
+    """Images as normalised float tensors, augmented with draws of (seed, epoch, sample index).
 
-    The seed is a function of (seed, epoch, sample index), so the augmentation depends neither on
-    loader workers, nor on the global RNG, nor on where an epoch resumed; gpu_data.py replays the
-    same draws batched on the GPU, so both data paths give bit-identical batches. The loader
+    The draws (``crop_draws``) depend neither on loader workers, nor on the global RNG, nor on
+    where an epoch resumed; gpu_data.py makes the same draws batched on the GPU, so both data
+    paths give bit-identical batches. The loader
     hands it ``EpochIndex`` indices that carry their epoch (persistent workers never see an
     epoch set on their copy of the dataset).
     """
@@ -247,17 +248,11 @@ class CifarTensors(Dataset):
         x = self.images[index].to(torch.float32).div(255)
         if self.augment:  # RandomCrop(32, padding=4) + RandomHorizontalFlip
             epoch = getattr(index, "epoch", self.epoch)
-            g = torch.Generator().manual_seed(_sample_seed(self.seed, epoch, index))
-            dx, dy, flip = torch.randint(0, 9, (3,), generator=g).tolist()
-            x = F.pad(x, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
-            if flip % 2:
+            dx, dy, flip = crop_draws.draw(index, seed=self.seed, epoch=epoch, span=2 * PAD + 1)
+            x = F.pad(x, (PAD, PAD, PAD, PAD))[:, dy : dy + SIZE, dx : dx + SIZE]
+            if flip:
                 x = x.flip(2)
         return (x - self.mean) / self.std, self.targets[int(index)]
-
-
-def _sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The augmentation seed of one sample in one epoch (shared with gpu_data.py)."""
-    return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
 
 
 class LoaderTrainData(loader_data.LoaderTrainData):

@@ -7,7 +7,10 @@ where that pays is chosen here, in one place, automatically:
   CUDA graph (cuda_graphs.py, with its evaluation graphs, eval_graph.py, and gradient buckets,
   grad_buckets.py) and how an eager step averages gradients (sync.py: DDP with lighter
   settings, each gradient's own all-reduce on Gloo, tensor_average.py, or nothing); the
-  resulting :class:`StepPlan` wraps the model and builds the step runner;
+  resulting :class:`StepPlan` gives the model and optimizer their layout and kernel
+  (``StepPlan.speed_up``: the public ``hpc_ddp.speed_up``, channels_last and the fused optimizer
+  on GPUs), wraps the model and builds the step runner, and has the data hand its batches in
+  the model's memory format (``StepPlan.feed``);
 - "where does the data live": a dataset asks :func:`gpu_data.choose` whether its arrays go to
   the GPU once (gpu_data.py, read through the array cache, array_cache.py) or through a
   DataLoader;

@@ -1,5 +1,6 @@
-"""What the trainer asks the speed machinery (see the package's docstring): the step, the
-start-up threads, the step-rate advice. The fast path is chosen here, once per run."""
+"""What the trainer asks the speed machinery (see the package's docstring): the step, its
+layout and optimizer kernel, the start-up threads, the step-rate advice. The fast path is chosen
+here, once per run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpc_ddp import SpeedUp, speed_up
 from hpc_ddp.log import get_logger
+from hpc_ddp.train import optim
+from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.fast import cuda_graphs
+from hpc_ddp.train.fast.gpu_data import GpuEvalData, GpuTrainData
 from hpc_ddp.train.fast.kernel_warmup import KernelWarmup
 from hpc_ddp.train.fast.prefetch import DynamoPrefetch, needs_dynamo
 from hpc_ddp.train.fast.step_rate import LatencyAdvice
@@ -36,6 +41,34 @@ class StepPlan:
     amp: torch.dtype | None
     captured: bool  # the step is a CUDA graph (cuda_graphs.py)
     sync: GradientSync
+
+    def speed_up(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> SpeedUp:
+        """``hpc_ddp.speed_up`` as the config asks (``memory_format``, ``fused_optimizer``),
+        said beside the ``CUDA graphs:`` line. Before ``wrap``: DDP lays its gradient buckets
+        out after the parameters' format (``optim.memory_format``: what ``auto`` means for a
+        plug-in model)."""
+        layout, note = optim.memory_format(self.cfg)
+        sped = speed_up(
+            net,
+            optimizer,
+            memory_format=layout,  # type: ignore[arg-type]  # one of MEMORY_FORMATS (config)
+            fused=self.cfg.fused_optimizer,
+            log=lambda _line: None,  # said below, with the note where it applies
+        )
+        log.info(sped.line + (note if sped.on_gpu else ""))
+        return sped
+
+    @staticmethod
+    def feed(
+        memory_format: torch.memory_format, train: TrainData, test: EvalData
+    ) -> tuple[TrainData, EvalData]:
+        """The data, giving batches in the model's memory format where it lays them out itself
+        (the GPU-resident path: the first convolution then converts nothing); a loader's
+        batches are converted by the model's first convolution."""
+        for data in (train, test):
+            if isinstance(data, (GpuTrainData, GpuEvalData)):
+                data.use_memory_format(memory_format)
+        return train, test
 
     def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
         """What the step runs: DDP(net) where DDP averages, else ``net`` itself."""

@@ -130,20 +130,27 @@ def choose_before_start(cfg: TrainConfig, env: DistEnv) -> StepChoice | None:
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    """One contiguous gradient buffer; each ``p.grad`` becomes a view into it."""
+    """One contiguous gradient buffer; each ``p.grad`` becomes a view into it, with ``p``'s own
+    strides (a channels_last weight's gradient is channels_last too: the fused optimizer walks a
+    weight and its gradient as flat memory, element for element)."""
     flat = torch.zeros(
         sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
     )
     offset = 0
     for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        if not _dense(p):
+            raise ConfigError(
+                f"a parameter of shape {tuple(p.shape)} is a strided view, not a dense tensor",
+                hint="use --no-cuda-graphs, or make the model's parameters dense tensors",
+            )
+        p.grad = flat[offset : offset + p.numel()].as_strided(p.shape, p.stride())
         offset += p.numel()
     return flat
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Adam's capturable mode or SGD's fused kernel, a device-tensor LR, and any loaded state
-    moved to the device.
+    moved to the device, laid out as its parameter.
 
     On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones): the
     same algorithm in less GPU time per captured step (benchmarks/NOTES.md).
@@ -163,10 +170,29 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor) or lr.device != device:  # a restore loads it on CPU
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
-    for state in optimizer.state.values():  # e.g. 'step' restored on the CPU from a checkpoint
+    for param, state in optimizer.state.items():  # e.g. 'step' restored on the CPU
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device:
-                state[key] = value.to(device)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.device != device:
+                state[key] = value = value.to(device)
+            if value.shape == param.shape and value.stride() != param.stride():
+                # The fused kernel walks a weight and its state as flat memory: a checkpoint's
+                # momentum, written contiguous, must take a channels_last weight's strides.
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``t`` covers its memory exactly once, in some order of its dimensions (contiguous,
+    channels_last, ...): a block of ``numel`` elements with its strides is a view of it."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

@@ -12,8 +12,8 @@ never depends on which path ran:
   positions, whole steps only), cut into micro-batches in order;
 - values: ``x.float() / 255`` then ``(x - mean) / std`` in float32, the same element-wise
   operations as ``data.CifarTensors``, done once at load time;
-- augmentation: the same per-sample generator (seeded by seed, epoch and sample index) draws the
-  crop offsets and flip; only the pixel moves run batched on the GPU, as one gather.
+- augmentation: the same draws of (seed, epoch, sample index) (``crop_draws``), made for the
+  whole epoch at once on the GPU; the pixel moves run batched there too, as one gather.
 
 Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches through a restricted
 unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
@@ -32,13 +32,14 @@ import torch
 from hpc_ddp import ShardPlan, eval_indices
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
+from hpc_ddp.train import crop_draws
 from hpc_ddp.train.cifar.data import (
     MEAN,
+    PAD,
     SIZE,
     STD,
     CifarTensors,
     LoaderTrainData,
-    _sample_seed,
     load_cifar_arrays,
     load_datasets,
     read_arrays,
@@ -46,8 +47,6 @@ from hpc_ddp.train.cifar.data import (
 from hpc_ddp.train.config import DATA_PATHS, TrainConfig
 from hpc_ddp.train.data_source import TrainData
 from hpc_ddp.train.loader_data import LoaderEvalData
-
-PAD = 4  # RandomCrop(32, padding=4)
 
 
 def _as_dataset(split: Split, *, augment: bool, seed: int) -> CifarTensors:
@@ -97,25 +96,31 @@ def normalize(
 
 
 def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Tensor:
-    """(len, 3) int64 of (dx, dy, flip) per sample, drawn exactly as ``data.CifarTensors`` does.
+    """(len, 3) int64 of (dx, dy, flip) per sample, drawn as ``data.CifarTensors`` draws them,
+    where ``indices`` live."""
+    return crop_draws.draws(indices, seed=seed, epoch=epoch, span=2 * PAD + 1)
 
-    One tiny CPU generator per sample: what keeps the draws the loader's, bit for bit; it runs
-    once per epoch, a small share of it (benchmarks/NOTES.md).
-    """
-    out = torch.empty(len(indices), 3, dtype=torch.int64)
-    for row, index in enumerate(indices.tolist()):
-        g = torch.Generator().manual_seed(_sample_seed(seed, epoch, index))
-        out[row] = torch.randint(0, 9, (3,), generator=g)
-    return out
+
+def channels_last(x: torch.Tensor) -> bool:
+    """``x`` is laid out NHWC (and not also NCHW, as a tensor with one channel or pixel is)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def take(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``images[rows]`` in ``images``' memory format (``index_select`` alone gives NCHW)."""
+    if channels_last(images):
+        return images.permute(0, 2, 3, 1).index_select(0, rows).permute(0, 3, 1, 2)
+    return images.index_select(0, rows)
 
 
 def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images.
+    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images,
+    in ``x``'s memory format.
 
     One gather: each output pixel reads its source pixel, or ``fill`` (the normalized value of
     the zero padding) where the source lies in the padding.
     """
-    dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3] % 2
+    dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3]
     ar = torch.arange(SIZE, device=x.device).view(1, -1)
     rows = dy - PAD + ar
     cols = dx - PAD + torch.where(flip.bool(), SIZE - 1 - ar, ar)
@@ -125,7 +130,8 @@ def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torc
     c = cols.clamp(0, SIZE - 1).unsqueeze(1)
     pixels = x.permute(0, 2, 3, 1)[b, r, c]  # (B, 32, 32, C)
     out = torch.where(valid.unsqueeze(3), pixels, fill.view(1, 1, 1, -1))
-    return out.permute(0, 3, 1, 2).contiguous()
+    layout = torch.channels_last if channels_last(x) else torch.contiguous_format
+    return out.permute(0, 3, 1, 2).contiguous(memory_format=layout)  # NHWC: no copy for that
 
 
 @dataclass
@@ -153,16 +159,19 @@ class GpuTrainData:
         s = torch.tensor(self.std, dtype=torch.float32)
         self._fill = ((0.0 - m) / s).to(self.images.device)
 
+    def use_memory_format(self, memory_format: torch.memory_format) -> None:
+        """Lay the split out once in the model's memory format: its batches come in it."""
+        self.images = self.images.contiguous(memory_format=memory_format)
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        cpu_idx = self.plan.indices(epoch, self.rank, start)
-        idx = cpu_idx.to(self.images.device, non_blocking=True)
+        idx = self.plan.indices(epoch, self.rank, start).to(self.images.device, non_blocking=True)
         params = None
-        if self.augment:
-            params = augment_params(cpu_idx, seed=self.seed, epoch=epoch).to(self.images.device)
+        if self.augment:  # drawn on the device, queued like the batches: no wait for the host
+            params = augment_params(idx, seed=self.seed, epoch=epoch)
         step = self.plan.micro_batch
         for lo in range(0, len(idx), step):
             sel = idx[lo : lo + step]
-            x = self.images.index_select(0, sel)
+            x = take(self.images, sel)
             if params is not None:
                 x = crop_flip(x, params[lo : lo + step], self._fill)
             yield x, self.labels.index_select(0, sel)
@@ -177,11 +186,15 @@ class GpuEvalData:
     rank: int = 0
     world_size: int = 1
 
+    def use_memory_format(self, memory_format: torch.memory_format) -> None:
+        """As ``GpuTrainData.use_memory_format``."""
+        self.images = self.images.contiguous(memory_format=memory_format)
+
     def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shard = eval_indices(len(self.labels), self.rank, self.world_size)
         idx = torch.arange(shard.start, shard.stop, shard.step, device=self.images.device)
         for sel in idx.split(batch_size):
-            yield self.images.index_select(0, sel), self.labels.index_select(0, sel)
+            yield take(self.images, sel), self.labels.index_select(0, sel)
 
 
 def resident_bytes(n_samples: int) -> int:

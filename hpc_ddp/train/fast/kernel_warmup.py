@@ -6,9 +6,10 @@ loading): for a small model the first step takes far longer than the next ones, 
 first evaluation's new kernels it is most of what makes a short run's first epoch longer than
 the rest (benchmarks/NOTES.md). Meanwhile the process group's start, which is longer still,
 waits on its peers with the GPU idle. ``KernelWarmup`` runs a miniature of the trainer's step in
-that wait: the GPU data path's conversion and gathers, convolution, batch norm, pooling, linear,
-cross-entropy and backward (under the run's autocast), the run's optimizer as the step will call
-it, and evaluation's reductions, on zeros of its own.
+that wait: the GPU data path's conversion, augmentation draws and gathers, convolution, batch
+norm, pooling, linear, cross-entropy and backward (under the run's autocast, in the run's memory
+format), the run's optimizer as the step will call it, and evaluation's reductions, on zeros of
+its own.
 
 It changes nothing the run computes: no random number generator is drawn from and no tensor of the
 run is touched (tests/test_kernel_warmup.py). ``finish()`` joins the thread once the process group
@@ -29,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp import DistEnv, process_device
+from hpc_ddp import DistEnv, process_device, speed_up
 from hpc_ddp.log import get_logger
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast import cuda_graphs
-from hpc_ddp.train.optim import amp_dtype, build_optimizer
+from hpc_ddp.train.optim import amp_dtype, build_optimizer, memory_format
 
 log = get_logger("train")
 
@@ -41,24 +42,45 @@ MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def optimizer_factory(config: TrainConfig, *, captured: bool) -> MakeOptimizer:
-    """The run's optimizer as its step will call it: ``optim.build_optimizer``'s, made
-    capturable (and fused) for the captured step, whose kernels those are."""
+    """The run's optimizer as its step will call it: ``optim.build_optimizer``'s, fused as
+    ``hpc_ddp.speed_up`` makes it (``fused_optimizer``), made capturable (and fused) for the
+    captured step, whose kernels those are."""
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = build_optimizer(config, params)
         if captured:
             cuda_graphs.make_capturable(optimizer, params[0].device)
-        return optimizer
+            return optimizer
+        holder = nn.ParameterList(params)  # speed_up reads the device from a module
+        fused = config.fused_optimizer
+        return speed_up(holder, optimizer, memory_format="contiguous", fused=fused, log=_quiet)[1]
 
     return make
 
 
+def _quiet(_line: str) -> None:
+    """The warm-up's speed_up says nothing: the run's own says its choice."""
+
+
+def warms_channels_last(config: TrainConfig) -> bool:
+    """Whether the run's convolutions will be channels_last (``optim.memory_format``; every
+    built-in model has convolutions), so that the warm-up loads those kernels."""
+    return memory_format(config)[0] != "contiguous"
+
+
 def warm_kernels(
-    device: torch.device, make_optimizer: MakeOptimizer, amp: torch.dtype | None
+    device: torch.device,
+    make_optimizer: MakeOptimizer,
+    amp: torch.dtype | None,
+    layout: torch.memory_format = torch.contiguous_format,
 ) -> None:
-    """One miniature training step and evaluation on ``device``, on tensors made for it."""
-    from hpc_ddp.train.fast.gpu_data import (
-        normalize,  # GPU runs only: CPU ones never import it here
+    """One miniature training step and evaluation on ``device``, on tensors made for it, its
+    convolution in ``layout`` (the run's)."""
+    from hpc_ddp.train.fast.gpu_data import (  # GPU runs only: CPU ones never import it here
+        augment_params,
+        crop_flip,
+        normalize,
+        take,
     )
 
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
@@ -68,7 +90,15 @@ def warm_kernels(
         # the data path gathers whole batches.
         pick = torch.arange(32, device=device)
         x, y = normalize(raw).index_select(0, pick), labels.index_select(0, pick)
-        conv_w = nn.Parameter(torch.zeros(4, 3, 3, 3, device=device))
+        x = x.contiguous(memory_format=layout)
+        # The augmentation's draws (integer hashing) and its gather, at CIFAR's size.
+        images = normalize(torch.zeros(32, 3, 32, 32, dtype=torch.uint8, device=device))
+        fill = torch.zeros(3, device=device)
+        crop_flip(take(images.contiguous(memory_format=layout), pick),
+                  augment_params(pick, seed=0, epoch=0), fill)  # fmt: skip
+        conv_w = nn.Parameter(
+            torch.zeros(4, 3, 3, 3, device=device).contiguous(memory_format=layout)
+        )
         bn_w, bn_b = (
             nn.Parameter(torch.ones(4, device=device)),
             nn.Parameter(torch.zeros(4, device=device)),
@@ -108,10 +138,12 @@ class KernelWarmup:
         devices: Sequence[torch.device],
         make_optimizer: MakeOptimizer,
         amp: torch.dtype | None,
+        layout: torch.memory_format = torch.contiguous_format,
     ) -> None:
         self.devices = list(devices)
         self.make_optimizer = make_optimizer
         self.amp = amp
+        self.layout = layout
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kernel-warmup", daemon=True)
@@ -126,7 +158,8 @@ class KernelWarmup:
             return None
         devices = [torch.device("cuda", index) for index in env.gpus] or [device]
         make = optimizer_factory(config, captured=choice.captured)
-        return cls(devices, make, amp_dtype(config, device)).launch()
+        layout = torch.channels_last if warms_channels_last(config) else torch.contiguous_format
+        return cls(devices, make, amp_dtype(config, device), layout).launch()
 
     def launch(self) -> KernelWarmup:
         self._thread.start()
@@ -136,7 +169,7 @@ class KernelWarmup:
         began = time.perf_counter()
         try:
             for device in self.devices:
-                warm_kernels(device, self.make_optimizer, self.amp)
+                warm_kernels(device, self.make_optimizer, self.amp, self.layout)
         except Exception as err:  # the step will load what it needs itself
             self.error = err
         self.seconds = time.perf_counter() - began
