@@ -250,8 +250,7 @@ def test_a_contiguous_models_checkpoint_continues_in_channels_last_and_fused(
     ("model", "memory_format", "line"),
     [
         ("lenet", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
-        ("my_models:net", "auto", "step: contiguous (memory_format=contiguous), fused AdamW; "
-         "auto keeps a plug-in model as built: --memory-format channels_last to try it"),
+        ("my_models:net", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
         ("my_models:net", "channels_last", "step: channels_last (2 Conv2d), fused AdamW"),
         ("lenet", "contiguous", "step: contiguous (memory_format=contiguous), fused AdamW"),
     ],
@@ -259,8 +258,8 @@ def test_a_contiguous_models_checkpoint_continues_in_channels_last_and_fused(
 def test_the_trainer_speeds_up_its_step_as_configured(
     on_a_gpu: None, model: str, memory_format: str, line: str, capsys: pytest.CaptureFixture
 ) -> None:
-    """StepPlan.speed_up, the trainer's one call of hpc_ddp.speed_up: auto takes channels_last
-    for the built-in models, not for a plug-in one (whose code may view NCHW activations)."""
+    """StepPlan.speed_up, the trainer's one call of hpc_ddp.speed_up, as the config asks (a
+    plug-in model without an input to try is taken as it says)."""
     from hpc_ddp.train.config import TrainConfig
     from hpc_ddp.train.fast.choice import StepPlan
     from hpc_ddp.train.optim import build_optimizer
@@ -354,3 +353,71 @@ def test_a_sharded_model_is_left_as_given(on_a_gpu: None) -> None:
         assert net[0].weight.to_local().is_contiguous()
     finally:
         dist.destroy_process_group()
+
+
+class ViewsNCHW(nn.Module):
+    """A user's model written for NCHW activations: ``view`` of a feature map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 8 * 8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.conv(x))
+        return self.head(x.view(x.shape[0], -1))
+
+
+def test_an_example_keeps_a_model_that_fails_in_channels_last_as_built(on_a_gpu: None) -> None:
+    """With ``example``, auto tries the forward in channels_last first: a model that views NCHW
+    activations stays contiguous, says why, and is left in training mode with its statistics
+    untouched; a model that runs keeps channels_last."""
+    net = ViewsNCHW()
+    stats = copy.deepcopy(net.norm.state_dict())
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(RuntimeError, match="view"):  # what training would hit otherwise
+        net.to(memory_format=torch.channels_last)(x.to(memory_format=torch.channels_last))
+    net = ViewsNCHW()
+    lines: list[str] = []
+    fast = hpc_ddp.speed_up(net, OPTIMIZERS["sgd"](net.parameters()), example=x, log=lines.append)
+    assert not fast.channels_last and fast.memory_format == torch.contiguous_format
+    assert net.conv.weight.is_contiguous() and net.training
+    assert lines[0].startswith("step: contiguous (its forward fails in channels_last: view")
+    assert lines[0].endswith("fused SGD")
+    for key, value in net.norm.state_dict().items():
+        assert torch.equal(value, stats[key]), key
+    net(x).sum().backward()  # and it trains as built
+    fine = conv_net()
+    fast = hpc_ddp.speed_up(fine, example=torch.randn(1, 3, 8, 8), log=lines.append)
+    assert fast.channels_last and lines[-1] == "step: channels_last (2 Conv2d)"
+    # A function is called only where the trial runs; an explicit channels_last is what the
+    # caller asked: no trial.
+    called: list[int] = []
+    forced = hpc_ddp.speed_up(
+        ViewsNCHW(), memory_format="channels_last", example=lambda: called.append(1), log=print
+    )
+    assert forced.channels_last and called == []
+
+
+def test_the_trainer_tries_a_plug_in_model_on_a_training_input(on_a_gpu: None) -> None:
+    """The trainer hands its data's first input to the layout trial for a plug-in model only:
+    the built-in models are known to run in channels_last."""
+    from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.fast.choice import StepPlan
+    from hpc_ddp.train.optim import build_optimizer
+
+    asked: list[str] = []
+
+    def example() -> torch.Tensor:
+        asked.append("example")
+        return torch.randn(1, 3, 8, 8)
+
+    for model, wanted, tried in (("my_models:net", False, True), ("lenet", True, False)):
+        cfg = TrainConfig(model=model)
+        plan = StepPlan(cfg, None, None, captured=False, sync="none")  # type: ignore[arg-type]
+        net = ViewsNCHW() if model != "lenet" else conv_net()
+        asked.clear()
+        sped = plan.speed_up(net, build_optimizer(cfg, net.parameters()), example)
+        assert sped.channels_last is wanted and bool(asked) is tried, model

@@ -69,6 +69,7 @@ def speed_up(
     *,
     memory_format: MemoryFormat = "auto",
     fused: bool = True,
+    example: torch.Tensor | Callable[[], torch.Tensor] | None = None,
     log: Callable[[str], object] | None = None,
 ) -> SpeedUp:
     """The model in channels_last and the optimizer rebuilt with its fused kernel, on a CUDA
@@ -84,9 +85,14 @@ def speed_up(
     CUDA device; ``channels_last`` takes it on any device; ``contiguous`` never. ``fused``:
     take the fused kernel of SGD, Adam or AdamW where every parameter is a floating-point CUDA
     tensor (``False`` keeps the optimizer as given). A model sharded into DTensors (FSDP2's
-    ``fully_shard``) is left as given. ``log``: where the one-line answer goes
-    (default: the ``hpc_ddp`` logger, rank 0's line). Raises ``ConfigError`` for a wrapped model,
-    an optimizer that already stepped or has a scheduler, or an unknown ``memory_format``.
+    ``fully_shard``) is left as given. ``example``: an input batch of the model (one sample
+    will do), or a function returning one (called only if the trial runs); under ``auto``,
+    channels_last is kept only if the model's forward of it runs in that format (code written
+    for NCHW activations, such as ``x.view(len(x), -1)`` on a feature map, fails on
+    channels_last ones), run once in eval mode without gradients, so neither the weights nor a
+    normalization layer's statistics change. ``log``: where the one-line answer goes (default:
+    the ``hpc_ddp`` logger, rank 0's line). Raises ``ConfigError`` for a wrapped model, an
+    optimizer that already stepped or has a scheduler, or an unknown ``memory_format``.
     """
     if memory_format not in MEMORY_FORMATS:
         raise ConfigError(
@@ -102,9 +108,17 @@ def speed_up(
     layout = torch.contiguous_format
     if not sharded:
         layout = _choose_layout(memory_format, on_cuda=on_cuda, convs=convs)
+    words = None
     if layout == torch.channels_last:
         model.to(memory_format=torch.channels_last)
-    parts = [_layout_words(layout, memory_format, convs)]
+        failure = None
+        if example is not None and memory_format == "auto":
+            failure = _fails_in_channels_last(model, example() if callable(example) else example)
+        if failure is not None:
+            model.to(memory_format=torch.contiguous_format)
+            layout = torch.contiguous_format
+            words = f"contiguous (its forward fails in channels_last: {failure})"
+    parts = [words or _layout_words(layout, memory_format, convs)]
     took_fused = False
     if optimizer is not None and not sharded:
         optimizer, took_fused, words = _fuse(optimizer, wanted=fused, on_cuda=on_cuda)
@@ -125,6 +139,25 @@ def speed_up(
         fused=took_fused,
         on_gpu=on_cuda,
     )
+
+
+def _fails_in_channels_last(model: nn.Module, example: torch.Tensor) -> str | None:
+    """Why the model's forward of ``example`` fails in channels_last, or None if it runs."""
+    first = next(iter(model.parameters()), None)
+    x = example.to(first.device if first is not None else example.device)
+    if x.dim() == 4:
+        x = x.to(memory_format=torch.channels_last)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except RuntimeError as exc:  # a view of NCHW strides, an op without an NHWC path
+        said = str(exc).strip().splitlines()
+        return (said[0] if said else type(exc).__name__)[:160]
+    finally:
+        model.train(was_training)
+    return None
 
 
 def _device_type(model: nn.Module) -> str:

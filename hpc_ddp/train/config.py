@@ -201,8 +201,8 @@ class TrainConfig:
         default="auto",
         metadata=field_doc(
             "the model's memory format and the GPU-resident batches': auto (channels_last for a "
-            "built-in model with 2-D convolutions on a CUDA GPU; a plug-in model stays as "
-            "built), channels_last or contiguous",
+            "model with 2-D convolutions on a CUDA GPU; a plug-in model only if its forward of "
+            "a training input runs in it), channels_last or contiguous",
             choices=MEMORY_FORMATS,
         ),
     )

@@ -36,3 +36,8 @@ class Splits(Protocol):
     def make(
         self, plan: ShardPlan, *, rank: int, world_size: int, device: torch.device
     ) -> tuple[TrainData, EvalData]: ...
+
+    def example(self) -> torch.Tensor:
+        """One training input with a batch dimension of 1, as the model gets it (the layout
+        probe of ``hpc_ddp.speed_up``)."""
+        ...

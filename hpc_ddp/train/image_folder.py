@@ -315,6 +315,9 @@ class ImageFolderSplits:
         test = LoaderEvalData(self.test_set, rank, world_size, device, settings=self.settings)
         return Normalised(train), Normalised(test)
 
+    def example(self) -> torch.Tensor:
+        return self.train_set.item(0)[0].unsqueeze(0).float()
+
 
 def synthetic_folder(cfg: TrainConfig) -> Path:
     """Where ``--synthetic`` writes the image folder of ``cfg`` (its own folder under data_dir)."""

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from hpc_ddp.errors import ConfigError
-from hpc_ddp.train import registry
 from hpc_ddp.train.config import TrainConfig
 
 
@@ -22,19 +21,6 @@ def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     if mode != "off" and device.type != "cuda":
         raise ConfigError(f"amp={cfg.amp} needs a GPU", hint="use --amp off (or auto) on CPU")
     return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
-def memory_format(cfg: TrainConfig) -> tuple[str, str]:
-    """The ``memory_format`` the trainer asks ``hpc_ddp.speed_up`` for, and a note for its line.
-
-    ``auto`` leaves a plug-in model as built: code written for NCHW activations (a ``view``
-    that flattens a feature map) fails on channels_last ones, and the built-in models are the
-    ones known not to; ``--memory-format channels_last`` opts a plug-in in.
-    """
-    if cfg.memory_format == "auto" and registry.is_plugin(cfg.model):
-        note = "; auto keeps a plug-in model as built: --memory-format channels_last to try it"
-        return "contiguous", note
-    return cfg.memory_format, ""
 
 
 def build_optimizer(

@@ -305,6 +305,9 @@ class PluginSplits:
         test = LoaderEvalData(self.test_set, rank, world_size, device, settings=self.settings)
         return train, test
 
+    def example(self) -> torch.Tensor:
+        return torch.as_tensor(self.train_set.item(0)[0]).unsqueeze(0)
+
 
 def _read(spec: PluginSpec, cfg: TrainConfig) -> PluginSplits:
     if cfg.data_path == "gpu":

@@ -94,7 +94,8 @@ def build_state(
     net = build_net(cfg, splits.num_classes, devices)
     in_device, out_device = models.input_device(net), models.output_device(net)
     step = fast.plan_step(cfg, ctx, amp, comm.world_size)  # captured or eager; the averaging
-    sped = step.speed_up(net, build_optimizer(cfg, net.parameters()))  # layout, fused kernel
+    # The layout and the fused kernel; a plug-in model's layout is tried on an input first.
+    sped = step.speed_up(net, build_optimizer(cfg, net.parameters()), splits.example)
     opt = sped.optimizer
     model = step.wrap(net)  # DDP(net), or net where DDP does not average
     total = plan.steps_per_epoch() * cfg.epochs

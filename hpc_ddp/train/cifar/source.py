@@ -43,6 +43,9 @@ class CifarSplits:
             log=get_logger().info,
         )
 
+    def example(self) -> torch.Tensor:
+        return self.train_set.images[:1].float()
+
 
 def load(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> CifarSplits:
     """Stage on each node's local rank 0, agree, read (torchvision's classes only where its

@@ -4,6 +4,7 @@ here, once per run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp import SpeedUp, speed_up
 from hpc_ddp.log import get_logger
-from hpc_ddp.train import optim
+from hpc_ddp.train import registry
 from hpc_ddp.train.data_source import EvalData, TrainData
 from hpc_ddp.train.fast import cuda_graphs
 from hpc_ddp.train.fast.gpu_data import GpuEvalData, GpuTrainData
@@ -42,21 +43,26 @@ class StepPlan:
     captured: bool  # the step is a CUDA graph (cuda_graphs.py)
     sync: GradientSync
 
-    def speed_up(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> SpeedUp:
+    def speed_up(
+        self,
+        net: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        example: Callable[[], torch.Tensor] | None = None,
+    ) -> SpeedUp:
         """``hpc_ddp.speed_up`` as the config asks (``memory_format``, ``fused_optimizer``),
         said beside the ``CUDA graphs:`` line. Before ``wrap``: DDP lays its gradient buckets
-        out after the parameters' format (``optim.memory_format``: what ``auto`` means for a
-        plug-in model)."""
-        layout, note = optim.memory_format(self.cfg)
-        sped = speed_up(
+        out after the parameters' format. A plug-in model under ``auto`` keeps channels_last
+        only if its forward of ``example()`` (one training input) runs in it; the built-in
+        models are known to."""
+        plugin = registry.is_plugin(self.cfg.model)
+        return speed_up(
             net,
             optimizer,
-            memory_format=layout,  # type: ignore[arg-type]  # one of MEMORY_FORMATS (config)
+            memory_format=self.cfg.memory_format,  # type: ignore[arg-type]  # MEMORY_FORMATS
             fused=self.cfg.fused_optimizer,
-            log=lambda _line: None,  # said below, with the note where it applies
+            example=example if plugin else None,  # called only where the trial runs
+            log=log.info,
         )
-        log.info(sped.line + (note if sped.on_gpu else ""))
-        return sped
 
     @staticmethod
     def feed(

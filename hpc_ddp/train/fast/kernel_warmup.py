@@ -34,7 +34,7 @@ from hpc_ddp import DistEnv, process_device, speed_up
 from hpc_ddp.log import get_logger
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast import cuda_graphs
-from hpc_ddp.train.optim import amp_dtype, build_optimizer, memory_format
+from hpc_ddp.train.optim import amp_dtype, build_optimizer
 
 log = get_logger("train")
 
@@ -63,9 +63,9 @@ def _quiet(_line: str) -> None:
 
 
 def warms_channels_last(config: TrainConfig) -> bool:
-    """Whether the run's convolutions will be channels_last (``optim.memory_format``; every
+    """Whether the run's convolutions may be channels_last (``hpc_ddp.speed_up``; every
     built-in model has convolutions), so that the warm-up loads those kernels."""
-    return memory_format(config)[0] != "contiguous"
+    return config.memory_format != "contiguous"
 
 
 def warm_kernels(
