@@ -296,14 +296,11 @@ class Resumable:
             per_rank["loader_generator"] = generator.get_state()
         # Only rank 0 writes the shared state (Checkpointer): the other ranks skip the copies.
         done = self._staged_names if staged is not None else ()
+        rest = [name for name in self.objects if name not in done]
         shared = (
-            self.sharded.state_dict()  # every rank's shards
+            self.sharded.state_dict(rest)  # every rank's shards
             if self.sharded is not None
-            else {
-                name: obj.state_dict()
-                for name, obj in self.objects.items()
-                if self.is_main and name not in done
-            }
+            else {name: self.objects[name].state_dict() for name in rest if self.is_main}
         )
         meta = {
             "epoch": self.epoch,
@@ -324,9 +321,12 @@ class Resumable:
         while the GPU still runs earlier work costs training nothing. They must not change
         before that save."""
         self._staged_names = names or tuple(self.objects)
-        state = (
-            {n: self.objects[n].state_dict() for n in self._staged_names} if self.is_main else {}
-        )
+        if self.sharded is not None:  # every rank stages its shards
+            state = self.sharded.state_dict(self._staged_names)
+        elif self.is_main:
+            state = {n: self.objects[n].state_dict() for n in self._staged_names}
+        else:
+            state = {}
         return self.checkpointer.stage(self.steps, state)
 
     def wait(self) -> Path | None:

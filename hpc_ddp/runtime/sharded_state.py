@@ -15,6 +15,7 @@ would not load into a fresh object's state.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -85,10 +86,12 @@ class ShardedState:
                 )
             self.owner[name] = owner
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every object's state; sharded tensors stay DTensors (no rank gathers the whole)."""
+    def state_dict(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Every object's state (or only the ``names`` objects'); sharded tensors stay DTensors
+        (no rank gathers the whole)."""
         out: dict[str, Any] = {}
-        for name, obj in self.objects.items():
+        for name in self.objects if names is None else names:
+            obj = self.objects[name]
             if isinstance(obj, nn.Module):
                 out[name] = get_model_state_dict(obj)
             elif name in self.owner:
