@@ -140,6 +140,52 @@ def test_two_ranks_checkpoint_loads_into_one_and_one_into_two(
     same_state(tmp_path / "up.pt", reference[0])
 
 
+FRESH_THEN_GROWN = """
+import sys, torch, torch.distributed as dist, hpc_ddp
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+
+class Counters:  # a loop's own state, whose shape changes as it runs
+    def __init__(self):
+        self.seen, self.last = [], None
+    def state_dict(self):
+        return {"seen": list(self.seen), "last": self.last}
+    def load_state_dict(self, state):
+        self.seen, self.last = state["seen"], state["last"]
+
+def build():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(net[0])
+    fully_shard(net)
+    return net, torch.optim.AdamW(net.parameters(), lr=0.1), Counters()
+
+net, opt, counters = build()
+run = hpc_ddp.Resumable(sys.argv[1], model=net, optimizer=opt, counters=counters)
+print("fresh optimizer state:", len(opt.state))
+net(torch.ones(2, 4)).sum().backward()
+opt.step()
+counters.seen.append({"step": 1})
+counters.last = {"loss": 0.5}
+run.save()
+net, opt, counters = build()  # a new attempt's objects: nothing seen, no last value
+hpc_ddp.Resumable(sys.argv[1], model=net, optimizer=opt, counters=counters)
+print("restored:", counters.seen, counters.last, [int(s["step"]) for s in opt.state.values()])
+"""
+
+
+def test_resumable_fsdp_starts_fresh_and_restores_counters_that_grew(tmp_path: Path) -> None:
+    """A run with no checkpoint starts with an empty optimizer state (DCP's load target, made
+    for a checkpoint there is none of, would step the optimizer once); an object that is not
+    sharded is restored whatever shape its state took since it was built (DCP alone loads only
+    the keys of the fresh object's state)."""
+    code = [sys.executable, "-c", FRESH_THEN_GROWN, str(tmp_path / "run"), str(tmp_path / "s")]
+    done = run(code, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fresh optimizer state: 0" in done.stdout, done.stdout
+    assert "restored: [{'step': 1}] {'loss': 0.5} [1, 1, 1, 1]" in done.stdout, done.stdout
+
+
 # --- GPUs: NCCL, bf16 mixed precision -----------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")

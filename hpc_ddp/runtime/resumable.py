@@ -360,8 +360,19 @@ class Resumable:
         return self._restore(check)
 
     def _restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
-        into = self.sharded.state_dict() if self.sharded is not None else None
-        loaded = self.checkpointer.load_latest(sharded_into=into)
+        # The state to read a sharded checkpoint into, made only when there is one: making it
+        # gives an optimizer without state its state (DCP steps it once at learning rate 0),
+        # which a run from scratch must not start with (Adam's step count, SGD's momentum).
+        into: dict[str, Any] = {}
+
+        def target() -> dict[str, Any]:
+            if not into and self.sharded is not None:
+                into.update(self.sharded.state_dict())
+            return into
+
+        loaded = self.checkpointer.load_latest(
+            sharded_into=target if self.sharded is not None else None
+        )
         if loaded is None:
             return None
         if check is not None:
