@@ -124,9 +124,13 @@ class ShardedStep:
     def wrap(self, net: nn.Module) -> nn.Module:
         """``net`` sharded in place (its parameters become DTensors); build the optimizer
         after this, from its parameters."""
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kwargs: dict[str, Any] = {}
+        # Over this process's device, which FSDP2's default (the host's accelerator) is not
+        # for a CPU process on a GPU host; one mesh for every unit.
+        world = self.ctx.env.world_size
+        kwargs: dict[str, Any] = {"mesh": init_device_mesh(self.ctx.device.type, (world,))}
         if self.amp is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=self.amp, reduce_dtype=torch.float32
