@@ -230,9 +230,13 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[
     }
 
 
-def test_trainer_fsdp_learns_as_ddp_with_exact_evaluation(fsdp_runs: dict[str, Path]) -> None:
+def test_trainer_fsdp_learns_as_ddp_with_exact_evaluation(
+    fsdp_runs: dict[str, Path], data_dir: Path, train_cli: ForkedCli
+) -> None:
     """On 2 ranks FSDP2 adds each gradient's two halves as DDP's all-reduce does, so the runs
-    end bit for bit alike; the fingerprint is of the gathered weights, the same on every rank."""
+    end bit for bit alike; the fingerprint is of the gathered weights, the same on every rank.
+    --fsdp is part of a run's identity (a DDP checkpoint holds the whole state, an FSDP one
+    shards it): the DDP run is not continued with it, refused at the start."""
     fsdp, ddp = read_result(fsdp_runs["fsdp"]), read_result(fsdp_runs["ddp"])
     assert fsdp["status"] == "finished" and fsdp["steps"] == 16 and fsdp["world_size"] == 2
     assert fsdp["test_accuracy"] > 0.3  # chance: 0.1
@@ -247,6 +251,11 @@ def test_trainer_fsdp_learns_as_ddp_with_exact_evaluation(fsdp_runs: dict[str, P
         (fsdp_runs["fsdp"] / "checkpoints" / "step-00000016" / "manifest.json").read_text()
     )
     assert manifest["payload"] == "dcp"  # sharded: every rank wrote its shards
+
+    args = train_args(fsdp_runs["ddp"], data_dir, fsdp=True, epochs=3, **FSDP_ARGS)
+    done = train_cli.run(["train", *args])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "holds a run with different settings (fsdp: False -> True)" in done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -355,17 +364,6 @@ def test_trainer_fsdp_refuses_a_process_of_several_gpus() -> None:
     ctx = SimpleNamespace(device=gpus[0], devices=gpus)
     with pytest.raises(ConfigError, match="one process driving 2 GPUs"):
         preflight(TrainConfig(fsdp=True), ctx)  # type: ignore[arg-type]
-
-
-def test_trainer_refuses_to_resume_a_ddp_run_with_fsdp(
-    fsdp_runs: dict[str, Path], data_dir: Path, train_cli: ForkedCli
-) -> None:
-    """A DDP checkpoint holds the whole state, an FSDP one shards: --fsdp is part of a run's
-    identity, so switching is refused at the start, not after building the model."""
-    args = train_args(fsdp_runs["ddp"], data_dir, fsdp=True, epochs=3, **FSDP_ARGS)
-    done = train_cli.run(["train", *args])
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "holds a run with different settings (fsdp: False -> True)" in done.stderr
 
 
 # --- GPUs: NCCL, bf16 mixed precision -----------------------------------------------------------
