@@ -214,10 +214,12 @@ def test_resumable_fsdp_starts_fresh_and_restores_counters_that_grew(tmp_path: P
 
 
 # --- the trainer: hpc-ddp train --fsdp (CPU, Gloo) ---------------------------------------------
-# SMALL: 256 samples, batch 16, 2 epochs: 8 steps an epoch on 2 ranks. Evaluation in batches of
-# 10 over 101 test samples: 6 batches on rank 0 (51 samples), 5 on rank 1, which then runs one
-# forward more, uncounted, since every FSDP forward gathers the weights with the other rank.
-FSDP_ARGS = {"eval_batch_size": 10}
+# SMALL: 256 samples, 2 epochs; here steps of 2 micro-batches of 8 (accumulated: the first
+# keeps its gradients unreduced), 16 samples a step per rank: 8 steps an epoch on 2 ranks.
+# Evaluation in batches of 10 over 101 test samples: 6 batches on rank 0 (51 samples), 5 on
+# rank 1, which then runs one forward more, uncounted, since every FSDP forward gathers the
+# weights with the other rank.
+FSDP_ARGS = {"batch_size": 8, "accum_steps": 2, "eval_batch_size": 10}
 
 
 @pytest.fixture(scope="module")
