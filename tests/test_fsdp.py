@@ -222,14 +222,41 @@ def test_resumable_fsdp_starts_fresh_and_restores_counters_that_grew(tmp_path: P
 FSDP_ARGS = {"batch_size": 8, "accum_steps": 2, "eval_batch_size": 10}
 
 
+# A model of the user's (--model FILE:FUNCTION) with BatchNorm: buffers, which FSDP2 does not
+# shard and each rank updates on its own batches; a checkpoint must hold rank 0's, as evaluation
+# uses them. Three blocks of parameters (the Flatten has none).
+BN_MODEL = """
+from torch import nn
+
+
+def bn(num_classes):
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(4)),
+        nn.Flatten(),
+        nn.Sequential(nn.Linear(8 * 8 * 8, 32), nn.BatchNorm1d(32), nn.ReLU()),
+        nn.Linear(32, num_classes),
+    )
+"""
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, Path]:
-    """Uninterrupted 2-rank runs of SMALL, one with --fsdp and one with DDP (the default)."""
+    """Uninterrupted 2-rank runs of SMALL: LeNet with --fsdp and with DDP (the default), and
+    the BatchNorm model with --fsdp."""
     d = tmp_path_factory.mktemp("trainer")
-    return {
-        "fsdp": reference_run(d / "fsdp", data_dir, fsdp=True, **FSDP_ARGS),
-        "ddp": reference_run(d / "ddp", data_dir, **FSDP_ARGS),
-    }
+    (d / "bn_model.py").write_text(BN_MODEL)
+    runs = {"bn_model": d / "bn_model.py"}
+    runs["fsdp"] = reference_run(d / "fsdp", data_dir, fsdp=True, **FSDP_ARGS)
+    runs["ddp"] = reference_run(d / "ddp", data_dir, **FSDP_ARGS)
+    done = run(forked_cmd(2, bn_args(d / "bn", data_dir, runs)))
+    assert done.returncode == 0, done.stderr
+    runs["bn"] = d / "bn"
+    return runs
+
+
+def bn_args(run_dir: Path, data_dir: Path, runs: dict[str, Path]) -> list[str]:
+    """The BatchNorm model's --fsdp run."""
+    return train_args(run_dir, data_dir, fsdp=True, model=f"{runs['bn_model']}:bn", **FSDP_ARGS)
 
 
 def test_trainer_fsdp_learns_as_ddp_with_exact_evaluation(
@@ -261,17 +288,19 @@ def test_trainer_fsdp_learns_as_ddp_with_exact_evaluation(
 
 
 @pytest.fixture(scope="module")
-def fsdp_preempted(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple[Path, Path]:
-    """A 2-rank --fsdp run preempted by SIGUSR1 at step 11, 3 steps into epoch 2 (96 of its 256
-    samples): checkpointed (a background save, the default), exit 75. Its run dir, and a copy
-    to resume elsewhere."""
+def fsdp_preempted(
+    tmp_path_factory: pytest.TempPathFactory, data_dir: Path, fsdp_runs: dict[str, Path]
+) -> tuple[Path, Path]:
+    """The BatchNorm model's 2-rank --fsdp run preempted by SIGUSR1 at step 11, 3 steps into
+    epoch 2 (96 of its 256 samples): checkpointed (a background save, the default), exit 75.
+    Its run dir, and a copy to resume elsewhere."""
     d = tmp_path_factory.mktemp("preempted")
-    args = train_args(d / "run", data_dir, fsdp=True, **FSDP_ARGS)
+    args = bn_args(d / "run", data_dir, fsdp_runs)
     rc, log = interrupt_at(
         forked_cmd(2, [*args, "--debug-hold-at-step", "11"]), d / "run", d / "log"
     )
     assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 11" in log, log
-    assert "parallelism: FSDP2 (fully_shard per block: 5 blocks, then the root), fp32" in log
+    assert "parallelism: FSDP2 (fully_shard per block: 3 blocks, then the root), fp32" in log
     shutil.copytree(d / "run", d / "copy")
     return d / "run", d / "copy"
 
@@ -279,14 +308,14 @@ def fsdp_preempted(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> 
 def test_trainer_fsdp_preempted_resumes_bit_identical(
     fsdp_runs: dict[str, Path], fsdp_preempted: tuple[Path, Path], data_dir: Path
 ) -> None:
-    """Resumed on 2 ranks, the preempted run ends as the uninterrupted one: weights, losses,
-    accuracy."""
+    """Resumed on 2 ranks, the preempted run ends as the uninterrupted one: weights and
+    BatchNorm statistics, losses, accuracy."""
     run_dir = fsdp_preempted[0]
-    final = run(forked_cmd(2, train_args(run_dir, data_dir, fsdp=True, **FSDP_ARGS)))
+    final = run(forked_cmd(2, bn_args(run_dir, data_dir, fsdp_runs)))
     assert final.returncode == 0, final.stderr
     assert "resumed from" in final.stdout and "step 11)" in final.stdout, final.stdout
-    result = assert_resumed_like(run_dir, fsdp_runs["fsdp"], interruptions=1, steps=16)
-    assert result["test_accuracy"] == read_result(fsdp_runs["fsdp"])["test_accuracy"]
+    result = assert_resumed_like(run_dir, fsdp_runs["bn"], interruptions=1, steps=16)
+    assert result["test_accuracy"] == read_result(fsdp_runs["bn"])["test_accuracy"]
 
 
 def checkpointed_progress(run_dir: Path) -> dict[str, Any]:
@@ -310,8 +339,7 @@ def test_trainer_fsdp_resumes_from_two_ranks_on_one(
     """The preempted run resumed by one process: DCP reshards the weights and Adam's state onto
     it, the other 160 samples of epoch 2 are its 10 steps of 16; every sample trained on once."""
     run_dir = fsdp_preempted[1]
-    args = train_args(run_dir, data_dir, fsdp=True, **FSDP_ARGS)
-    final = train_cli.run(["train", *args], timeout=180)
+    final = train_cli.run(["train", *bn_args(run_dir, data_dir, fsdp_runs)], timeout=180)
     assert final.returncode == 0, final.stdout + final.stderr
     assert "resumed from 2 to 1 ranks at sample 96 of epoch 2" in final.stdout, final.stdout
     result = read_result(run_dir)
@@ -319,7 +347,7 @@ def test_trainer_fsdp_resumes_from_two_ranks_on_one(
     assert checkpointed_progress(run_dir)["samples_total"] == 256 + 96 + 160
     rows = [r for r in read_metrics(run_dir) if "test_samples" in r]
     assert [r["test_samples_per_rank"] for r in rows] == [[51, 50], [101]]
-    expected = read_result(fsdp_runs["fsdp"])["test_accuracy"]
+    expected = read_result(fsdp_runs["bn"])["test_accuracy"]
     assert abs(result["test_accuracy"] - expected) < 0.15
 
 
