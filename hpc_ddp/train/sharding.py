@@ -77,6 +77,8 @@ class FsdpStepper(Stepper):
         self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
     ) -> EvalSums:
         assert self.comm is not None
+        if self.comm.world_size == 1:  # no one to keep pace with
+            return super().eval_sums(model, batches, amp_dtype)
         sums = EvalSums.zeros(self.out_device)
         last: tuple[torch.Tensor, torch.Tensor] | None = None
         it = iter(batches)
