@@ -407,3 +407,48 @@ def test_hostile_sharded_checkpoints_are_refused_and_the_load_falls_back(
     assert torch.equal(into["model"]["w"], torch.full((4, 4), 10.0)) and into["opt"]["n"] == 10
     assert not planted.exists()
     assert any(said in line for line in logs), logs
+
+
+def _planted_state(planted: Path) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(_Plant(planted), buffer)
+    return buffer.getvalue()
+
+
+# What a sharded checkpoint holds for an object that is not sharded (a scheduler, the trainer's
+# progress): the bytes of its state dict (hpc_ddp.runtime.sharded_state.opaque).
+OPAQUE_HOSTILE = {
+    "its bytes unpickle code": (_planted_state, "'progress' cannot be read as a state dict"),
+    "not bytes": (lambda _p: 7, "'progress' is a int, not a state saved by"),
+}
+
+
+@pytest.mark.parametrize("case", list(OPAQUE_HOSTILE))
+def test_hostile_unsharded_state_in_a_sharded_checkpoint_is_refused(
+    tmp_path: Path, case: str
+) -> None:
+    from hpc_ddp.checkpoint.errors import CheckpointError
+    from hpc_ddp.runtime.sharded_state import ShardedState
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    value, said = OPAQUE_HOSTILE[case]
+    planted = tmp_path / "code-ran"
+    ck = Checkpointer(tmp_path / "ckpt", rank=0, world_size=1, sharded=True, log=lambda _: None)
+    ck.save(3, shared={"progress": value(planted)}, per_rank={}, meta={})
+    state = ShardedState({"progress": Counter()})
+    into = state.state_dict()
+    assert ck.load_latest(sharded_into=into) is not None
+    with pytest.raises(CheckpointError, match=said):
+        state.load_state_dict(into)
+    assert not planted.exists() and state.objects["progress"].n == 0

@@ -31,7 +31,7 @@ from .comm import Agree, Agreement, choose_agree, dist_ready
 from .errors import CheckpointError, CheckpointWriteError
 from .fsutil import fsync_dir, raising_io, remove_tree, sha256_file, write_bytes_durably
 from .fsutil import write_durably as _write_durably
-from .loader import Loaded, load_latest
+from .loader import Loaded, ShardedInto, load_latest
 from .manifest import (
     MANIFEST,
     SHARED_FILE,
@@ -405,14 +405,15 @@ class Checkpointer:
         *,
         map_location: Any = "cpu",
         expect: dict[str, Any] | None = None,
-        sharded_into: dict[str, Any] | None = None,
+        sharded_into: ShardedInto = None,
     ) -> Loaded | None:
         """The newest checkpoint that verifies, loaded for this rank; None if there is none.
 
         See :func:`hpc_ddp.checkpoint.loader.load_latest` for the fallback rules. Waits
         for a background save first (and raises its error). A sharded checkpoint's state is
         read into ``sharded_into`` in place (every rank passes its own, e.g. the state dicts
-        of its FSDP2 model and optimizer), resharded from whatever world wrote it.
+        of its FSDP2 model and optimizer, or a function that returns them, called only when
+        a sharded checkpoint is there to read), resharded from whatever world wrote it.
         """
         self.wait()
         return load_latest(

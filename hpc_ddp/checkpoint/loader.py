@@ -33,6 +33,9 @@ from .manifest import (
 )
 
 Log = Callable[[str], None]
+# Where a sharded checkpoint's state is read: the live state's dict, or what makes it when
+# there is one to read (making it may change the live state: Resumable._restore).
+ShardedInto = dict[str, Any] | Callable[[], dict[str, Any]] | None
 
 
 @dataclass
@@ -145,14 +148,14 @@ def _try_one(
     return Loaded(shared=shared, per_rank=per_rank, manifest=manifest, path=path, sharded=sharded)
 
 
-def _read_sharded(
-    loaded: Loaded, into: dict[str, Any] | None, agree: Agreement
-) -> tuple[bool, str]:
+def _read_sharded(loaded: Loaded, into: ShardedInto, agree: Agreement) -> tuple[bool, str]:
     """Read a verified sharded checkpoint into ``into`` on every rank: (all ranks did, why not).
     DCP's load is collective and raises on every rank when one fails, so all move on together."""
     if loaded.sharded is None:
         return True, ""
     reason = ""
+    if callable(into):  # made now that there is a sharded checkpoint to read
+        into = into()
     try:
         if into is None:
             raise CheckpointError(
@@ -179,7 +182,7 @@ def _choose(
     agree: Agreement,
     log: Log,
     world_size: int = 1,
-    sharded_into: dict[str, Any] | None = None,
+    sharded_into: ShardedInto = None,
 ) -> Loaded | None:
     """Walk the candidates together: a checkpoint is used only if every rank could use it.
 
@@ -232,7 +235,7 @@ def load_latest(
     expect: dict[str, Any] | None,
     agree: Agreement,
     log: Log,
-    sharded_into: dict[str, Any] | None = None,
+    sharded_into: ShardedInto = None,
 ) -> Loaded | None:
     """Load on every rank; all ranks must end on the same checkpoint or all raise."""
     if rank == 0 and root.is_dir():

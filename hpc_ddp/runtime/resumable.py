@@ -296,14 +296,11 @@ class Resumable:
             per_rank["loader_generator"] = generator.get_state()
         # Only rank 0 writes the shared state (Checkpointer): the other ranks skip the copies.
         done = self._staged_names if staged is not None else ()
+        rest = [name for name in self.objects if name not in done]
         shared = (
-            self.sharded.state_dict()  # every rank's shards
+            self.sharded.state_dict(rest)  # every rank's shards
             if self.sharded is not None
-            else {
-                name: obj.state_dict()
-                for name, obj in self.objects.items()
-                if self.is_main and name not in done
-            }
+            else {name: self.objects[name].state_dict() for name in rest if self.is_main}
         )
         meta = {
             "epoch": self.epoch,
@@ -324,9 +321,12 @@ class Resumable:
         while the GPU still runs earlier work costs training nothing. They must not change
         before that save."""
         self._staged_names = names or tuple(self.objects)
-        state = (
-            {n: self.objects[n].state_dict() for n in self._staged_names} if self.is_main else {}
-        )
+        if self.sharded is not None:  # every rank stages its shards
+            state = self.sharded.state_dict(self._staged_names)
+        elif self.is_main:
+            state = {n: self.objects[n].state_dict() for n in self._staged_names}
+        else:
+            state = {}
         return self.checkpointer.stage(self.steps, state)
 
     def wait(self) -> Path | None:
@@ -360,8 +360,19 @@ class Resumable:
         return self._restore(check)
 
     def _restore(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
-        into = self.sharded.state_dict() if self.sharded is not None else None
-        loaded = self.checkpointer.load_latest(sharded_into=into)
+        # The state to read a sharded checkpoint into, made only when there is one: making it
+        # gives an optimizer without state its state (DCP steps it once at learning rate 0),
+        # which a run from scratch must not start with (Adam's step count, SGD's momentum).
+        into: dict[str, Any] = {}
+
+        def target() -> dict[str, Any]:
+            if not into and self.sharded is not None:
+                into.update(self.sharded.state_dict())
+            return into
+
+        loaded = self.checkpointer.load_latest(
+            sharded_into=target if self.sharded is not None else None
+        )
         if loaded is None:
             return None
         if check is not None:

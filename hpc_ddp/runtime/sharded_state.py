@@ -6,11 +6,16 @@ and so of the optimizer's state. Its state is saved through ``torch.distributed.
 shards, and a load reads them into the live sharded state, resharded to the world that loads
 it. The state dicts come from ``torch.distributed.checkpoint.state_dict`` (keyed by parameter
 names, not optimizer indices, which is what makes resharding possible); objects that are not
-sharded (schedulers, scalers) are saved beside them as they are.
+sharded (schedulers, scalers, a loop's counters) are saved beside them, each as one opaque value
+(:func:`opaque`): DCP loads only the keys of the state it loads into, flattened, so a nested
+value whose shape changes as training goes on (a list that grows, an entry that starts as None)
+would not load into a fresh object's state.
 """
 
 from __future__ import annotations
 
+import io
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hpc_ddp.checkpoint.errors import CheckpointError
 from hpc_ddp.errors import ConfigError
 
 
@@ -31,6 +37,28 @@ def _params(obj: Any) -> list[Any]:
     if isinstance(obj, torch.optim.Optimizer):
         return [p for group in obj.param_groups for p in group["params"]]
     return []
+
+
+def opaque(state: Any) -> bytes:
+    """A state dict of an object that is not sharded, as one value DCP stores whole."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def from_opaque(value: Any, name: str) -> Any:
+    """:func:`opaque`'s state back; read as data (``weights_only``), never run as code."""
+    problem = f"is a {type(value).__name__}"
+    if isinstance(value, bytes):
+        try:
+            return torch.load(io.BytesIO(value), weights_only=True)
+        except Exception as exc:  # unpickling refused or failed: the value is not ours
+            problem = f"cannot be read as a state dict ({type(exc).__name__})"
+    raise CheckpointError(
+        f"the sharded checkpoint's {name!r} {problem}, not a state saved by hpc_ddp.Resumable",
+        hint="move that checkpoint aside (the run then resumes from the one before it), or "
+        "start a new run directory",
+    )
 
 
 class ShardedState:
@@ -58,16 +86,18 @@ class ShardedState:
                 )
             self.owner[name] = owner
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every object's state; sharded tensors stay DTensors (no rank gathers the whole)."""
+    def state_dict(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Every object's state (or only the ``names`` objects'); sharded tensors stay DTensors
+        (no rank gathers the whole)."""
         out: dict[str, Any] = {}
-        for name, obj in self.objects.items():
+        for name in self.objects if names is None else names:
+            obj = self.objects[name]
             if isinstance(obj, nn.Module):
                 out[name] = get_model_state_dict(obj)
             elif name in self.owner:
                 out[name] = get_optimizer_state_dict(self.owner[name], obj)
             else:
-                out[name] = obj.state_dict()
+                out[name] = opaque(obj.state_dict())
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -78,4 +108,4 @@ class ShardedState:
             elif name in self.owner:
                 set_optimizer_state_dict(self.owner[name], obj, state[name])
             else:
-                obj.load_state_dict(state[name])
+                obj.load_state_dict(from_opaque(state[name], name))

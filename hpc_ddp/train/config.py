@@ -53,6 +53,7 @@ IDENTITY_KEYS = (
     "amp",
     "sync_bn",
     "seed",
+    "fsdp",  # a sharded checkpoint does not load into a DDP run, nor a whole one into FSDP
 )
 
 
@@ -213,6 +214,14 @@ class TrainConfig:
             "the multi-tensor one in eager steps (the captured step keeps its own kernels)"
         ),
     )
+    fsdp: bool = field(
+        default=False,
+        metadata=field_doc(
+            "shard the model's weights, gradients and optimizer state over the processes with "
+            "FSDP2 (fully_shard per block, then the root) instead of DDP; checkpoints are "
+            "sharded (every rank writes its shards) and resume on any number of processes"
+        ),
+    )
     time_allreduce: bool = field(
         default=False,
         metadata=field_doc(
@@ -341,6 +350,12 @@ class TrainConfig:
             raise ConfigError(
                 "; ".join(numbers), hint="`hpc-ddp train --help` shows every setting's range"
             )
+        fsdp = fsdp_problems(self)
+        if fsdp:
+            raise ConfigError(
+                "--fsdp cannot run with " + "; ".join(fsdp),
+                hint="change those settings, or drop --fsdp (the default: DDP)",
+            )
         self.requeue_signals = [parse_signal(s).name for s in self.requeue_signals]
         self.metrics = metrics_formats(self.metrics)
         self.gpus_per_process = schema.gpus_per_process_setting(self.gpus_per_process)  # 0 -> None
@@ -358,6 +373,35 @@ class TrainConfig:
         defaults = TrainConfig().identity()
         was = {k: recorded.get(k, defaults[k]) for k in IDENTITY_KEYS}
         return {k: (was[k], getattr(self, k)) for k in IDENTITY_KEYS if was[k] != getattr(self, k)}
+
+
+def fsdp_problems(cfg: TrainConfig) -> list[str]:
+    """The settings an FSDP2 run cannot take, each with the reason (empty without ``fsdp``).
+    One process driving several GPUs through the environment is refused where the trainer
+    starts (hpc_ddp/train/sharding.py), as only there is it known."""
+    if not cfg.fsdp:
+        return []
+    problems = []
+    if cfg.cuda_graphs == "on":
+        problems.append(
+            "--cuda-graphs: FSDP2's gathers of the weights are not captured (drop it: an FSDP2 "
+            "step is eager)"
+        )
+    if cfg.time_allreduce:
+        problems.append("--time-allreduce: it times DDP's all-reduce, which FSDP2 replaces")
+    if cfg.sync_bn:
+        problems.append("--sync-bn: SyncBatchNorm is DDP's")
+    if cfg.amp == "fp16":
+        problems.append(
+            "--amp fp16: its loss scaler is not made for sharded gradients (use bf16, which "
+            "needs none)"
+        )
+    if cfg.gpus_per_process is not None and cfg.gpus_per_process > 1:
+        problems.append(
+            f"--gpus-per-process {cfg.gpus_per_process}: FSDP2 shards over processes of one GPU "
+            "each (use 1)"
+        )
+    return problems
 
 
 def metrics_formats(names: list[str]) -> list[str]:

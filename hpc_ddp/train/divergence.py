@@ -20,6 +20,7 @@ the last finite state; progress.json says ``diverged``; the processes exit with
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -91,6 +92,11 @@ def state_is_finite(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> b
     tensors = [*net.parameters(), *net.buffers()]
     for per_param in optimizer.state.values():
         tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    # A sharded model (FSDP2) holds DTensors: each rank checks its own shards, and the trainer
+    # adds up the ranks' answers.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None:
+        tensors = [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():

@@ -118,6 +118,12 @@ class Stepper:
     def close(self) -> None:
         """Nothing to release before ``destroy_process_group`` (the graphed stepper has)."""
 
+    def accumulating(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch that is not its step's last: DDP's ``no_sync`` (the gradients
+        are averaged once, with the last one's), or nothing where they are averaged after
+        backward."""
+        return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
+
     def eval_sums(
         self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None
     ) -> EvalSums:
@@ -145,8 +151,7 @@ class Stepper:
         if self.averager is not None:
             self.averager.before_forward()
         for i, (x, y) in enumerate(micro):
-            sync = i == len(micro) - 1 or not isinstance(self.model, DDP)
-            ctx = contextlib.nullcontext() if sync else self.model.no_sync()
+            ctx = contextlib.nullcontext() if i == len(micro) - 1 else self.accumulating()
             with ctx:
                 with torch.autocast(
                     x.device.type,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hpc_ddp import Comm
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.train.config import TrainConfig
@@ -124,6 +125,7 @@ def stage(state: TrainState, progress: Progress) -> Staged:
     """Queue the copy of the training state for the checkpoint of ``progress.global_step`` now
     (background saves)."""
     state.run.epoch, state.run.steps = progress.epoch, progress.global_step
+    rank0_buffers(state)
     return state.run.stage(*STAGED)
 
 
@@ -144,5 +146,16 @@ def save(
     run = state.run
     run.epoch, run.steps = progress.epoch, progress.global_step
     run.batches_done = state.plan.steps_done(progress.start) * cfg.accum_steps
+    if staged is None:  # else the model was staged after rank0_buffers
+        rank0_buffers(state)
     run.save(meta={"start": progress.start, "model": cfg.model}, staged=staged)
     times.checkpoint += time.perf_counter() - t0
+
+
+def rank0_buffers(state: TrainState) -> None:
+    """A sharded (--fsdp) checkpoint: every rank takes rank 0's buffers (BatchNorm statistics)
+    first. They are not sharded, and DCP writes one rank's copy of each, not always rank 0's;
+    rank 0's is what a DDP checkpoint holds and what evaluation uses."""
+    buffers = list(state.net.buffers())
+    if state.run.sharded is not None and buffers:
+        Comm(buffers[0].device).broadcast_buffers(state.net)

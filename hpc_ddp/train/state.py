@@ -8,6 +8,7 @@ the user's has): all made here, in this order, on every rank.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import torch
 from hpc_ddp import Comm, Preemption, Resumable, ShardPlan, seed_everything
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
-from hpc_ddp.train import metric_writers, registry
+from hpc_ddp.train import metric_writers, registry, sharding
 from hpc_ddp.train.cifar import models
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.data_source import EvalData, Splits, TrainData
@@ -36,7 +37,8 @@ class TrainState:
     amp: torch.dtype | None
     plan: ShardPlan
     net: torch.nn.Module  # the bare module: checkpoints, evaluation, the weights' fingerprint
-    model: torch.nn.Module  # what the step runs: DDP(net), or net (Gloo, captured, one process)
+    model: torch.nn.Module  # what the step runs: DDP(net), or net (Gloo, captured, one process,
+    # or sharded in place with --fsdp: its parameters are then DTensors)
     captured: bool  # the step is a CUDA graph (cuda_graphs.py)
     stepper: Stepper
     train_data: TrainData
@@ -49,6 +51,8 @@ def preflight(cfg: TrainConfig, ctx: DistContext) -> torch.dtype | None:
     """Settings this machine cannot run, refused before the run dir is touched; the AMP dtype."""
     amp = amp_dtype(cfg, ctx.device)
     metric_writers.check_installed(cfg.metrics)
+    if cfg.fsdp:
+        sharding.check_devices(ctx)
     if cfg.sync_bn and ctx.device.type != "cuda":
         raise ConfigError(
             "sync_bn needs GPUs: DDP runs SyncBatchNorm only on CUDA modules",
@@ -93,17 +97,21 @@ def build_state(
     devices = ctx.devices  # several when one process drives several GPUs
     net = build_net(cfg, splits.num_classes, devices)
     in_device, out_device = models.input_device(net), models.output_device(net)
-    step = fast.plan_step(cfg, ctx, amp, comm.world_size)  # captured or eager; the averaging
-    # The layout and the fused kernel; a plug-in model's layout is tried on an input first.
-    sped = step.speed_up(net, build_optimizer(cfg, net.parameters()), splits.example)
-    opt = sped.optimizer
-    model = step.wrap(net)  # DDP(net), or net where DDP does not average
+    # Captured or eager; the averaging. --fsdp: eager, the model sharded (sharding.py).
+    step = (
+        sharding.plan_step(cfg, ctx, amp)
+        if cfg.fsdp
+        else fast.plan_step(cfg, ctx, amp, comm.world_size)
+    )
+    # The model the step runs, its optimizer and the inputs' memory format: hpc_ddp.speed_up
+    # (a plug-in model's layout tried on an input first) before DDP, or FSDP2's shards.
+    model, opt, layout = step.build(net, functools.partial(build_optimizer, cfg), splits.example)
     total = plan.steps_per_epoch() * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp == torch.float16)
     stepper = step.stepper(net, model, opt, sched, scaler, out_device)
     train_data, eval_data = step.feed(
-        sped.memory_format,
+        layout,
         *splits.make(plan, rank=rank, world_size=world_size, device=in_device),
     )
     progress = Progress()

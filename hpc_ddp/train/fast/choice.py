@@ -4,7 +4,7 @@ here, once per run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +63,17 @@ class StepPlan:
             example=example if plugin else None,  # called only where the trial runs
             log=log.info,
         )
+
+    def build(
+        self,
+        net: torch.nn.Module,
+        make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+        example: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.memory_format]:
+        """(the model the step runs, its optimizer, the inputs' memory format): ``speed_up``
+        first (the layout and the fused kernel), then ``wrap``."""
+        sped = self.speed_up(net, make_optimizer(net.parameters()), example)
+        return self.wrap(net), sped.optimizer, sped.memory_format
 
     @staticmethod
     def feed(

@@ -66,6 +66,8 @@ def unsupported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -
         problems.append("sync_bn: SyncBatchNorm is not captured (turn it off)")
     if devices != 1:
         problems.append(f"gpus_per_process={devices}: the captured step drives one GPU (use 1)")
+    if cfg.fsdp:
+        problems.append("fsdp: FSDP2's gathers of the weights are not captured")
     return problems
 
 

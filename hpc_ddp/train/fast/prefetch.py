@@ -35,13 +35,15 @@ TARGET = "torch._dynamo"
 
 def needs_dynamo(config: TrainConfig, env: DistEnv) -> bool:
     """Whether this run will import torch._dynamo: only eager DDP does (sync.gradient_sync:
-    NCCL or MPI jobs of several processes). A captured step has no DDP wrapper and its
-    optimizer skips the import (optim.py), Gloo jobs average without DDP, and neither reader
-    of the data imports torchvision. Settings the trainer will refuse count as not needing it:
-    the refusal comes before any import."""
+    NCCL or MPI jobs of several processes), and ``fully_shard`` (``--fsdp``). A captured step
+    has no DDP wrapper and its optimizer skips the import (optim.py), Gloo jobs average without
+    DDP, and neither reader of the data imports torchvision. Settings the trainer will refuse
+    count as not needing it: the refusal comes before any import."""
     choice = cuda_graphs.choose_before_start(config, env)
     if choice is None:
         return False
+    if config.fsdp:  # fully_shard imports it, whatever the backend and the world
+        return True
     try:
         backend = pick_backend(bool(env.gpus), config.backend)
     except ConfigError:  # refused at the process group's start, before any import
