@@ -45,6 +45,7 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast.eval_graph import GraphedEval
 from hpc_ddp.train.fast.grad_buckets import BucketedAllReduce
+from hpc_ddp.train.fast.recording import recording
 from hpc_ddp.train.loop import Stepper, Times
 from hpc_ddp.train.optim import amp_dtype
 
@@ -305,7 +306,7 @@ class GraphedStep:
             self.before_capture()
         torch.cuda.synchronize(self.device)
         first = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(first):
+        with recording(first):
             self._forward_backward(self.static_x, self.static_y)
             if self.allreduce_in_graph:
                 self._allreduce()
@@ -313,7 +314,7 @@ class GraphedStep:
         self.graphs = [first]
         if not self.allreduce_in_graph:
             second = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(second, pool=first.pool()):
+            with recording(second, pool=first.pool()):
                 self._update()
             self.graphs.append(second)
 
