@@ -193,6 +193,9 @@ def rank_main(a: argparse.Namespace) -> None:
             row["call"].append(call)
             row["stall"].append(stall)
             row["done"].append(done)
+            if rank == 0:  # as it lands: a run cut short still says what it measured
+                print(f"{kind}: call {call:.3f} s, stall {stall:.3f} s, done {done:.3f} s, "
+                      f"{n} steps", flush=True)  # fmt: skip
 
     def sharded_sync():
         sync()
@@ -279,9 +282,9 @@ def torchrun(a: argparse.Namespace, phase: str, result: Path) -> subprocess.Comp
     cmd += ["--async-repeats", str(a.async_repeats)]
     cmd += ["--baseline", str(a.baseline)] + (["--tiny"] if a.tiny else [])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
-    done = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900, check=False)
+    done = subprocess.run(cmd, env=env, text=True, timeout=900, check=False)  # output as it comes
     if done.returncode != 0:
-        sys.exit(f"{phase} phase failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}")
+        sys.exit(f"{phase} phase failed ({done.returncode}): its output is above")
     return done
 
 

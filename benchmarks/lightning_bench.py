@@ -253,7 +253,8 @@ def cifar_root(args: argparse.Namespace) -> Path:
 
 def ours_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "hpc_ddp.train", "--nproc-per-node", str(args.gpus)]
-    cmd += ["--model", args.model, "--batch-size", str(args.batch_size), "--optimizer", "sgd"]
+    model = str(REPO / args.model) if ":" in args.model else args.model  # from any directory
+    cmd += ["--model", model, "--batch-size", str(args.batch_size), "--optimizer", "sgd"]
     cmd += ["--lr", "0.05", "--epochs", str(args.epochs), "--run-dir", str(run_dir)]
     if args.data == "cifar":
         cmd += ["--dataset", "cifar100", "--synthetic", "--data-dir", args.root]
@@ -287,9 +288,12 @@ def measure(args: argparse.Namespace) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
     t0 = time.perf_counter()
     # Its own session: at the timeout the whole group goes (Lightning's DDP ranks included).
+    # `python -m` puts the working directory first on sys.path: run another revision's code
+    # from outside this checkout, so that its hpc_ddp/ is the one imported.
+    cwd = args.work if args.code else None
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, cwd=cwd,
     )  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=args.timeout)
