@@ -309,7 +309,8 @@ def test_the_launcher_definition_reader_sees_modules_types_and_tables(tmp_path: 
 
 # What the trainer may import from outside hpc_ddp/train besides the public API: the package's
 # torch-free helpers that every layer shares and that hold no layer's logic (errors, logging,
-# bounded reads of files, private files, polling, settings, optional extras, variable names),
+# bounded reads of files, private files, polling, settings, optional extras, variable names,
+# the DTensor check that spares a DDP run an import),
 # and the run directory's layout, which every program writing a run dir shares.
 FOUNDATION = {
     "hpc_ddp.errors",
@@ -321,6 +322,7 @@ FOUNDATION = {
     "hpc_ddp.schema",
     "hpc_ddp.extras",
     "hpc_ddp.env_vars",
+    "hpc_ddp.dtensors",
 }
 RUN_DIRECTORY = {
     "hpc_ddp.run_dir",

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hpc_ddp.dtensors import any_dtensor
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 
@@ -168,11 +169,7 @@ def _device_type(model: nn.Module) -> str:
 def _sharded(model: nn.Module) -> bool:
     """The model's parameters are DTensors (FSDP2's ``fully_shard``, tensor parallelism): their
     layout and the optimizer's kernel are the sharding's to choose, not this function's."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed: nothing can be sharded
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any_dtensor(model.parameters())
 
 
 def _refuse_wrapped(model: nn.Module) -> None:

@@ -35,7 +35,6 @@ being or was written. Its extra state (progress, counters) is one more object wi
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +46,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 
 from hpc_ddp.checkpoint import Checkpointer, CheckpointError, Loaded, Staged
 from hpc_ddp.checkpoint.committed import read_latest
+from hpc_ddp.dtensors import dtensor_type
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.exit_codes import EXIT_REQUEUE
 from hpc_ddp.run_dir.paths import RunPaths
@@ -411,9 +411,8 @@ class Resumable:
 
 def _sharded_state(objects: dict[str, Stateful]) -> Any:
     """A ShardedState when any object is an FSDP2 model or its optimizer, else None."""
-    # No parameter can be a DTensor before torch.distributed.tensor is imported, and a DDP run
-    # is spared importing torch.distributed.checkpoint (about a second of its start-up).
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    # A DDP run is spared importing torch.distributed.checkpoint (about a second of its start).
+    dtensor = dtensor_type()
     if dtensor is None:
         return None
     params = [

@@ -20,11 +20,11 @@ the last finite state; progress.json says ``diverged``; the processes exit with
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable
 
 import torch
 
+from hpc_ddp.dtensors import dtensor_type
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.exit_codes import EXIT_DIVERGED
 from hpc_ddp.train.config import TrainConfig
@@ -94,7 +94,7 @@ def state_is_finite(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> b
         tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     # A sharded model (FSDP2) holds DTensors: each rank checks its own shards, and the trainer
     # adds up the ranks' answers.
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = dtensor_type()
     if dtensor is not None:
         tensors = [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
     by_device: dict[torch.device, list[torch.Tensor]] = {}

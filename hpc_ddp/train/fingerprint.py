@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Mapping
 
 import torch
+
+from hpc_ddp.dtensors import dtensor_type
 
 _DDP_PREFIX = "module."
 
@@ -38,8 +39,7 @@ def params_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective); any other tensor as it is."""
-    # No tensor is a DTensor before torch.distributed.tensor is imported: a DDP run skips it.
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         return t.full_tensor()
     return t
