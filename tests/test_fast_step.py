@@ -249,7 +249,7 @@ def test_a_contiguous_models_checkpoint_continues_in_channels_last_and_fused(
 @pytest.mark.parametrize(
     ("model", "memory_format", "line"),
     [
-        ("lenet", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
+        ("resnet18", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
         ("my_models:net", "auto", "step: channels_last (2 Conv2d), fused AdamW"),
         ("my_models:net", "channels_last", "step: channels_last (2 Conv2d), fused AdamW"),
         ("lenet", "contiguous", "step: contiguous (memory_format=contiguous), fused AdamW"),
@@ -322,6 +322,7 @@ def test_the_trainers_faster_step_resumes_bit_identical(tmp_path: Path) -> None:
             "synthetic_test_size": 64, "batch_size": 32, "lr_schedule": "constant",
             "optimizer": "sgd", "lr": 0.05, "log_every": 1000, "epochs": epochs,
             "run_dir": str(tmp_path / run_dir),
+            "memory_format": "channels_last",  # LeNet's narrow convolutions: auto keeps NCHW
         }  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-c", TRAINER_ON_A_GPU, json.dumps(settings)],
@@ -361,9 +362,9 @@ class ViewsNCHW(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.norm = nn.BatchNorm2d(4)
-        self.head = nn.Linear(4 * 8 * 8, 4)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 8 * 8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.conv(x))
@@ -421,3 +422,16 @@ def test_the_trainer_tries_a_plug_in_model_on_a_training_input(on_a_gpu: None) -
         asked.clear()
         sped = plan.speed_up(net, build_optimizer(cfg, net.parameters()), example)
         assert sped.channels_last is wanted and bool(asked) is tried, model
+
+
+def test_auto_keeps_narrow_convolutions_in_nchw(on_a_gpu: None) -> None:
+    """LeNet's convolutions (6 and 16 channels) have no tensor-core NHWC kernels and step
+    faster in NCHW: auto leaves such a model as built and says why; asked, it converts."""
+    from hpc_ddp.train.cifar.models import build_model
+
+    lenet = build_model("lenet", 10)
+    fast = hpc_ddp.speed_up(lenet, log=lambda _: None)
+    assert not fast.channels_last
+    assert fast.line == "step: contiguous (1 of 2 Conv2d narrower than 8-channel multiples)"
+    asked = hpc_ddp.speed_up(build_model("lenet", 10), memory_format="channels_last", log=print)
+    assert asked.channels_last

@@ -33,6 +33,9 @@ from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+# cuDNN's NHWC tensor-core kernels want channel counts that are multiples of this; a network
+# with narrower convolutions (LeNet's 6 and 16) steps faster in NCHW, so auto leaves it there.
+TENSOR_CORE_CHANNELS = 8
 # The device types where both choices pay (tests running on a CPU stand in for a GPU here).
 FAST_DEVICES = ("cuda",)
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
@@ -83,17 +86,19 @@ def speed_up(
     the optimizer is a new one over the same parameter groups and hyper-parameters.
 
     ``memory_format``: ``auto`` takes channels_last for a model with ``nn.Conv2d`` layers on a
-    CUDA device; ``channels_last`` takes it on any device; ``contiguous`` never. ``fused``:
-    take the fused kernel of SGD, Adam or AdamW where every parameter is a floating-point CUDA
-    tensor (``False`` keeps the optimizer as given). A model sharded into DTensors (FSDP2's
-    ``fully_shard``) is left as given. ``example``: an input batch of the model (one sample
-    will do), or a function returning one (called only if the trial runs); under ``auto``,
-    channels_last is kept only if the model's forward of it runs in that format (code written
-    for NCHW activations, such as ``x.view(len(x), -1)`` on a feature map, fails on
-    channels_last ones), run once in eval mode without gradients, so neither the weights nor a
-    normalization layer's statistics change. ``log``: where the one-line answer goes (default:
-    the ``hpc_ddp`` logger, rank 0's line). Raises ``ConfigError`` for a wrapped model, an
-    optimizer that already stepped or has a scheduler, or an unknown ``memory_format``.
+    CUDA device whose output channels are all multiples of 8 (tensor-core NHWC kernels; narrower
+    ones, as LeNet's, step faster in NCHW); ``channels_last`` takes it on any device;
+    ``contiguous`` never. ``fused``: take the fused kernel of SGD, Adam or AdamW where every
+    parameter is a floating-point CUDA tensor (``False`` keeps the optimizer as given). A model
+    sharded into DTensors (FSDP2's ``fully_shard``) is left as given. ``example``: an input
+    batch of the model (one sample will do), or a function returning one (called only if the
+    trial runs); under ``auto``, channels_last is kept only if the model's forward of it runs in
+    that format (code written for NCHW activations, such as ``x.view(len(x), -1)`` on a feature
+    map, fails on channels_last ones), run once in eval mode without gradients, so neither the
+    weights nor a normalization layer's statistics change. ``log``: where the one-line answer
+    goes (default: the ``hpc_ddp`` logger, rank 0's line). Raises ``ConfigError`` for a wrapped
+    model, an optimizer that already stepped or has a scheduler, or an unknown
+    ``memory_format``.
     """
     if memory_format not in MEMORY_FORMATS:
         raise ConfigError(
@@ -105,10 +110,12 @@ def speed_up(
         _refuse_started(optimizer)
     on_cuda = _device_type(model) in FAST_DEVICES
     sharded = _sharded(model)
-    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    conv_layers = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    convs = len(conv_layers)
+    narrow = sum(m.out_channels % TENSOR_CORE_CHANNELS != 0 for m in conv_layers)
     layout = torch.contiguous_format
     if not sharded:
-        layout = _choose_layout(memory_format, on_cuda=on_cuda, convs=convs)
+        layout = _choose_layout(memory_format, on_cuda=on_cuda, convs=convs, narrow=narrow)
     words = None
     if layout == torch.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -119,7 +126,7 @@ def speed_up(
             model.to(memory_format=torch.contiguous_format)
             layout = torch.contiguous_format
             words = f"contiguous (its forward fails in channels_last: {failure})"
-    parts = [words or _layout_words(layout, memory_format, convs)]
+    parts = [words or _layout_words(layout, memory_format, convs, narrow)]
     took_fused = False
     if optimizer is not None and not sharded:
         optimizer, took_fused, words = _fuse(optimizer, wanted=fused, on_cuda=on_cuda)
@@ -201,17 +208,22 @@ def _refuse_started(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _choose_layout(asked: str, *, on_cuda: bool, convs: int) -> torch.memory_format:
-    if asked == "contiguous" or not convs or (asked == "auto" and not on_cuda):
+def _choose_layout(asked: str, *, on_cuda: bool, convs: int, narrow: int) -> torch.memory_format:
+    if asked == "contiguous" or not convs:
+        return torch.contiguous_format
+    if asked == "auto" and (not on_cuda or narrow):
         return torch.contiguous_format
     return torch.channels_last
 
 
-def _layout_words(layout: torch.memory_format, asked: str, convs: int) -> str:
+def _layout_words(layout: torch.memory_format, asked: str, convs: int, narrow: int) -> str:
     if layout == torch.channels_last:
         return f"channels_last ({convs} Conv2d)"
     if not convs:
         return "contiguous (no Conv2d)"
+    if asked == "auto" and narrow:
+        multiple = f"{TENSOR_CORE_CHANNELS}-channel multiples"
+        return f"contiguous ({narrow} of {convs} Conv2d narrower than {multiple})"
     return f"contiguous (memory_format={asked})"
 
 

@@ -202,8 +202,9 @@ class TrainConfig:
         default="auto",
         metadata=field_doc(
             "the model's memory format and the GPU-resident batches': auto (channels_last for a "
-            "model with 2-D convolutions on a CUDA GPU; a plug-in model only if its forward of "
-            "a training input runs in it), channels_last or contiguous",
+            "model whose 2-D convolutions have 8-channel multiples, on a CUDA GPU; a plug-in "
+            "model only if its forward of a training input runs in it), channels_last or "
+            "contiguous",
             choices=MEMORY_FORMATS,
         ),
     )

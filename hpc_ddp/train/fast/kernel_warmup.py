@@ -138,12 +138,12 @@ class KernelWarmup:
         devices: Sequence[torch.device],
         make_optimizer: MakeOptimizer,
         amp: torch.dtype | None,
-        layout: torch.memory_format = torch.contiguous_format,
+        layouts: Sequence[torch.memory_format] = (torch.contiguous_format,),
     ) -> None:
         self.devices = list(devices)
         self.make_optimizer = make_optimizer
         self.amp = amp
-        self.layout = layout
+        self.layouts = list(layouts)
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kernel-warmup", daemon=True)
@@ -158,8 +158,10 @@ class KernelWarmup:
             return None
         devices = [torch.device("cuda", index) for index in env.gpus] or [device]
         make = optimizer_factory(config, captured=choice.captured)
-        layout = torch.channels_last if warms_channels_last(config) else torch.contiguous_format
-        return cls(devices, make, amp_dtype(config, device), layout).launch()
+        layouts = [torch.contiguous_format]
+        if warms_channels_last(config):  # speed_up decides on the model, built later: both
+            layouts.append(torch.channels_last)
+        return cls(devices, make, amp_dtype(config, device), layouts).launch()
 
     def launch(self) -> KernelWarmup:
         self._thread.start()
@@ -169,7 +171,8 @@ class KernelWarmup:
         began = time.perf_counter()
         try:
             for device in self.devices:
-                warm_kernels(device, self.make_optimizer, self.amp, self.layout)
+                for layout in self.layouts:
+                    warm_kernels(device, self.make_optimizer, self.amp, layout)
         except Exception as err:  # the step will load what it needs itself
             self.error = err
         self.seconds = time.perf_counter() - began
