@@ -6,15 +6,21 @@ progress.json) with a deadline instead of sleeping and hoping.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+from cli_forkserver import ForkedCli, ForkedProcess
 
 VENV_BIN = Path(sys.executable).parent
 HPC_DDP = str(VENV_BIN / "hpc-ddp")
@@ -68,15 +74,37 @@ def torchrun_cmd(nproc: int, args: list[str], script: str | None = None) -> list
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
 
 
+Proc = subprocess.Popen[str] | ForkedProcess  # what ``start`` returns
+
+
+class ForkedCmd(list[str]):
+    """A ``forked_cmd``: ``run`` and ``start`` hand it to the fork server (``fork_server``)."""
+
+
 def forked_cmd(nproc: int, args: list[str]) -> list[str]:
-    """``hpc-ddp train --nproc-per-node nproc args``: the workers forked from one interpreter,
-    which imports torch once (tests/test_spawn.py checks that they end bit for bit where
-    torchrun's do). About half the CPU time of a torchrun run on a small machine, so the runs
-    that only provide the weights to compare against take it."""
-    return [HPC_DDP, "train", "--nproc-per-node", str(nproc), *args]
+    """``hpc-ddp train --nproc-per-node nproc args``: the workers forked from one interpreter
+    (tests/test_spawn.py checks that they end bit for bit where torchrun's do). ``run`` and
+    ``start`` fork that interpreter in turn from ``fork_server``, which imported torch once:
+    the runs that need N ranks but do not test a launcher start no interpreter at all. A
+    fraction of the CPU time of a torchrun run on a small machine."""
+    return ForkedCmd([HPC_DDP, "train", "--nproc-per-node", str(nproc), *args])
+
+
+@cache
+def fork_server() -> ForkedCli:
+    """`hpc-ddp` commands forked from one process of this test process that imported what
+    `train` imports first (cli_forkserver.py); ended when this process exits."""
+    scratch = Path(tempfile.mkdtemp(prefix="hpcddp-forked-"))
+    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]
+    cli = ForkedCli(preload, job_env(), scratch)
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    atexit.register(cli.close)  # first: the server's children write into scratch
+    return cli
 
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    if isinstance(cmd, ForkedCmd):
+        return fork_server().run(cmd[1:], timeout=timeout, env=job_env())
     return subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -90,7 +118,10 @@ def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **over
     return run_dir
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[str]:
+def start(cmd: list[str], log: Path) -> Proc:
+    """``cmd`` with its stdout and stderr into ``log``."""
+    if isinstance(cmd, ForkedCmd):
+        return fork_server().start(cmd[1:], log, env=job_env())
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
@@ -126,7 +157,7 @@ def assert_resumed_like(
 def wait_for_progress(
     run_dir: Path,
     ready: Callable[[dict[str, Any]], bool],
-    proc: subprocess.Popen[str],
+    proc: Proc,
     timeout: float = 90,
 ) -> dict[str, Any]:
     """Poll progress.json until ``ready(progress)``; fail early if the job exits first."""
@@ -143,9 +174,7 @@ def wait_for_progress(
     raise AssertionError(f"progress in {run_dir} not ready within {timeout} s")
 
 
-def wait_for_checkpoint(
-    run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 60
-) -> None:
+def wait_for_checkpoint(run_dir: Path, step: int, proc: Proc, timeout: float = 60) -> None:
     """Until checkpoints/latest names step ``step`` (a background save commits after its step
     has passed); fail early if the job exits first."""
     latest, wanted = Path(run_dir) / "checkpoints" / "latest", f"step-{step:08d}\n"
@@ -169,7 +198,7 @@ def signal_workers(progress: dict[str, Any], sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def finish(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> tuple[int, str]:
+def finish(proc: Proc, log: Path, timeout: float = 120) -> tuple[int, str]:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
