@@ -10,7 +10,13 @@ reaps: it runs no command and starts no thread, so nothing held by another threa
 into a child. Several commands may run at once (a test that holds one run while it starts
 another).
 
-Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths);
+A command may also be a Python script on N ranks (``ranks``): the child is then the launcher of
+``hpc-ddp train --nproc-per-node N`` (hpc_ddp.spawn), whose forked workers each run the script
+as ``python SCRIPT ARGS`` would, with torch's env:// variables set as torchrun sets them: for
+the runs that need a script on N ranks while the launcher is not what is tested.
+
+Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths, and
+ranks for a script);
 JSON lines back, each with the command's id: the child's ``pid`` when it starts, its ``rc`` (as
 ``subprocess`` reports it) once it has exited.
 """
@@ -20,11 +26,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 _REAP_EVERY_S = 0.02  # how often the server looks for children that exited
@@ -81,10 +89,38 @@ def _run_command(request: dict[str, object]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])  # type: ignore[arg-type]
     os.chdir(str(request["cwd"]))
+    if request.get("ranks"):
+        from hpc_ddp.spawn import launch
+
+        script = os.path.abspath(str(request["argv"][0]))  # type: ignore[index]
+        sys.argv = [script, *map(str, request["argv"][1:])]  # type: ignore[index]
+        sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it
+        sys.exit(launch(lambda: _run_script(script), int(request["ranks"])))  # type: ignore[call-overload]
     sys.argv = ["hpc-ddp", *map(str, request["argv"])]  # type: ignore[call-overload]
     from hpc_ddp.cli import main
 
     sys.exit(main())  # hpc-ddp's console script
+
+
+def _run_script(script: str) -> None:
+    """One rank: ``script`` as ``__main__``, its exit status as the interpreter would give it
+    (an exception's traceback, 1; ``sys.exit("message")``, 1); then out through ``os._exit``, as
+    spawn's workers leave."""
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class ForkedProcess:
@@ -144,20 +180,23 @@ class ForkedCli:
         stderr: Path | None = None,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        ranks: int | None = None,
     ) -> ForkedProcess:
-        """``stderr`` None: into ``stdout``'s file, as ``stderr=subprocess.STDOUT``."""
+        """``stderr`` None: into ``stdout``'s file, as ``stderr=subprocess.STDOUT``. ``ranks``:
+        ``argv`` is a script and its arguments, run on that many forked ranks."""
         assert self._server.stdin is not None
         self._count += 1
         request = {
             "id": self._count, "argv": argv, "env": self.env if env is None else env,
             "cwd": str(cwd or Path.cwd()), "stdout": str(stdout), "stderr": str(stderr or stdout),
+            "ranks": ranks,
         }  # fmt: skip
         self._server.stdin.write(json.dumps(request).encode() + b"\n")
         self._server.stdin.flush()
         pid = self._result(self._count, "pid", 60)
         if pid is None:
             raise subprocess.TimeoutExpired("the fork server", 60)
-        return ForkedProcess(self, self._count, pid, ["hpc-ddp", *argv])
+        return ForkedProcess(self, self._count, pid, [*([] if ranks else ["hpc-ddp"]), *argv])
 
     def run(
         self,
@@ -165,9 +204,10 @@ class ForkedCli:
         cwd: Path | None = None,
         timeout: float = 120,
         env: dict[str, str] | None = None,
+        ranks: int | None = None,
     ) -> subprocess.CompletedProcess[str]:
         out, err = (self.scratch / f"{self._count + 1}.{name}" for name in ("out", "err"))
-        proc = self.start(argv, out, err, cwd, env)
+        proc = self.start(argv, out, err, cwd, env, ranks)
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:

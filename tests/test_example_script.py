@@ -24,7 +24,7 @@ from launch_support import (
     launch_args,
 )
 from slurm_support import require_tools
-from trainer_helpers import finish, run, start, torchrun_cmd
+from trainer_helpers import finish, forked_script, run, start, torchrun_cmd
 
 from hpc_ddp.polling import wait_for
 from hpc_ddp.slurm_client import TERMINAL
@@ -52,9 +52,9 @@ def _holding(log: Path, ranks: int, proc: subprocess.Popen[str] | None = None) -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run, torchrun --nproc-per-node 2: what every other run must match."""
+    """The uninterrupted run on 2 forked ranks: what every other run must match."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    done = run(forked_script(2, EXAMPLE, [*ARGS, "--run-dir", str(run_dir)]))
     assert done.returncode == 0, done.stdout + done.stderr
     result = _result(run_dir)
     assert f"params_sha256={result['params_sha256']}" in done.stdout

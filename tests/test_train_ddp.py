@@ -20,6 +20,7 @@ from trainer_helpers import (
     assert_resumed_like,
     finish,
     forked_cmd,
+    forked_script,
     holding,
     interrupt_at,
     read_json,
@@ -278,12 +279,12 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     done = run(forked_cmd(2, train_args(ours, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     worker = str(Path(__file__).parent / "workers" / "ddp_train.py")
-    done = run(torchrun_cmd(2, train_args(ours_ddp, data_dir, **resnet), worker), 300)
+    done = run(forked_script(2, worker, train_args(ours_ddp, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     assert "FutureWarning" not in done.stderr, done.stderr
     assert done.stdout.count("DDP built with the trainer's options") == 2, done.stdout
     defaults = ["--torch-ddp-defaults", *train_args(theirs, data_dir, **resnet)]
-    done = run(torchrun_cmd(2, defaults, worker), 300)
+    done = run(forked_script(2, worker, defaults), 300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("DDP built with torch's defaults") == 2, done.stdout  # both ranks
     for mine in (ours, ours_ddp):

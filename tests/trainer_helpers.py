@@ -78,7 +78,22 @@ Proc = subprocess.Popen[str] | ForkedProcess  # what ``start`` returns
 
 
 class ForkedCmd(list[str]):
-    """A ``forked_cmd``: ``run`` and ``start`` hand it to the fork server (``fork_server``)."""
+    """A command that ``run`` and ``start`` hand to the fork server (``fork_server``) as
+    ``argv`` (an `hpc-ddp` command's, or with ``ranks`` a script's on that many ranks)."""
+
+    def __init__(self, cmd: list[str], argv: list[str], ranks: int | None = None) -> None:
+        super().__init__(cmd)
+        self.argv, self.ranks = argv, ranks
+
+
+def forked_script(nproc: int, script: str, args: list[str]) -> list[str]:
+    """``script args`` on ``nproc`` ranks, as ``torchrun --standalone --nproc-per-node nproc``
+    starts it (torch's env:// variables, one CPU thread each), its ranks forked by hpc_ddp.spawn
+    in a child of ``fork_server``: for the runs that only provide a script's weights to compare
+    against, where torchrun would start three interpreters that import torch. Shown (and run
+    outside ``run``/``start``) as ``hpc-ddp exec --nproc-per-node``, its fresh-process twin."""
+    exec_cmd = [HPC_DDP, "exec", "--nproc-per-node", str(nproc), "--", sys.executable]
+    return ForkedCmd([*exec_cmd, script, *args], [script, *args], nproc)
 
 
 def forked_cmd(nproc: int, args: list[str]) -> list[str]:
@@ -87,7 +102,8 @@ def forked_cmd(nproc: int, args: list[str]) -> list[str]:
     ``start`` fork that interpreter in turn from ``fork_server``, which imported torch once:
     the runs that need N ranks but do not test a launcher start no interpreter at all. A
     fraction of the CPU time of a torchrun run on a small machine."""
-    return ForkedCmd([HPC_DDP, "train", "--nproc-per-node", str(nproc), *args])
+    argv = ["train", "--nproc-per-node", str(nproc), *args]
+    return ForkedCmd([HPC_DDP, *argv], argv)
 
 
 @cache
@@ -104,7 +120,7 @@ def fork_server() -> ForkedCli:
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     if isinstance(cmd, ForkedCmd):
-        return fork_server().run(cmd[1:], timeout=timeout, env=job_env())
+        return fork_server().run(cmd.argv, timeout=timeout, env=job_env(), ranks=cmd.ranks)
     return subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -121,7 +137,7 @@ def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **over
 def start(cmd: list[str], log: Path) -> Proc:
     """``cmd`` with its stdout and stderr into ``log``."""
     if isinstance(cmd, ForkedCmd):
-        return fork_server().start(cmd[1:], log, env=job_env())
+        return fork_server().start(cmd.argv, log, env=job_env(), ranks=cmd.ranks)
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
