@@ -64,8 +64,6 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def single_cmd(args: list[str]) -> list[str]:
-    return [HPC_DDP, "train", *args]
 
 
 def torchrun_cmd(nproc: int, args: list[str], script: str | None = None) -> list[str]:
@@ -94,6 +92,12 @@ def forked_script(nproc: int, script: str, args: list[str]) -> list[str]:
     outside ``run``/``start``) as ``hpc-ddp exec --nproc-per-node``, its fresh-process twin."""
     exec_cmd = [HPC_DDP, "exec", "--nproc-per-node", str(nproc), "--", sys.executable]
     return ForkedCmd([*exec_cmd, script, *args], [script, *args], nproc)
+
+
+def single_cmd(args: list[str]) -> list[str]:
+    """``hpc-ddp train args``: one process, forked from ``fork_server`` by ``run`` and
+    ``start`` (``subprocess`` itself starts it as a fresh interpreter)."""
+    return ForkedCmd([HPC_DDP, "train", *args], ["train", *args])
 
 
 def forked_cmd(nproc: int, args: list[str]) -> list[str]:
