@@ -10,13 +10,14 @@ reaps: it runs no command and starts no thread, so nothing held by another threa
 into a child. Several commands may run at once (a test that holds one run while it starts
 another).
 
-A command may also be a Python script on N ranks (``ranks``): the child is then the launcher of
-``hpc-ddp train --nproc-per-node N`` (hpc_ddp.spawn), whose forked workers each run the script
-as ``python SCRIPT ARGS`` would, with torch's env:// variables set as torchrun sets them: for
-the runs that need a script on N ranks while the launcher is not what is tested.
+A command may also be a Python script (``script``): the child runs it as ``python SCRIPT ARGS``
+would; or on N ranks (``ranks``): the child is then the launcher of ``hpc-ddp train
+--nproc-per-node N`` (hpc_ddp.spawn), whose forked workers each run the script so, with torch's
+env:// variables set as torchrun sets them. For the processes a test needs to get its ranks,
+where neither the interpreter's start nor the launcher is what is tested.
 
-Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths, and
-ranks for a script);
+Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths,
+whether argv is a script, and on how many ranks);
 JSON lines back, each with the command's id: the child's ``pid`` when it starts, its ``rc`` (as
 ``subprocess`` reports it) once it has exited.
 """
@@ -24,6 +25,7 @@ JSON lines back, each with the command's id: the child's ``pid`` when it starts,
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import runpy
@@ -88,18 +90,34 @@ def _run_command(request: dict[str, object]) -> None:
     os.close(out)
     os.environ.clear()
     os.environ.update(request["env"])  # type: ignore[arg-type]
+    _as_a_fresh_interpreter()
     os.chdir(str(request["cwd"]))
-    if request.get("ranks"):
-        from hpc_ddp.spawn import launch
-
+    if request["script"]:
         script = os.path.abspath(str(request["argv"][0]))  # type: ignore[index]
         sys.argv = [script, *map(str, request["argv"][1:])]  # type: ignore[index]
         sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it
+        if not request["ranks"]:
+            _run_script(script)
+        from hpc_ddp.spawn import launch
+
         sys.exit(launch(lambda: _run_script(script), int(request["ranks"])))  # type: ignore[call-overload]
     sys.argv = ["hpc-ddp", *map(str, request["argv"])]  # type: ignore[call-overload]
     from hpc_ddp.cli import main
 
     sys.exit(main())  # hpc-ddp's console script
+
+
+def _as_a_fresh_interpreter() -> None:
+    """What the environment says at an interpreter's start, which the server's start did not
+    see: unbuffered output (PYTHONUNBUFFERED, as ``python -u``), torch's thread count."""
+    if os.environ.get("PYTHONUNBUFFERED"):
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            old = getattr(sys, name)
+            raw = io.FileIO(fd, "w", closefd=False)
+            setattr(sys, name, io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _run_script(script: str) -> None:
@@ -180,23 +198,25 @@ class ForkedCli:
         stderr: Path | None = None,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        script: bool = False,
         ranks: int | None = None,
     ) -> ForkedProcess:
-        """``stderr`` None: into ``stdout``'s file, as ``stderr=subprocess.STDOUT``. ``ranks``:
-        ``argv`` is a script and its arguments, run on that many forked ranks."""
+        """``stderr`` None: into ``stdout``'s file, as ``stderr=subprocess.STDOUT``.
+        ``script``: ``argv`` is a script and its arguments, run on ``ranks`` forked ranks if
+        given."""
         assert self._server.stdin is not None
         self._count += 1
         request = {
             "id": self._count, "argv": argv, "env": self.env if env is None else env,
             "cwd": str(cwd or Path.cwd()), "stdout": str(stdout), "stderr": str(stderr or stdout),
-            "ranks": ranks,
+            "script": script, "ranks": ranks,
         }  # fmt: skip
         self._server.stdin.write(json.dumps(request).encode() + b"\n")
         self._server.stdin.flush()
         pid = self._result(self._count, "pid", 60)
         if pid is None:
             raise subprocess.TimeoutExpired("the fork server", 60)
-        return ForkedProcess(self, self._count, pid, [*([] if ranks else ["hpc-ddp"]), *argv])
+        return ForkedProcess(self, self._count, pid, [*([] if script else ["hpc-ddp"]), *argv])
 
     def run(
         self,
@@ -204,10 +224,11 @@ class ForkedCli:
         cwd: Path | None = None,
         timeout: float = 120,
         env: dict[str, str] | None = None,
+        script: bool = False,
         ranks: int | None = None,
     ) -> subprocess.CompletedProcess[str]:
         out, err = (self.scratch / f"{self._count + 1}.{name}" for name in ("out", "err"))
-        proc = self.start(argv, out, err, cwd, env, ranks)
+        proc = self.start(argv, out, err, cwd, env, script, ranks)
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -64,8 +64,6 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-
-
 def torchrun_cmd(nproc: int, args: list[str], script: str | None = None) -> list[str]:
     """torchrun starting ``python -m hpc_ddp.train args``, or ``script args``."""
     entry = [script] if script else ["-m", "hpc_ddp.train"]
@@ -124,7 +122,10 @@ def fork_server() -> ForkedCli:
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     if isinstance(cmd, ForkedCmd):
-        return fork_server().run(cmd.argv, timeout=timeout, env=job_env(), ranks=cmd.ranks)
+        server = fork_server()
+        return server.run(
+            cmd.argv, timeout=timeout, env=job_env(), script=bool(cmd.ranks), ranks=cmd.ranks
+        )
     return subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -141,7 +142,9 @@ def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **over
 def start(cmd: list[str], log: Path) -> Proc:
     """``cmd`` with its stdout and stderr into ``log``."""
     if isinstance(cmd, ForkedCmd):
-        return fork_server().start(cmd.argv, log, env=job_env(), ranks=cmd.ranks)
+        return fork_server().start(
+            cmd.argv, log, env=job_env(), script=bool(cmd.ranks), ranks=cmd.ranks
+        )
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
