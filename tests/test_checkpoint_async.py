@@ -24,6 +24,7 @@ from trainer_helpers import (
     forked_cmd,
     interrupt_at,
     job_env,
+    python_cmd,
     read_result,
     reference_run,
     run,
@@ -372,12 +373,13 @@ def test_success_and_preemption_are_reported_only_after_the_background_commit(
     a preempted run requeues (before exit 75), ``latest`` already names the checkpoint of the
     last step: the report waited for the write."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, SLOW_COMMIT, "--nproc-per-node", "2", *train_args(run_dir, data_dir)]
-    rc, log = interrupt_at([*args, "--debug-hold-at-step", "5"], run_dir, tmp_path / "1.log")
+    args = ["--nproc-per-node", "2", *train_args(run_dir, data_dir)]
+    hold = python_cmd(SLOW_COMMIT, [*args, "--debug-hold-at-step", "5"])
+    rc, log = interrupt_at(hold, run_dir, tmp_path / "1.log")
     assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 5" in log, log
     assert _reports(run_dir) == [{"event": "requeue", "latest": "step-00000005"}]
 
-    done = run(args)
+    done = run(python_cmd(SLOW_COMMIT, args))
     assert done.returncode == 0, done.stderr
     assert "background save" not in done.stdout + done.stderr  # no save failed
     reports = _reports(run_dir)[1:]

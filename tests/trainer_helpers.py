@@ -77,9 +77,18 @@ class ForkedCmd(list[str]):
     """A command that ``run`` and ``start`` hand to the fork server (``fork_server``) as
     ``argv`` (an `hpc-ddp` command's, or with ``ranks`` a script's on that many ranks)."""
 
-    def __init__(self, cmd: list[str], argv: list[str], ranks: int | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], argv: list[str], *, script: bool = False, ranks: int | None = None
+    ) -> None:
         super().__init__(cmd)
-        self.argv, self.ranks = argv, ranks
+        self.argv, self.script, self.ranks = argv, script, ranks
+
+
+def python_cmd(script: str, args: list[str]) -> list[str]:
+    """``python script args``, forked from ``fork_server`` by ``run`` and ``start``: for a
+    script that wraps the trainer (tests/workers/), where the interpreter's start is not what
+    is tested."""
+    return ForkedCmd([sys.executable, script, *args], [script, *args], script=True)
 
 
 def forked_script(nproc: int, script: str, args: list[str]) -> list[str]:
@@ -89,7 +98,7 @@ def forked_script(nproc: int, script: str, args: list[str]) -> list[str]:
     against, where torchrun would start three interpreters that import torch. Shown (and run
     outside ``run``/``start``) as ``hpc-ddp exec --nproc-per-node``, its fresh-process twin."""
     exec_cmd = [HPC_DDP, "exec", "--nproc-per-node", str(nproc), "--", sys.executable]
-    return ForkedCmd([*exec_cmd, script, *args], [script, *args], nproc)
+    return ForkedCmd([*exec_cmd, script, *args], [script, *args], script=True, ranks=nproc)
 
 
 def single_cmd(args: list[str]) -> list[str]:
@@ -124,7 +133,7 @@ def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str
     if isinstance(cmd, ForkedCmd):
         server = fork_server()
         return server.run(
-            cmd.argv, timeout=timeout, env=job_env(), script=bool(cmd.ranks), ranks=cmd.ranks
+            cmd.argv, timeout=timeout, env=job_env(), script=cmd.script, ranks=cmd.ranks
         )
     return subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
@@ -142,9 +151,7 @@ def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **over
 def start(cmd: list[str], log: Path) -> Proc:
     """``cmd`` with its stdout and stderr into ``log``."""
     if isinstance(cmd, ForkedCmd):
-        return fork_server().start(
-            cmd.argv, log, env=job_env(), script=bool(cmd.ranks), ranks=cmd.ranks
-        )
+        return fork_server().start(cmd.argv, log, env=job_env(), script=cmd.script, ranks=cmd.ranks)
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
