@@ -96,8 +96,9 @@ def _run_command(request: dict[str, object]) -> None:
         script = os.path.abspath(str(request["argv"][0]))  # type: ignore[index]
         sys.argv = [script, *map(str, request["argv"][1:])]  # type: ignore[index]
         sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it
-        if not request["ranks"]:
-            _run_script(script)
+        if not request["ranks"]:  # the interpreter ends the child, as it ends `python SCRIPT`
+            runpy.run_path(script, run_name="__main__")
+            sys.exit(0)
         from hpc_ddp.spawn import launch
 
         sys.exit(launch(lambda: _run_script(script), int(request["ranks"])))  # type: ignore[call-overload]
@@ -121,7 +122,7 @@ def _as_a_fresh_interpreter() -> None:
 
 
 def _run_script(script: str) -> None:
-    """One rank: ``script`` as ``__main__``, its exit status as the interpreter would give it
+    """One forked rank: ``script`` as ``__main__``, its exit status as the interpreter would give it
     (an exception's traceback, 1; ``sys.exit("message")``, 1); then out through ``os._exit``, as
     spawn's workers leave."""
     code = 0
