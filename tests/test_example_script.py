@@ -87,7 +87,7 @@ def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000005"
     assert not (run_dir / "result.json").exists()
 
-    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    done = run(forked_script(2, EXAMPLE, [*ARGS, "--run-dir", str(run_dir)]))  # resumes anywhere
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed from" in done.stdout and "step-00000005: epoch 1, step 5" in done.stdout
     result = _result(run_dir)

@@ -82,7 +82,8 @@ def test_torchrun_interrupted_mid_epoch_resumes_bit_identical(
     assert rc != 0 and step % STEPS_PER_EPOCH[2] != 0, text  # torchrun reports 75 as 1
     assert not (run_dir / "model.pt").exists()
 
-    again = run([*cmd, "--run-dir", str(run_dir)], timeout=180)
+    resume = [*EPOCHS, "--run-dir", str(run_dir)]
+    again = run(forked_script(2, str(RESUMABLE), resume), timeout=180)  # resumes anywhere
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/step-{step:08d}: epoch 2, step {step}" in (
         again.stdout
