@@ -206,6 +206,8 @@ class ForkedCli:
         ``script``: ``argv`` is a script and its arguments, run on ``ranks`` forked ranks if
         given."""
         assert self._server.stdin is not None
+        for path in (stdout, stderr or stdout):
+            path.write_bytes(b"")  # there when this returns, as Popen's stdout file is
         self._count += 1
         request = {
             "id": self._count, "argv": argv, "env": self.env if env is None else env,
