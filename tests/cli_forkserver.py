@@ -17,9 +17,8 @@ env:// variables set as torchrun sets them. For the processes a test needs to ge
 where neither the interpreter's start nor the launcher is what is tested.
 
 Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths,
-whether argv is a script, and on how many ranks);
-JSON lines back, each with the command's id: the child's ``pid`` when it starts, its ``rc`` (as
-``subprocess`` reports it) once it has exited.
+whether argv is a script, and on how many ranks); JSON lines back, each with the command's id:
+the child's ``pid`` when it starts, its ``rc`` (as ``subprocess`` reports it) once it exited.
 """
 
 from __future__ import annotations
@@ -122,9 +121,9 @@ def _as_a_fresh_interpreter() -> None:
 
 
 def _run_script(script: str) -> None:
-    """One forked rank: ``script`` as ``__main__``, its exit status as the interpreter would give it
-    (an exception's traceback, 1; ``sys.exit("message")``, 1); then out through ``os._exit``, as
-    spawn's workers leave."""
+    """One forked rank: ``script`` as ``__main__``, its exit status as the interpreter would
+    give it (an exception's traceback, 1; ``sys.exit("message")``, 1); then out through
+    ``os._exit``, as spawn's workers leave."""
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
