@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,9 @@ from pathlib import Path
 _REAP_EVERY_S = 0.02  # how often the server looks for children that exited
 
 
-def _serve(preload: list[str]) -> None:
+def _serve(scratch: str, preload: list[str]) -> None:
+    """Serve until stdin ends and every child has exited; then remove ``scratch``, the dir of
+    the children's output files (the client has read them, or has gone)."""
     for name in preload:
         importlib.import_module(name)
     requests = os.dup(0)
@@ -75,6 +78,7 @@ def _serve(preload: list[str]) -> None:
             if pid == 0:
                 break
             reply(id=running.pop(pid), rc=os.waitstatus_to_exitcode(status))
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_command(request: dict[str, object]) -> None:
@@ -178,14 +182,16 @@ class ForkedCli:
     """``run(argv)`` is ``subprocess.run(["hpc-ddp", *argv], capture_output=True, text=True)``
     and ``start(argv, log)`` is ``subprocess.Popen(["hpc-ddp", *argv], stdout=log,
     stderr=STDOUT)``, with the ``preload`` modules already imported. Each command gets the
-    environment it is given (else the server's, ``env``)."""
+    environment it is given (else the server's, ``env``). ``scratch``: a dir for ``run``'s
+    output files, the server's own: it removes the dir when it ends."""
 
     def __init__(self, preload: list[str], env: dict[str, str], scratch: Path) -> None:
         self.scratch = scratch
         self.env = env
         self._count = 0
         self._server = subprocess.Popen(
-            [sys.executable, __file__, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, __file__, str(scratch), *preload],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=env, start_new_session=True,
         )  # fmt: skip
         self._replies = b""
@@ -277,4 +283,4 @@ class ForkedCli:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1:])
+    _serve(sys.argv[1], sys.argv[2:])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -120,12 +119,12 @@ def forked_cmd(nproc: int, args: list[str]) -> list[str]:
 @cache
 def fork_server() -> ForkedCli:
     """`hpc-ddp` commands forked from one process of this test process that imported what
-    `train` imports first (cli_forkserver.py); ended when this process exits."""
+    `train` imports first (cli_forkserver.py); it ends, and removes its scratch dir, when this
+    process exits."""
     scratch = Path(tempfile.mkdtemp(prefix="hpcddp-forked-"))
     preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]
     cli = ForkedCli(preload, job_env(), scratch)
-    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    atexit.register(cli.close)  # first: the server's children write into scratch
+    atexit.register(cli.close)
     return cli
 
 
