@@ -13,12 +13,15 @@ another).
 A command may also be a Python script (``script``): the child runs it as ``python SCRIPT ARGS``
 would; or on N ranks (``ranks``): the child is then the launcher of ``hpc-ddp train
 --nproc-per-node N`` (hpc_ddp.spawn), whose forked workers each run the script so, with torch's
-env:// variables set as torchrun sets them. For the processes a test needs to get its ranks,
-where neither the interpreter's start nor the launcher is what is tested.
+env:// variables set as torchrun sets them; or a function of a test module on N ranks
+(``call``), as ``torch.multiprocessing.spawn`` calls it, with the rank first. For the processes
+a test needs to get its ranks, where neither the interpreter's start nor the launcher is what is
+tested.
 
 Protocol: one JSON line per command on stdin (id, argv, env, cwd, stdout and stderr paths,
-whether argv is a script, and on how many ranks); JSON lines back, each with the command's id:
-the child's ``pid`` when it starts, its ``rc`` (as ``subprocess`` reports it) once it exited.
+whether argv is a script, a function to call, on how many ranks); JSON lines back, each with
+the command's id: the child's ``pid`` when it starts, its ``rc`` (as ``subprocess`` reports it)
+once it exited.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ def _run_command(request: dict[str, object]) -> None:
     os.environ.update(request["env"])  # type: ignore[arg-type]
     _as_a_fresh_interpreter()
     os.chdir(str(request["cwd"]))
+    if request.get("call"):
+        from hpc_ddp.spawn import launch
+
+        module, name, args = request["call"]  # type: ignore[misc]
+        function = getattr(importlib.import_module(module), name)
+        sys.exit(launch(lambda: _call_on_rank(function, args), int(request["ranks"])))  # type: ignore[call-overload]
     if request["script"]:
         script = os.path.abspath(str(request["argv"][0]))  # type: ignore[index]
         sys.argv = [script, *map(str, request["argv"][1:])]  # type: ignore[index]
@@ -122,6 +131,20 @@ def _as_a_fresh_interpreter() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+
+
+def _call_on_rank(function: object, args: list[object]) -> None:
+    """One forked rank: ``function(rank, *args)``; an exception's traceback and 1, else 0;
+    then out through ``os._exit``, as spawn's workers leave."""
+    code = 0
+    try:
+        function(int(os.environ["RANK"]), *args)  # type: ignore[operator]
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_script(script: str) -> None:
@@ -206,10 +229,12 @@ class ForkedCli:
         env: dict[str, str] | None = None,
         script: bool = False,
         ranks: int | None = None,
+        call: tuple[str, str, list[object]] | None = None,
     ) -> ForkedProcess:
         """``stderr`` None: into ``stdout``'s file, as ``stderr=subprocess.STDOUT``.
         ``script``: ``argv`` is a script and its arguments, run on ``ranks`` forked ranks if
-        given."""
+        given. ``call``: (module, function, JSON arguments) to call on ``ranks`` ranks instead
+        (``argv`` only names the command)."""
         assert self._server.stdin is not None
         for path in (stdout, stderr or stdout):
             path.write_bytes(b"")  # there when this returns, as Popen's stdout file is
@@ -217,7 +242,7 @@ class ForkedCli:
         request = {
             "id": self._count, "argv": argv, "env": self.env if env is None else env,
             "cwd": str(cwd or Path.cwd()), "stdout": str(stdout), "stderr": str(stderr or stdout),
-            "script": script, "ranks": ranks,
+            "script": script, "ranks": ranks, "call": call,
         }  # fmt: skip
         self._server.stdin.write(json.dumps(request).encode() + b"\n")
         self._server.stdin.flush()

@@ -128,6 +128,20 @@ def fork_server() -> ForkedCli:
     return cli
 
 
+def spawn_ranks(function: Callable[..., object], args: tuple[object, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(function, args, nprocs)`` (``function(rank, *args)`` on
+    each rank; an AssertionError with the ranks' output if one failed), the ranks forked from
+    ``fork_server`` instead of started as fresh interpreters that import torch and the test
+    module. ``args``: what JSON carries (numbers, strings, booleans)."""
+    server = fork_server()
+    log = Path(tempfile.mkstemp(prefix="ranks-", dir=server.scratch)[1])
+    call = (function.__module__, function.__qualname__, list(args))
+    proc = server.start([f"{function.__module__}.{function.__qualname__}"], log, call=call,
+                        ranks=nprocs, env=job_env())  # fmt: skip
+    code = proc.wait(timeout=300)
+    assert code == 0, f"a rank of {function.__qualname__} failed (exit {code}):\n{log.read_text()}"
+
+
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     if isinstance(cmd, ForkedCmd):
         server = fork_server()
