@@ -1,8 +1,9 @@
 """Two real Gloo ranks under real torchrun: exact resume, exact evaluation, accumulation, errors.
 
 The runs that only provide weights to compare against (the uninterrupted reference, resumes
-after torchrun's interruption, the big-batch twin) fork their workers instead
-(``forked_cmd``): half the CPU time, the same weights (tests/test_spawn.py).
+after torchrun's interruption, the big-batch twin) and those whose messages are the trainer's
+fork their workers instead (``forked_cmd``): a fraction of the CPU time, the same weights
+(tests/test_spawn.py).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) 
 def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
     # A real dataset in a missing dir (a synthetic one would be created): rank 0 fails staging.
     missing = train_args(tmp_path / "run", tmp_path / "missing", synthetic=False)
-    done = run(torchrun_cmd(2, missing), timeout=120)
+    done = run(forked_cmd(2, missing), timeout=120)
     assert done.returncode != 0
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err
