@@ -9,13 +9,12 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import Proc, fork_server, job_env, torchrun_cmd
+from trainer_helpers import Proc, fork_server, job_env, scratch_file, torchrun_cmd
 
 from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port, free_port
 
@@ -40,17 +39,16 @@ def _start(
     """The worker on each of ``ranks``, with its output file: forked from the tests' fork
     server (which imported torch), or with ``fresh`` each an interpreter of its own, for the
     exit path, where how a user's process ends (atexit, C++ destructors) is what is tested."""
-    server = fork_server()
     started = []
     for rank in ranks:
-        out = Path(tempfile.mkstemp(prefix=f"rank{rank}-", dir=server.scratch)[1])
+        out = scratch_file(f"rank{rank}-")
         env = _rank_env(rank, world, port)
         if fresh:
             with out.open("w") as log:
                 cmd = [sys.executable, str(WORKER), *args]
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         else:
-            proc = server.start([str(WORKER), *args], out, env=env, script=True)
+            proc = fork_server().start([str(WORKER), *args], out, env=env, script=True)
         started.append((proc, out))
     return started
 

@@ -74,7 +74,8 @@ Proc = subprocess.Popen[str] | ForkedProcess  # what ``start`` returns
 
 class ForkedCmd(list[str]):
     """A command that ``run`` and ``start`` hand to the fork server (``fork_server``) as
-    ``argv`` (an `hpc-ddp` command's, or with ``ranks`` a script's on that many ranks)."""
+    ``argv``: an `hpc-ddp` command's, or with ``script`` a script's (on ``ranks`` ranks if
+    given); ``subprocess`` itself runs the list as a fresh process."""
 
     def __init__(
         self, cmd: list[str], argv: list[str], *, script: bool = False, ranks: int | None = None
@@ -133,13 +134,22 @@ def spawn_ranks(function: Callable[..., object], args: tuple[object, ...], nproc
     each rank; an AssertionError with the ranks' output if one failed), the ranks forked from
     ``fork_server`` instead of started as fresh interpreters that import torch and the test
     module. ``args``: what JSON carries (numbers, strings, booleans)."""
-    server = fork_server()
-    log = Path(tempfile.mkstemp(prefix="ranks-", dir=server.scratch)[1])
+    log = scratch_file("ranks-")
     call = (function.__module__, function.__qualname__, list(args))
-    proc = server.start([f"{function.__module__}.{function.__qualname__}"], log, call=call,
-                        ranks=nprocs, env=job_env())  # fmt: skip
-    code = proc.wait(timeout=300)
+    proc = fork_server().start([f"{function.__module__}.{function.__qualname__}"], log,
+                               call=call, ranks=nprocs, env=job_env())  # fmt: skip
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()  # only if the wait failed: it has a code otherwise
     assert code == 0, f"a rank of {function.__qualname__} failed (exit {code}):\n{log.read_text()}"
+
+
+def scratch_file(prefix: str) -> Path:
+    """A new empty file in the fork server's scratch dir (removed when the server ends)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, dir=fork_server().scratch)
+    os.close(fd)
+    return Path(name)
 
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
