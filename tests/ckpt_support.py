@@ -6,17 +6,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cli_forkserver import ForkedProcess
+from trainer_helpers import fork_server
 
 WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
 
 
 @dataclass
 class Ranks:
-    procs: list[subprocess.Popen]
+    procs: list[ForkedProcess]
     out: Path
 
     def wait(self, timeout: float = 120) -> list[int]:
@@ -48,15 +50,15 @@ class Ranks:
 
 
 def launch(tmp: Path, root: Path, world_size: int, *args: str, tag: str = "run") -> Ranks:
-    """Start ``world_size`` worker processes that form one Gloo group through a FileStore."""
+    """Start ``world_size`` worker processes that form one Gloo group through a FileStore, each
+    forked from the tests' fork server (trainer_helpers.fork_server), which imported torch."""
     out = tmp / tag
     out.mkdir()
     store = out / "store"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs = []
     for r in range(world_size):
-        cmd = [sys.executable, str(WORKER), "--root", str(root), "--out", str(out)]
-        cmd += ["--store", str(store), "--rank", str(r), "--world-size", str(world_size), *args]
-        with open(out / f"log-{r}.txt", "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        argv = [str(WORKER), "--root", str(root), "--out", str(out)]
+        argv += ["--store", str(store), "--rank", str(r), "--world-size", str(world_size), *args]
+        procs.append(fork_server().start(argv, out / f"log-{r}.txt", env=env, script=True))
     return Ranks(procs, out)

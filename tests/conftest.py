@@ -73,15 +73,13 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def train_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
+def train_cli() -> ForkedCli:
     """`hpc-ddp train` for single-process runs: each call a process of its own, forked from
-    one that imported torch once per session (cli_forkserver.py)."""
-    from trainer_helpers import job_env
+    one that imported torch once per session (cli_forkserver.py): the server that also runs
+    trainer_helpers.forked_cmd's commands."""
+    from trainer_helpers import fork_server
 
-    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]  # what `train` imports first
-    cli = ForkedCli(preload, job_env(), tmp_path_factory.mktemp("train-cli"))
-    yield cli
-    cli.close()
+    return fork_server()
 
 
 @pytest.fixture

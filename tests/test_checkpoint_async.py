@@ -1,8 +1,8 @@
 """Asynchronous checkpoints (``--async-checkpoint``): snapshot, background commit, errors.
 
 In-process tests drive ``Checkpointer.save_async`` with phase hooks (no timing); the trainer
-tests run two real Gloo ranks (interrupted under torchrun, the rest forked: ``forked_cmd``) and
-compare against the synchronous path.
+tests run two real Gloo ranks (forked: ``forked_cmd``; the run that fails its background write
+under torchrun) and compare against the synchronous path.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from trainer_helpers import (
     forked_cmd,
     interrupt_at,
     job_env,
+    python_cmd,
     read_result,
     reference_run,
     run,
@@ -294,10 +295,9 @@ def test_sigusr1_with_an_async_save_in_flight_resumes_bit_for_bit(
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, async_checkpoint=True, checkpoint_every_steps=1)
     rc, log = interrupt_at(
-        torchrun_cmd(2, [*args, "--debug-hold-at-step", "5"]), run_dir, tmp_path / "1.log"
+        forked_cmd(2, [*args, "--debug-hold-at-step", "5"]), run_dir, tmp_path / "1.log"
     )
-    assert rc != 0 and "exitcode  : 75" in log, log
-    assert "preempted (SIGUSR1): checkpointed at step 5" in log
+    assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 5" in log, log
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000005\n"
 
     final = run(forked_cmd(2, args))
@@ -315,9 +315,9 @@ def test_a_failing_background_write_fails_the_run_and_keeps_latest(
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, async_checkpoint=True, **EVERY)
     rc, log = interrupt_at(
-        torchrun_cmd(2, [*args, "--debug-hold-at-step", "3"]), run_dir, tmp_path / "1.log"
+        forked_cmd(2, [*args, "--debug-hold-at-step", "3"]), run_dir, tmp_path / "1.log"
     )
-    assert rc != 0 and "checkpointed at step 3" in log, log
+    assert rc == 75 and "checkpointed at step 3" in log, log
     root = run_dir / "checkpoints"
     assert (root / "latest").read_text() == "step-00000003\n"
 
@@ -373,12 +373,13 @@ def test_success_and_preemption_are_reported_only_after_the_background_commit(
     a preempted run requeues (before exit 75), ``latest`` already names the checkpoint of the
     last step: the report waited for the write."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, SLOW_COMMIT, "--nproc-per-node", "2", *train_args(run_dir, data_dir)]
-    rc, log = interrupt_at([*args, "--debug-hold-at-step", "5"], run_dir, tmp_path / "1.log")
+    args = ["--nproc-per-node", "2", *train_args(run_dir, data_dir)]
+    hold = python_cmd(SLOW_COMMIT, [*args, "--debug-hold-at-step", "5"])
+    rc, log = interrupt_at(hold, run_dir, tmp_path / "1.log")
     assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 5" in log, log
     assert _reports(run_dir) == [{"event": "requeue", "latest": "step-00000005"}]
 
-    done = run(args)
+    done = run(python_cmd(SLOW_COMMIT, args))
     assert done.returncode == 0, done.stderr
     assert "background save" not in done.stdout + done.stderr  # no save failed
     reports = _reports(run_dir)[1:]

@@ -29,6 +29,7 @@ from trainer_helpers import (
     finish,
     interrupt_at,
     job_env,
+    single_cmd,
     start,
     train_args,
 )
@@ -289,7 +290,7 @@ def test_sigterm_while_a_run_loads_hostile_checkpoints_ends_it_promptly(
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir, checkpoint_every_steps=2)
     rc, log = interrupt_at(
-        [HPC_DDP, "train", *args, "--debug-hold-at-step", "5"],
+        single_cmd([*args, "--debug-hold-at-step", "5"]),
         run_dir,
         tmp_path / "first.log",
         signal.SIGTERM,
@@ -302,7 +303,7 @@ def test_sigterm_while_a_run_loads_hostile_checkpoints_ends_it_promptly(
 
     log_path = tmp_path / "second.log"
     # The hold only keeps a signal that came late from finding the run finished.
-    proc = start([HPC_DDP, "train", *args, "--debug-hold-at-step", "20"], log_path)
+    proc = start(single_cmd([*args, "--debug-hold-at-step", "20"]), log_path)
     try:
         wait_for(lambda: "data: " in log_path.read_text(), 90, "the trainer to reach its load")
         sent = time.monotonic()

@@ -13,14 +13,13 @@ import json
 import os
 import pickle
 import stat
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from hostile_files import evil_pickle, make_fifo, python2_pickle, run_child
-from trainer_helpers import HPC_DDP, job_env, train_args
+from trainer_helpers import run, single_cmd, train_args
 
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.train.cifar import synthetic
@@ -87,9 +86,7 @@ def test_hpc_ddp_train_refuses_a_planted_batch_without_running_it(tmp_path: Path
     canary = tmp_path / "code-ran"
     batch = root / "cifar-10-batches-py" / "data_batch_1"
     batch.write_bytes(evil_pickle(canary))
-    done = subprocess.run(
-        [HPC_DDP, "train", *args], env=job_env(), capture_output=True, text=True, timeout=120
-    )
+    done = run(single_cmd(args))
     assert not canary.exists(), "hpc-ddp train ran code from a data file"
     assert done.returncode == 2, done.stderr
     assert f"{batch} is not a CIFAR batch" in done.stderr and "HINT" in done.stderr

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
+from trainer_helpers import spawn_ranks
 
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
@@ -112,7 +112,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_two_ranks_match_ddp(tmp_path) -> None:
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), out), 2)
     r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
     assert r0["diff"] < 1e-5 and r1["diff"] < 1e-5  # same math as DDP, up to rounding
     for p0, p1 in zip(r0["params"], r1["params"], strict=True):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import job_env, torchrun_cmd
+from trainer_helpers import Proc, fork_server, job_env, scratch_file, torchrun_cmd
 
 from hpc_ddp.cluster.master_port import PORT_BASE, PORT_SPAN, derive_port, free_port
 
@@ -33,31 +33,37 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     )
 
 
-def _start(ranks: list[int], world: int, port: int, *args: str) -> list[subprocess.Popen[str]]:
-    cmd = [sys.executable, str(WORKER), *args]
-    return [
-        subprocess.Popen(
-            cmd,
-            env=_rank_env(rank, world, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in ranks
-    ]
+def _start(
+    ranks: list[int], world: int, port: int, *args: str, fresh: bool = False
+) -> list[tuple[Proc, Path]]:
+    """The worker on each of ``ranks``, with its output file: forked from the tests' fork
+    server (which imported torch), or with ``fresh`` each an interpreter of its own, for the
+    exit path, where how a user's process ends (atexit, C++ destructors) is what is tested."""
+    started = []
+    for rank in ranks:
+        out = scratch_file(f"rank{rank}-")
+        env = _rank_env(rank, world, port)
+        if fresh:
+            with out.open("w") as log:
+                cmd = [sys.executable, str(WORKER), *args]
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            proc = fork_server().start([str(WORKER), *args], out, env=env, script=True)
+        started.append((proc, out))
+    return started
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+def _finish(procs: list[tuple[Proc, Path]], timeout: float) -> list[tuple[int, str]]:
     deadline = time.monotonic() + timeout
     results = []
-    for proc in procs:
+    for proc, out in procs:
         try:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
-            for p in procs:
+            for p, _ in procs:
                 p.kill()
             raise AssertionError(f"a rank was still running after {timeout} s") from None
-        results.append((proc.returncode, out))
+        results.append((code, out.read_text(errors="replace")))
     return results
 
 
@@ -66,7 +72,7 @@ def test_two_ranks_all_reduce_and_leave_without_running_exit_handlers() -> None:
     os._exit, past the point where Gloo's C++ destructors abort 10-30 % of processes here."""
     for _ in range(3):
         port = free_port()
-        results = _finish(_start([0, 1], 2, port), timeout=120)
+        results = _finish(_start([0, 1], 2, port, fresh=True), timeout=120)
         for rank, (code, out) in enumerate(results):
             assert code == 0, out
             assert f"rank {rank} sum 3 backend gloo" in out, out

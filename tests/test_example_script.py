@@ -24,7 +24,7 @@ from launch_support import (
     launch_args,
 )
 from slurm_support import require_tools
-from trainer_helpers import finish, run, start, torchrun_cmd
+from trainer_helpers import finish, forked_script, run, start, torchrun_cmd
 
 from hpc_ddp.polling import wait_for
 from hpc_ddp.slurm_client import TERMINAL
@@ -52,9 +52,9 @@ def _holding(log: Path, ranks: int, proc: subprocess.Popen[str] | None = None) -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run, torchrun --nproc-per-node 2: what every other run must match."""
+    """The uninterrupted run on 2 forked ranks: what every other run must match."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    done = run(forked_script(2, EXAMPLE, [*ARGS, "--run-dir", str(run_dir)]))
     assert done.returncode == 0, done.stdout + done.stderr
     result = _result(run_dir)
     assert f"params_sha256={result['params_sha256']}" in done.stdout
@@ -97,7 +97,7 @@ def test_torchrun_interrupted_by_a_signal_resumes_bit_identical(
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000005"
     assert not (run_dir / "result.json").exists()
 
-    done = run(torchrun_cmd(2, [*ARGS, "--run-dir", str(run_dir)], script=EXAMPLE))
+    done = run(forked_script(2, EXAMPLE, [*ARGS, "--run-dir", str(run_dir)]))  # resumes anywhere
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed from" in done.stdout and "step-00000005: epoch 1, step 5" in done.stdout
     result = _result(run_dir)
@@ -159,20 +159,20 @@ def _render(cwd: Path, name: str, *args: str) -> Path:
 def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
     slurm_cluster, tmp_path: Path
 ) -> None:
-    """Two rendered jobs side by side: the uninterrupted reference, and one that every task
-    holds at step 3 until ``scancel --signal=USR1`` (no flag: the step tasks) arrives. Its rank 0
-    then runs ``scontrol requeue``; Slurm restarts the job, which resumes from the checkpoint.
-    World 4: with more than two ranks the gradient sums' order matters (per_tensor_allreduce).
-    The srun layout's one test for a script of the user's: hpc_ddp.Resumable takes the same
-    path (Preemption, requeue("auto"), exit 75), so test_resumable.py runs only the torchrun
-    layout."""
-    jobs = {}
-    for name, extra in (("ref", ()), ("pre", ("--hold-at-step", "3"))):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        script = _render(cwd, f"example-{name}", *extra)
-        jobs[name] = (cwd, *slurm_cluster.sbatch(script, output=cwd / "job.out", cwd=cwd))
-    _, pre_id, pre_log = jobs["pre"]
+    """A rendered job whose every task holds at step 3 until ``scancel --signal=USR1`` (no
+    flag: the step tasks) arrives. Its rank 0 then runs ``scontrol requeue``; Slurm restarts the
+    job, which resumes from the checkpoint and ends with the weights of the uninterrupted run
+    (on 4 forked ranks, beside it: the launcher changes no weight). World 4: with more than two
+    ranks the gradient sums' order matters (per_tensor_allreduce). The srun layout's one test
+    for a script of the user's: hpc_ddp.Resumable takes the same path (Preemption,
+    requeue("auto"), exit 75), so test_resumable.py runs only the torchrun layout."""
+    ref_dir, ref_log = tmp_path / "ref" / "run", tmp_path / "ref.log"
+    ref = start(forked_script(4, EXAMPLE, [*ARGS, "--run-dir", str(ref_dir)]), ref_log)
+    cwd = tmp_path / "pre"
+    cwd.mkdir()
+    pre_id, pre_log = slurm_cluster.sbatch(
+        _render(cwd, "example-pre", "--hold-at-step", "3"), output=cwd / "job.out", cwd=cwd
+    )
     wait_for(lambda: _holding(pre_log, 4), 120, "4 tasks to hold")
     slurm_cluster.run(["scancel", "--signal=USR1", pre_id])
 
@@ -180,18 +180,17 @@ def test_slurm_job_preempted_requeued_resumes_with_the_same_weights(
 
     def ended() -> bool:
         seen.append(slurm_cluster.job_state(pre_id))
-        return seen[-1] in TERMINAL and slurm_cluster.job_state(jobs["ref"][1]) in TERMINAL
+        return seen[-1] in TERMINAL
 
-    wait_for(ended, 180, "both jobs to end", interval_s=0.2)
-    results = {}
-    for name, (cwd, job_id, log) in jobs.items():
-        info = slurm_cluster.job_info(job_id)
-        text = log.read_text()
-        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
-        results[name] = _result(cwd / "run")
-        assert results[name]["world_size"] == 4 and results[name]["test_accuracy"] > CHANCE + 0.5
-    text = pre_log.read_text()
-    assert "PENDING" in seen and slurm_cluster.job_info(pre_id)["Restarts"] == "1", seen
+    wait_for(ended, 180, "the job to end", interval_s=0.2)
+    rc, ref_text = finish(ref, ref_log, timeout=180)
+    assert rc == 0, ref_text
+    info, text = slurm_cluster.job_info(pre_id), pre_log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
+    results = {"ref": _result(ref_dir), "pre": _result(cwd / "run")}
+    for result in results.values():
+        assert result["world_size"] == 4 and result["test_accuracy"] > CHANCE + 0.5
+    assert "PENDING" in seen and info["Restarts"] == "1", seen
     # Rendered srun jobs requeue from the batch shell (HPC_DDP_REQUEUE_BY=batch): the script's
     # Preemption.requeue() leaves it to that shell, so the job is asked for once.
     assert f"step exited 75 (checkpointed): requeueing job {pre_id}" in text, text

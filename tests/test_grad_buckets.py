@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+from trainer_helpers import spawn_ranks
 
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, out: str, unused: bool) -> None:
 @pytest.mark.parametrize("unused", [False, True])
 def test_buckets_sum_like_one_allreduce_and_start_during_backward(tmp_path, unused) -> None:
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(free_port(), out, unused), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), out, unused), 2)
     r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
     buckets = len(r0["bounds"])
     assert buckets >= 3, r0["bounds"]

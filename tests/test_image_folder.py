@@ -1,6 +1,6 @@
 """Image folders from disk (``--dataset imagefolder``, train/image_folder.py): the synthetic
 generator, the loader's defaults, the starvation line's decision, exact resume of a 2-rank run
-over a generated PNG folder (real torchrun, real Gloo, a real signal mid-epoch), a plug-in
+over a generated PNG folder (real forked ranks, real Gloo, a real signal mid-epoch), a plug-in
 image-folder dataset, and hostile files (a non-image, an image that does not decode) each
 named in a clear error. Nothing is mocked; the starvation decision is tested on injected
 figures, so no assertion depends on timing.
@@ -22,7 +22,6 @@ from trainer_helpers import (
     reference_run,
     run,
     single_cmd,
-    torchrun_cmd,
     train_args,
 )
 
@@ -290,9 +289,9 @@ def test_an_image_folder_run_resumed_after_a_signal_ends_bit_identical(
     args = train_args(run_dir, folder, **settings)
     # 4 steps an epoch: step 6 is in the middle of epoch 2.
     rc, log = interrupt_at(
-        torchrun_cmd(2, [*args, "--debug-hold-at-step", "6"]), run_dir, tmp_path / "1.log"
+        forked_cmd(2, [*args, "--debug-hold-at-step", "6"]), run_dir, tmp_path / "1.log"
     )
-    assert rc != 0 and "preempted (SIGUSR1): checkpointed at step 6" in log, log
+    assert rc == 75 and "preempted (SIGUSR1): checkpointed at step 6" in log, log
     assert "data loader: 1 worker process(es) (chosen from the cores" in log, log
     final = run(forked_cmd(2, args), timeout=300)
     assert final.returncode == 0, final.stderr

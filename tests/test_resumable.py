@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch_support import REPO, hpc_ddp
-from trainer_helpers import TORCHRUN, finish, run, start
+from trainer_helpers import TORCHRUN, finish, forked_script, run, start
 
 import hpc_ddp as hpc_ddp_api
 from hpc_ddp.checkpoint import CheckpointError
@@ -57,12 +57,13 @@ def test_the_resumable_script_differs_from_the_plain_one_by_at_most_10_lines() -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """The uninterrupted runs' weights at world 2 and 4 (torchrun on this machine)."""
+    """The uninterrupted runs' weights at world 2 and 4 (forked ranks on this machine: the runs
+    under test are torchrun's and Slurm's)."""
     shas = {}
     for world in (2, 4):
         run_dir = tmp_path_factory.mktemp(f"ref{world}") / "run"
-        cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={world}", str(RESUMABLE), *EPOCHS]
-        done = run([*cmd, "--run-dir", str(run_dir)], timeout=180)
+        cmd = forked_script(world, str(RESUMABLE), [*EPOCHS, "--run-dir", str(run_dir)])
+        done = run(cmd, timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr
         shas[world] = _sha(run_dir)
     return shas
@@ -81,7 +82,8 @@ def test_torchrun_interrupted_mid_epoch_resumes_bit_identical(
     assert rc != 0 and step % STEPS_PER_EPOCH[2] != 0, text  # torchrun reports 75 as 1
     assert not (run_dir / "model.pt").exists()
 
-    again = run([*cmd, "--run-dir", str(run_dir)], timeout=180)
+    resume = [*EPOCHS, "--run-dir", str(run_dir)]
+    again = run(forked_script(2, str(RESUMABLE), resume), timeout=180)  # resumes anywhere
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/step-{step:08d}: epoch 2, step {step}" in (
         again.stdout
@@ -335,7 +337,7 @@ def test_slurm_preempted_on_w_ranks_resumes_on_another_number_of_ranks(
             assert sorted(indices) == list(range(ELASTIC_SAMPLES)), (name, epoch)
         accuracy[name] = json.loads((tmp_path / name / "run" / "accuracy.json").read_text())
     ref = tmp_path / "ref"
-    done = run([TORCHRUN, "--standalone", "--nproc-per-node=2", ELASTIC, "--run-dir", str(ref)])
+    done = run(forked_script(2, ELASTIC, ["--run-dir", str(ref)]))
     assert done.returncode == 0, done.stdout + done.stderr
     expected = json.loads((ref / "accuracy.json").read_text())["accuracy"]
     assert expected > 0.85  # 4 classes: chance is 0.25

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer_helpers import job_env, train_args
+from trainer_helpers import run, single_cmd, train_args
 
 from hpc_ddp.run_dir.paths import RunPaths
 
@@ -27,13 +27,7 @@ def test_import_is_torch_free() -> None:
 def test_a_real_run_leaves_every_file_where_run_paths_says(tmp_path: Path, data_dir: Path) -> None:
     paths = RunPaths(tmp_path / "run")
     argv = train_args(paths.root, data_dir, epochs=1, checkpoint_every_steps=4)
-    done = subprocess.run(
-        [sys.executable, "-m", "hpc_ddp.train", *argv],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run(single_cmd(argv), timeout=300)
     assert done.returncode == 0, done.stderr
     for path in (paths.marker, paths.config, paths.progress, paths.metrics, paths.plot):
         assert path.is_file(), path

@@ -217,6 +217,12 @@ def test_the_cli_refuses_with_exit_2_and_a_hint(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------- the trainer, forked
+def spawn_cmd(nproc: int, args: list[str]) -> list[str]:
+    """``forked_cmd`` in an interpreter of its own, not forked from the tests' fork server:
+    here the launcher is what is tested, from its own start (its imports, then the forks)."""
+    return list(forked_cmd(nproc, args))
+
+
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The uninterrupted run under torchrun, what the forked workers must end equal to (not
@@ -234,7 +240,7 @@ def test_forked_ranks_preempt_resume_and_match_torchrun_bit_for_bit(
     run_dir = tmp_path / "run"
     args = train_args(run_dir, data_dir)
     rc, log = interrupt_at(
-        forked_cmd(2, [*args, "--debug-hold-at-step", "5"]),
+        spawn_cmd(2, [*args, "--debug-hold-at-step", "5"]),
         run_dir,
         tmp_path / "1.log",
         launcher=True,  # SIGUSR1 to the parent only: it forwards to both workers
@@ -243,7 +249,7 @@ def test_forked_ranks_preempt_resume_and_match_torchrun_bit_for_bit(
     assert "2 process(es)" in log and "preempted (SIGUSR1): checkpointed at step 5" in log, log
     assert read_json(run_dir / "progress.json")["status"] == "preempted"
 
-    final = run(forked_cmd(2, args))
+    final = run(spawn_cmd(2, args))
     assert final.returncode == 0, final.stderr
     result, reference = read_result(run_dir), read_result(torchrun_reference)
     assert result["interruptions"] == 1 and result["world_size"] == 2
@@ -256,7 +262,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
     # 1. SIGKILL one rank: the parent names it, stops the other, exits 128 + 9.
     run_dir = tmp_path / "run"
     log = tmp_path / "killed.log"
-    proc = start(forked_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
+    proc = start(spawn_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
     try:
         progress = wait_for_progress(run_dir, holding, proc)
         os.kill(progress["pids"][1], signal.SIGKILL)
@@ -269,7 +275,7 @@ def test_a_killed_rank_ends_the_job_and_the_parents_death_ends_the_workers(
 
     # 2. SIGKILL the parent (no handler can run): the workers die with it (PR_SET_PDEATHSIG).
     run_dir = tmp_path / "run2"
-    proc = start(forked_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
+    proc = start(spawn_cmd(2, [*train_args(run_dir, data_dir), "--debug-hold-at-step", "3"]), log)
     pids: list[int] = []
     try:
         pids = wait_for_progress(run_dir, holding, proc)["pids"]

@@ -1,8 +1,9 @@
 """Two real Gloo ranks under real torchrun: exact resume, exact evaluation, accumulation, errors.
 
 The runs that only provide weights to compare against (the uninterrupted reference, resumes
-after torchrun's interruption, the big-batch twin) fork their workers instead
-(``forked_cmd``): half the CPU time, the same weights (tests/test_spawn.py).
+after torchrun's interruption, the big-batch twin) and those whose messages are the trainer's
+fork their workers instead (``forked_cmd``): a fraction of the CPU time, the same weights
+(tests/test_spawn.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from trainer_helpers import (
     assert_resumed_like,
     finish,
     forked_cmd,
+    forked_script,
     holding,
     interrupt_at,
     read_json,
@@ -187,7 +189,7 @@ def test_gradient_accumulation_equals_big_batch(tmp_path: Path, data_dir: Path) 
 def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
     # A real dataset in a missing dir (a synthetic one would be created): rank 0 fails staging.
     missing = train_args(tmp_path / "run", tmp_path / "missing", synthetic=False)
-    done = run(torchrun_cmd(2, missing), timeout=120)
+    done = run(forked_cmd(2, missing), timeout=120)
     assert done.returncode != 0
     err = done.stderr
     assert "[rank 0/2" in err and "does not exist" in err, err
@@ -278,12 +280,12 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     done = run(forked_cmd(2, train_args(ours, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     worker = str(Path(__file__).parent / "workers" / "ddp_train.py")
-    done = run(torchrun_cmd(2, train_args(ours_ddp, data_dir, **resnet), worker), 300)
+    done = run(forked_script(2, worker, train_args(ours_ddp, data_dir, **resnet)), 300)
     assert done.returncode == 0, done.stderr
     assert "FutureWarning" not in done.stderr, done.stderr
     assert done.stdout.count("DDP built with the trainer's options") == 2, done.stdout
     defaults = ["--torch-ddp-defaults", *train_args(theirs, data_dir, **resnet)]
-    done = run(torchrun_cmd(2, defaults, worker), 300)
+    done = run(forked_script(2, worker, defaults), 300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("DDP built with torch's defaults") == 2, done.stdout  # both ranks
     for mine in (ours, ours_ddp):

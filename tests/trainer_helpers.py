@@ -6,15 +6,20 @@ progress.json) with a deadline instead of sleeping and hoping.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+from cli_forkserver import ForkedCli, ForkedProcess
 
 VENV_BIN = Path(sys.executable).parent
 HPC_DDP = str(VENV_BIN / "hpc-ddp")
@@ -58,25 +63,101 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def single_cmd(args: list[str]) -> list[str]:
-    return [HPC_DDP, "train", *args]
-
-
 def torchrun_cmd(nproc: int, args: list[str], script: str | None = None) -> list[str]:
     """torchrun starting ``python -m hpc_ddp.train args``, or ``script args``."""
     entry = [script] if script else ["-m", "hpc_ddp.train"]
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *entry, *args]
 
 
+Proc = subprocess.Popen[str] | ForkedProcess  # what ``start`` returns
+
+
+class ForkedCmd(list[str]):
+    """A command that ``run`` and ``start`` hand to the fork server (``fork_server``) as
+    ``argv``: an `hpc-ddp` command's, or with ``script`` a script's (on ``ranks`` ranks if
+    given); ``subprocess`` itself runs the list as a fresh process."""
+
+    def __init__(
+        self, cmd: list[str], argv: list[str], *, script: bool = False, ranks: int | None = None
+    ) -> None:
+        super().__init__(cmd)
+        self.argv, self.script, self.ranks = argv, script, ranks
+
+
+def python_cmd(script: str, args: list[str]) -> list[str]:
+    """``python script args``, forked from ``fork_server`` by ``run`` and ``start``: for a
+    script that wraps the trainer (tests/workers/), where the interpreter's start is not what
+    is tested."""
+    return ForkedCmd([sys.executable, script, *args], [script, *args], script=True)
+
+
+def forked_script(nproc: int, script: str, args: list[str]) -> list[str]:
+    """``script args`` on ``nproc`` ranks, as ``torchrun --standalone --nproc-per-node nproc``
+    starts it (torch's env:// variables, one CPU thread each), its ranks forked by hpc_ddp.spawn
+    in a child of ``fork_server``: for the runs that only provide a script's weights to compare
+    against, where torchrun would start three interpreters that import torch. Shown (and run
+    outside ``run``/``start``) as ``hpc-ddp exec --nproc-per-node``, its fresh-process twin."""
+    exec_cmd = [HPC_DDP, "exec", "--nproc-per-node", str(nproc), "--", sys.executable]
+    return ForkedCmd([*exec_cmd, script, *args], [script, *args], script=True, ranks=nproc)
+
+
+def single_cmd(args: list[str]) -> list[str]:
+    """``hpc-ddp train args``: one process, forked from ``fork_server`` by ``run`` and
+    ``start`` (``subprocess`` itself starts it as a fresh interpreter)."""
+    return ForkedCmd([HPC_DDP, "train", *args], ["train", *args])
+
+
 def forked_cmd(nproc: int, args: list[str]) -> list[str]:
-    """``hpc-ddp train --nproc-per-node nproc args``: the workers forked from one interpreter,
-    which imports torch once (tests/test_spawn.py checks that they end bit for bit where
-    torchrun's do). About half the CPU time of a torchrun run on a small machine, so the runs
-    that only provide the weights to compare against take it."""
-    return [HPC_DDP, "train", "--nproc-per-node", str(nproc), *args]
+    """``hpc-ddp train --nproc-per-node nproc args``: the workers forked from one interpreter
+    (tests/test_spawn.py checks that they end bit for bit where torchrun's do). ``run`` and
+    ``start`` fork that interpreter in turn from ``fork_server``, which imported torch once:
+    the runs that need N ranks but do not test a launcher start no interpreter at all. A
+    fraction of the CPU time of a torchrun run on a small machine."""
+    argv = ["train", "--nproc-per-node", str(nproc), *args]
+    return ForkedCmd([HPC_DDP, *argv], argv)
+
+
+@cache
+def fork_server() -> ForkedCli:
+    """`hpc-ddp` commands forked from one process of this test process that imported what
+    `train` imports first (cli_forkserver.py); it ends, and removes its scratch dir, when this
+    process exits."""
+    scratch = Path(tempfile.mkdtemp(prefix="hpcddp-forked-"))
+    preload = ["torch", "hpc_ddp.dist", "hpc_ddp.commands.train"]
+    cli = ForkedCli(preload, job_env(), scratch)
+    atexit.register(cli.close)
+    return cli
+
+
+def spawn_ranks(function: Callable[..., object], args: tuple[object, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(function, args, nprocs)`` (``function(rank, *args)`` on
+    each rank; an AssertionError with the ranks' output if one failed), the ranks forked from
+    ``fork_server`` instead of started as fresh interpreters that import torch and the test
+    module. ``args``: what JSON carries (numbers, strings, booleans)."""
+    log = scratch_file("ranks-")
+    call = (function.__module__, function.__qualname__, list(args))
+    proc = fork_server().start([f"{function.__module__}.{function.__qualname__}"], log,
+                               call=call, ranks=nprocs, env=job_env())  # fmt: skip
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()  # only if the wait failed: it has a code otherwise
+    assert code == 0, f"a rank of {function.__qualname__} failed (exit {code}):\n{log.read_text()}"
+
+
+def scratch_file(prefix: str) -> Path:
+    """A new empty file in the fork server's scratch dir (removed when the server ends)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, dir=fork_server().scratch)
+    os.close(fd)
+    return Path(name)
 
 
 def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    if isinstance(cmd, ForkedCmd):
+        server = fork_server()
+        return server.run(
+            cmd.argv, timeout=timeout, env=job_env(), script=cmd.script, ranks=cmd.ranks
+        )
     return subprocess.run(
         cmd, env=job_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -90,7 +171,10 @@ def reference_run(run_dir: Path, data_dir: Path, *, timeout: float = 120, **over
     return run_dir
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[str]:
+def start(cmd: list[str], log: Path) -> Proc:
+    """``cmd`` with its stdout and stderr into ``log``."""
+    if isinstance(cmd, ForkedCmd):
+        return fork_server().start(cmd.argv, log, env=job_env(), script=cmd.script, ranks=cmd.ranks)
     handle = log.open("w")
     return subprocess.Popen(cmd, env=job_env(), stdout=handle, stderr=subprocess.STDOUT, text=True)
 
@@ -126,7 +210,7 @@ def assert_resumed_like(
 def wait_for_progress(
     run_dir: Path,
     ready: Callable[[dict[str, Any]], bool],
-    proc: subprocess.Popen[str],
+    proc: Proc,
     timeout: float = 90,
 ) -> dict[str, Any]:
     """Poll progress.json until ``ready(progress)``; fail early if the job exits first."""
@@ -143,9 +227,7 @@ def wait_for_progress(
     raise AssertionError(f"progress in {run_dir} not ready within {timeout} s")
 
 
-def wait_for_checkpoint(
-    run_dir: Path, step: int, proc: subprocess.Popen[str], timeout: float = 60
-) -> None:
+def wait_for_checkpoint(run_dir: Path, step: int, proc: Proc, timeout: float = 60) -> None:
     """Until checkpoints/latest names step ``step`` (a background save commits after its step
     has passed); fail early if the job exits first."""
     latest, wanted = Path(run_dir) / "checkpoints" / "latest", f"step-{step:08d}\n"
@@ -169,7 +251,7 @@ def signal_workers(progress: dict[str, Any], sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def finish(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> tuple[int, str]:
+def finish(proc: Proc, log: Path, timeout: float = 120) -> tuple[int, str]:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
