@@ -213,11 +213,13 @@ def test_the_gpu_binding_reaches_slurm(slurm_gpu_cluster, tmp_path: Path) -> Non
 
 
 README_LINE = """
-import fn_support, hpc_ddp, hpc_ddp.polling
+import fn_support, hpc_ddp, hpc_ddp.polling, hpc_ddp.slurm_client
 job = hpc_ddp.Executor({folder!r}, cluster="slurm").submit(fn_support.whoami, "readme")
 results = [r["tag"] for r in job.results()]
-# The result pickle lands a moment before Slurm marks the job done: wait for that, bounded.
-hpc_ddp.polling.wait_for(lambda: job.state != "RUNNING", 60, "the job's end in Slurm", 0.5)
+# The result pickle lands a moment before Slurm marks the job done, and submitit's watcher
+# answers from a cache it refreshes every few seconds: wait for an ended state, bounded.
+ended = lambda: job.state in hpc_ddp.slurm_client.TERMINAL
+hpc_ddp.polling.wait_for(ended, 60, "the job's end in Slurm", 0.5)
 print("results", results, job.state)
 """
 
