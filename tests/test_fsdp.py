@@ -398,15 +398,23 @@ def test_trainer_fsdp_refuses_a_process_of_several_gpus() -> None:
 
 # --- GPUs: NCCL, bf16 mixed precision -----------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
+@pytest.mark.parametrize(
+    "world",
+    [
+        pytest.param(2, marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible")),
+        pytest.param(4, marks=pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, {GPUS} visible")),
+    ],
+)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_gpu_fsdp_bf16_preempted_resumes_bit_identical(tmp_path: Path, mode: str) -> None:
+def test_gpu_fsdp_bf16_preempted_resumes_bit_identical(
+    tmp_path: Path, mode: str, world: int
+) -> None:
     extra = ["--cuda", *(["--async", "--checkpoint-every", "5"] if mode == "async" else [])]
-    ref = torchrun(2, tmp_path / "ref", tmp_path / "ref.pt", *extra)
+    ref = torchrun(world, tmp_path / "ref", tmp_path / "ref.pt", *extra)
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    first = torchrun(2, tmp_path / "run", tmp_path / "x.pt", *extra, "--preempt-at", "21")
+    first = torchrun(world, tmp_path / "run", tmp_path / "x.pt", *extra, "--preempt-at", "21")
     assert "preempted at step 21: checkpointed" in first.stdout, first.stdout + first.stderr
-    again = torchrun(2, tmp_path / "run", tmp_path / "state.pt", *extra)
+    again = torchrun(world, tmp_path / "run", tmp_path / "state.pt", *extra)
     assert again.returncode == 0, again.stdout + again.stderr
     same_state(tmp_path / "state.pt", tmp_path / "ref.pt")
     down = torchrun(1, tmp_path / "run", tmp_path / "down.pt", "--cuda", "--load-only")
