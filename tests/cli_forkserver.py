@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 _REAP_EVERY_S = 0.02  # how often the server looks for children that exited
@@ -133,27 +134,13 @@ def _as_a_fresh_interpreter() -> None:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
-def _call_on_rank(function: object, args: list[object]) -> None:
-    """One forked rank: ``function(rank, *args)``; an exception's traceback and 1, else 0;
-    then out through ``os._exit``, as spawn's workers leave."""
+def _leave_after(body: Callable[[], object]) -> None:
+    """One forked rank: run ``body``, then out through ``os._exit`` with the status the
+    interpreter would give (an exception's traceback, 1; ``sys.exit("message")``, 1), as
+    spawn's workers leave."""
     code = 0
     try:
-        function(int(os.environ["RANK"]), *args)  # type: ignore[operator]
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run_script(script: str) -> None:
-    """One forked rank: ``script`` as ``__main__``, its exit status as the interpreter would
-    give it (an exception's traceback, 1; ``sys.exit("message")``, 1); then out through
-    ``os._exit``, as spawn's workers leave."""
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
+        body()
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
@@ -166,6 +153,16 @@ def _run_script(script: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _call_on_rank(function: object, args: list[object]) -> None:
+    """One forked rank: ``function(rank, *args)``."""
+    _leave_after(lambda: function(int(os.environ["RANK"]), *args))  # type: ignore[operator]
+
+
+def _run_script(script: str) -> None:
+    """One forked rank: ``script`` as ``__main__``."""
+    _leave_after(lambda: runpy.run_path(script, run_name="__main__"))
 
 
 class ForkedProcess:
