@@ -62,3 +62,16 @@ def launch(tmp: Path, root: Path, world_size: int, *args: str, tag: str = "run")
         argv += ["--store", str(store), "--rank", str(r), "--world-size", str(world_size), *args]
         procs.append(fork_server().start(argv, out / f"log-{r}.txt", env=env, script=True))
     return Ranks(procs, out)
+
+
+class Counter:
+    """A loop's own extra state: any object with ``state_dict``/``load_state_dict``."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]

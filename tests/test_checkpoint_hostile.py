@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_support import Counter
 from hostile_files import make_fifo, make_zero_device, run_child, symlink_to
 from trainer_helpers import (
     HPC_DDP,
@@ -432,16 +433,6 @@ def test_hostile_unsharded_state_in_a_sharded_checkpoint_is_refused(
 ) -> None:
     from hpc_ddp.checkpoint.errors import CheckpointError
     from hpc_ddp.runtime.sharded_state import ShardedState
-
-    class Counter:
-        def __init__(self) -> None:
-            self.n = 0
-
-        def state_dict(self) -> dict[str, int]:
-            return {"n": self.n}
-
-        def load_state_dict(self, state: dict[str, int]) -> None:
-            self.n = state["n"]
 
     value, said = OPAQUE_HOSTILE[case]
     planted = tmp_path / "code-ran"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_support import Counter
 from launch_support import REPO, hpc_ddp
 from trainer_helpers import TORCHRUN, finish, forked_script, run, start
 
@@ -167,16 +168,6 @@ def test_a_loop_of_its_own_saves_in_the_background_and_restores_when_ready(
     named, and a restore the caller starts and may refuse before anything changes."""
     from hpc_ddp import ConfigError, Resumable
     from hpc_ddp.checkpoint.manifest import read_manifest
-
-    class Counter:  # the loop's own extra state: any object with state_dict/load_state_dict
-        def __init__(self) -> None:
-            self.n = 0
-
-        def state_dict(self) -> dict[str, int]:
-            return {"n": self.n}
-
-        def load_state_dict(self, state: dict[str, int]) -> None:
-            self.n = state["n"]
 
     def make(**options: object) -> tuple[Resumable, torch.nn.Linear, Counter]:
         net, counter = torch.nn.Linear(2, 2), Counter()
