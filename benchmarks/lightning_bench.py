@@ -303,6 +303,8 @@ def measure(args: argparse.Namespace) -> dict:
         stderr += f"\n[timed out after {args.timeout:.0f} s]"
     wall = time.perf_counter() - t0
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if args.json:  # the child's whole output beside the record: its epoch lines, data wait
+        Path(args.json).with_suffix(".out").write_text(stdout + stderr)
     record = {"trainer": args.trainer, "data": args.data, "gpus": args.gpus, "rc": done.returncode,
               "model": args.model, "tag": args.tag,
               "command_to_exit_s": wall, "cmd": " ".join(cmd)}  # fmt: skip
