@@ -155,6 +155,25 @@ def deterministic_probe(launcher: str, n: int) -> list[str]:
     return [*torchrun(n), probe, "--probe-deterministic"]
 
 
+def preempted_and_resumed(
+    probe: list[str], data_dir: Path, run_dir: Path, extra: tuple[str, ...] | list[str],
+    hold_at: int, tmp_path: Path, timeout: float = 120,
+) -> None:  # fmt: skip
+    """The run in ``run_dir`` held at step ``hold_at``, preempted there (its workers signalled),
+    then started again to its end, each under ``probe``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0"}
+    hold = ["--debug-hold-at-step", str(hold_at)]
+    cmd = [*probe, "--probe-json", str(tmp_path / "b.json"), "--"]
+    proc = subprocess.Popen(
+        [*cmd, *flags(data_dir, run_dir, *extra, *hold)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    _preempt_when_holding(run_dir, proc)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode != 0 and "preempted" in out, out[-2000:]
+    run([*probe, "--probe-json", str(tmp_path / "c.json"), "--", *flags(data_dir, run_dir, *extra)])
+
+
 SYNC = "--no-async-checkpoint"
 
 
@@ -178,22 +197,8 @@ def test_checkpoint_resume_exact_on_two_gpus(data_dir, tmp_path, step, launcher)
     run(
         [*probe, "--probe-json", str(tmp_path / "a.json"), "--", *flags(data_dir, straight, *extra)]
     )
-    hold = ["--debug-hold-at-step", str(TRAIN // (64 * 2) + 5)]  # inside epoch 2
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0"}
-    cmd = [
-        *probe,
-        "--probe-json",
-        str(tmp_path / "b.json"),
-        "--",
-        *flags(data_dir, broken, *extra, *hold),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    _preempt_when_holding(broken, proc)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "preempted" in out, out[-2000:]
-    run([*probe, "--probe-json", str(tmp_path / "c.json"), "--", *flags(data_dir, broken, *extra)])
+    hold_at = TRAIN // (64 * 2) + 5  # inside epoch 2
+    preempted_and_resumed(probe, data_dir, broken, extra, hold_at, tmp_path)
     a, c = result(straight), result(broken)
     assert c["interruptions"] == 1 and c["steps"] == a["steps"]
     assert c["params_sha256"] == a["params_sha256"]

@@ -9,22 +9,18 @@ provides the synthetic data and the run helpers. Nothing is mocked.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
 import torch.nn.functional as F
 from test_gpu import (  # noqa: F401  (data_dir: the module's fixture, used by name)
-    REPO,
     RESNET_BF16,
     TEST,
     TRAIN,
-    _preempt_when_holding,
     data_dir,
     deterministic_probe,
     flags,
     need,
+    preempted_and_resumed,
     result,
     run,
 )
@@ -153,22 +149,8 @@ def test_resnet18_resume_exact_with_the_new_defaults(data_dir, tmp_path, step) -
     assert lines[graphs + 1] == "step: channels_last (20 Conv2d), fused SGD", out
     assert lines[graphs].startswith("CUDA graphs: on" if not step else "CUDA graphs: off"), out
     assert "GPU-resident" in out, out
-    hold = ["--debug-hold-at-step", str(TRAIN // 64 + 5)]  # inside epoch 2
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0"}
-    cmd = [
-        *probe,
-        "--probe-json",
-        str(tmp_path / "b.json"),
-        "--",
-        *flags(data_dir, broken, *extra, *hold),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    _preempt_when_holding(broken, proc)
-    text, _ = proc.communicate(timeout=180)
-    assert proc.returncode != 0 and "preempted" in text, text[-2000:]
-    run([*probe, "--probe-json", str(tmp_path / "c.json"), "--", *flags(data_dir, broken, *extra)])
+    hold_at = TRAIN // 64 + 5  # inside epoch 2
+    preempted_and_resumed(probe, data_dir, broken, extra, hold_at, tmp_path, timeout=180)
     a, c = result(straight), result(broken)
     assert c["interruptions"] == 1 and c["steps"] == a["steps"] == 2 * TRAIN // 64
     assert a["extra"]["cuda_graphs"] is not bool(step)
