@@ -55,19 +55,17 @@ def _steady(epochs_s: list[float], samples: int) -> float | None:
 # ------------------------------------------------------------------------------- children
 
 
+def _model_name(name: str) -> str:
+    """``--model`` as the trainer takes it from any directory: a plug-in file made absolute."""
+    return str(REPO / name) if ":" in name else name
+
+
 def _model(name: str, num_classes: int):
-    """A registered model (``resnet18``) or a plug-in ``FILE.py:FUNCTION``, as ``--model`` takes."""
-    if ":" not in name:
-        from hpc_ddp.train import registry
+    """A registered model (``resnet18``) or a plug-in ``FILE.py:FUNCTION``, built as the trainer
+    builds it (its registry, its plug-in loader)."""
+    from hpc_ddp.train import registry
 
-        return registry.resolve("model", name)(num_classes)
-    import importlib.util
-
-    path, function = name.rsplit(":", 1)
-    spec = importlib.util.spec_from_file_location("bench_plugin", REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, function)(num_classes)
+    return registry.resolve("model", _model_name(name))(num_classes)
 
 
 def _datasets(args: argparse.Namespace):
@@ -253,8 +251,8 @@ def cifar_root(args: argparse.Namespace) -> Path:
 
 def ours_cmd(args: argparse.Namespace, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "hpc_ddp.train", "--nproc-per-node", str(args.gpus)]
-    model = str(REPO / args.model) if ":" in args.model else args.model  # from any directory
-    cmd += ["--model", model, "--batch-size", str(args.batch_size), "--optimizer", "sgd"]
+    cmd += ["--model", _model_name(args.model), "--batch-size", str(args.batch_size)]
+    cmd += ["--optimizer", "sgd"]
     cmd += ["--lr", "0.05", "--epochs", str(args.epochs), "--run-dir", str(run_dir)]
     if args.data == "cifar":
         cmd += ["--dataset", "cifar100", "--synthetic", "--data-dir", args.root]
