@@ -38,8 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-TINY = {"layers": 4, "width": 64, "batch": 4, "repeats": 2, "window": 3, "baseline": 5}
-TINY["async_repeats"] = 2
+TINY = {
+    "layers": 4, "width": 64, "batch": 4, "repeats": 2, "async_repeats": 2, "window": 3,
+    "baseline": 5,
+}  # fmt: skip
 MAX_STEPS_PER_SAVE = 10_000
 
 
