@@ -98,6 +98,54 @@ def test_the_dataloader_gives_the_same_batches_whatever_its_workers(folder: Path
     assert all(torch.equal(a, b) for a, b in zip(main, two, strict=True))
 
 
+class _Logged(torch.utils.data.Dataset):
+    """Appends "epoch index" to a file for each item a worker reads."""
+
+    epoch_indices = True
+
+    def __init__(self, n: int, log: Path) -> None:
+        self.n, self.log = n, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        with self.log.open("a") as out:
+            out.write(f"{getattr(index, 'epoch', -1)} {int(index)}\n")
+        return torch.full((2,), float(index)), int(index) % 3
+
+
+def test_workers_decode_the_next_epoch_before_it_is_asked_for(tmp_path: Path) -> None:
+    """One iterator streams across epoch ends: after an epoch's last batch, the workers go on
+    with the next epoch's first ones (an epoch's start no longer waits on an empty queue), and
+    each epoch still gets exactly its own batches, as a run with no workers gets them."""
+    from hpc_ddp.polling import wait_for
+    from hpc_ddp.runtime.shard_plan import ShardPlan
+    from hpc_ddp.train.loader_data import LoaderTrainData
+
+    plan = ShardPlan(n=40, world_size=2, micro_batch=4, accum_steps=1, seed=5)
+    cpu = torch.device("cpu")
+
+    def loader(workers: int, log: Path) -> LoaderTrainData:
+        settings = loader_settings.LoaderSettings(workers, False, 2, "test", False)
+        return LoaderTrainData(plan, _Logged(plan.n, log), 1, cpu, settings=settings)
+
+    plain = loader(0, tmp_path / "plain")
+    want = [[x for x, _ in plain.batches(e, 0)] for e in range(3)]
+    streamed = loader(2, tmp_path / "log")
+    got = [[x for x, _ in streamed.batches(0, 0)]]
+    next_epoch = {f"1 {i}" for i in plan.indices(1, 1).tolist()[:4]}  # its first batch
+
+    def read_ahead() -> bool:
+        return bool(next_epoch & set((tmp_path / "log").read_text().splitlines()))
+
+    wait_for(read_ahead, 30, "the workers to read epoch 2's first batch")
+    got += [[x for x, _ in streamed.batches(e, 0)] for e in (1, 2)]
+    assert [len(g) for g in got] == [5, 5, 5]
+    pairs = [(a, b) for w, g in zip(want, got, strict=True) for a, b in zip(w, g, strict=True)]
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
 def test_persistent_workers_see_each_epoch_of_the_cifar_tensors() -> None:
     """CifarTensors' augmentation depends on the epoch; persistent workers hold the copy of the
     dataset made when they started, so the epoch must come with each index."""

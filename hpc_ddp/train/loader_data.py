@@ -93,6 +93,28 @@ class _EpochIndices(Sampler[int]):
         return len(self.inner)
 
 
+class _EpochStream(Sampler[list[int]]):
+    """This rank's micro-batches of the ``ShardPlan``, from (``epoch``, ``start``) on and then
+    epoch after epoch without end: one DataLoader iterator over it never stops at an epoch's
+    end, so its workers decode the next epoch's first batches while the last ones train and the
+    evaluation runs, instead of all starting again from an empty queue. Each index is an
+    ``EpochIndex``: the item a worker decodes ahead is the next epoch's."""
+
+    def __init__(self, plan: ShardPlan, rank: int) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start, size = self.epoch, self.start, self.plan.micro_batch
+        while True:
+            indices = self.plan.indices(epoch, self.rank, start).tolist()
+            for first in range(0, len(indices), size):
+                yield [EpochIndex(i, epoch) for i in indices[first : first + size]]
+            epoch, start = epoch + 1, 0
+
+
 def wants_epoch_indices(data: object) -> bool:
     return bool(getattr(data, "epoch_indices", False))
 
@@ -101,8 +123,11 @@ def wants_epoch_indices(data: object) -> bool:
 class LoaderTrainData:
     """Training micro-batches from a DataLoader over this rank's ``ShardPlan`` indices.
 
-    One DataLoader serves every epoch: with workers they persist, and each epoch's iterator
-    takes the sampler's new epoch and start (the data position a checkpoint holds)."""
+    One DataLoader serves every epoch. Without workers, each epoch's iterator takes the
+    sampler's new epoch and start (the data position a checkpoint holds). With workers (they
+    persist), one iterator streams across epoch ends (``_EpochStream``) and each epoch takes
+    its count of batches from it; an epoch asked for at another position than where the stream
+    stands (the first, a resumed one, one after an epoch left unfinished) starts a new one."""
 
     plan: ShardPlan
     data: Dataset[Any]
@@ -112,7 +137,11 @@ class LoaderTrainData:
     settings: LoaderSettings | None = None  # given: its workers, pinning and prefetch
     meter: data_wait.WaitMeter = field(default_factory=data_wait.WaitMeter)
     _loader: DataLoader[Any] | None = field(default=None, init=False, repr=False)
-    _sampler: ResumableDistributedSampler | None = field(default=None, init=False, repr=False)
+    _sampler: ResumableDistributedSampler | _EpochStream | None = field(
+        default=None, init=False, repr=False
+    )
+    _stream: Iterator[Any] | None = field(default=None, init=False, repr=False)
+    _stream_at: tuple[int, int] | None = field(default=None, init=False, repr=False)
 
     def loader_kwargs(self) -> dict[str, Any]:
         if self.settings is not None:
@@ -120,6 +149,18 @@ class LoaderTrainData:
         return {"num_workers": self.num_workers, "pin_memory": self.device.type == "cuda"}
 
     def batches(self, epoch: int, start: int) -> Iterator[Batch]:
+        kwargs = self.loader_kwargs()
+        # Its own generator: iter(DataLoader) draws its workers' base seed from the global RNG
+        # otherwise, shifting the training's random stream (dropout) at every new iterator.
+        kwargs["generator"] = torch.Generator().manual_seed(self.plan.seed)
+        if kwargs.get("num_workers", 0):
+            batches = self._streamed(epoch, start, kwargs)
+        else:
+            batches = self._per_epoch(epoch, start, kwargs)
+        batches = _on(self.device, batches)
+        return self.meter.wrap(batches) if reads_from_disk(self.data) else batches
+
+    def _per_epoch(self, epoch: int, start: int, kwargs: dict[str, Any]) -> Iterable[Any]:
         if self._loader is None:
             self._sampler = ResumableDistributedSampler(self.plan, self.rank)
             sampler: Sampler[int] = self._sampler
@@ -130,12 +171,30 @@ class LoaderTrainData:
                 batch_size=self.plan.micro_batch,
                 sampler=sampler,
                 collate_fn=collate,
-                **self.loader_kwargs(),
+                **kwargs,
             )
-        assert self._sampler is not None
+        assert isinstance(self._sampler, ResumableDistributedSampler)
         self._sampler.set_epoch(epoch, start)
-        batches = _on(self.device, self._loader)
-        return self.meter.wrap(batches) if reads_from_disk(self.data) else batches
+        return self._loader
+
+    def _streamed(self, epoch: int, start: int, kwargs: dict[str, Any]) -> Iterator[Any]:
+        if self._loader is None:
+            self._sampler = _EpochStream(self.plan, self.rank)
+            self._loader = DataLoader(
+                self.data, batch_sampler=self._sampler, collate_fn=collate, **kwargs
+            )
+        assert isinstance(self._sampler, _EpochStream)
+        if self._stream is None or self._stream_at != (epoch, start):
+            self._sampler.epoch, self._sampler.start = epoch, start
+            self._stream = iter(self._loader)  # persistent workers: their queues start anew
+        count = -(-self.plan.rank_left(start) // self.plan.micro_batch)
+        self._stream_at = None  # until the epoch's batches have all been taken
+        return self._take(self._stream, count, (epoch + 1, 0))
+
+    def _take(self, stream: Iterator[Any], count: int, then: tuple[int, int]) -> Iterator[Any]:
+        for _ in range(count):
+            yield next(stream)
+        self._stream_at = then
 
     def starvation(self) -> str | None:
         """The epoch's starvation line (data_wait.advice), for a dataset read from disk."""
