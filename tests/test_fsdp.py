@@ -397,14 +397,16 @@ def test_trainer_fsdp_refuses_a_process_of_several_gpus() -> None:
 
 
 # --- GPUs: NCCL, bf16 mixed precision -----------------------------------------------------------
+
+
+def on_gpus(world: int) -> object:
+    """A ``world`` parameter, skipped where fewer GPUs are visible."""
+    why = f"needs {world} GPUs, {GPUS} visible"
+    return pytest.param(world, marks=pytest.mark.skipif(world > GPUS, reason=why))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "world",
-    [
-        pytest.param(2, marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible")),
-        pytest.param(4, marks=pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, {GPUS} visible")),
-    ],
-)
+@pytest.mark.parametrize("world", [on_gpus(2), on_gpus(4)])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_gpu_fsdp_bf16_preempted_resumes_bit_identical(
     tmp_path: Path, mode: str, world: int
@@ -423,8 +425,8 @@ def test_gpu_fsdp_bf16_preempted_resumes_bit_identical(
 
 
 def gpu_cmd(args: list[str]) -> list[str]:
-    """``hpc-ddp train --nproc-per-node 2 ARGS``, by this interpreter (no console script needed)."""
-    return [sys.executable, "-m", "hpc_ddp", "train", "--nproc-per-node", "2", *args]
+    """``hpc-ddp train ARGS``, by this interpreter (no console script needed)."""
+    return [sys.executable, "-m", "hpc_ddp", "train", *args]
 
 
 def gpu_start(args: list[str], log: Path) -> subprocess.Popen[str]:
@@ -440,14 +442,20 @@ def gpu_train(args: list[str], log: Path) -> tuple[int, str]:
     return finish(gpu_start(args, log), log, timeout=240)
 
 
+# world -> (optimizer steps in 2 epochs, a step inside epoch 2, the ranks' evaluation shards)
+TRAINER_WORLDS = {2: (64, 37, [501, 500]), 4: (32, 21, [251, 250, 250, 250])}
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
-def test_gpu_trainer_fsdp_bf16_learns_and_resumes_bit_identical(tmp_path: Path) -> None:
-    """`hpc-ddp train --fsdp --nproc-per-node 2` on 2 GPUs (NCCL, bf16 by default: FSDP2's mixed
+@pytest.mark.parametrize("world", [on_gpus(w) for w in TRAINER_WORLDS])
+def test_gpu_trainer_fsdp_bf16_learns_and_resumes_bit_identical(tmp_path: Path, world: int) -> None:
+    """`hpc-ddp train --fsdp --nproc-per-node W` on W GPUs (NCCL, bf16 by default: FSDP2's mixed
     precision): learns as DDP does; preempted inside epoch 2 and resumed, it ends with the
     uninterrupted run's weights bit for bit (deterministic kernels)."""
+    steps, hold_at, shards = TRAINER_WORLDS[world]
     data = tmp_path / "data"
-    base = ["--synthetic", "--synthetic-train-size", "4096", "--synthetic-test-size", "1001"]
+    base = ["--nproc-per-node", str(world), "--synthetic", "--synthetic-train-size", "4096"]
+    base += ["--synthetic-test-size", "1001"]
     base += ["--data-dir", str(data), "--epochs", "2", "--eval-batch-size", "100"]
     base += ["--log-every", "1000", "--deterministic"]
     rc, out = gpu_train([*base, "--run-dir", str(tmp_path / "ddp")], tmp_path / "ddp.log")
@@ -459,13 +467,13 @@ def test_gpu_trainer_fsdp_bf16_learns_and_resumes_bit_identical(tmp_path: Path) 
     line = "parallelism: FSDP2 (fully_shard per block: 5 blocks, then the root), mixed precision"
     assert f"{line} bf16 (gradients reduced in fp32)" in out, out
     ref, ddp = read_result(tmp_path / "ref"), read_result(tmp_path / "ddp")
-    assert ref["steps"] == 64 and ref["extra"]["cuda_graphs"] is False
+    assert ref["steps"] == steps and ref["extra"]["cuda_graphs"] is False
     assert ref["test_accuracy"] > 0.3 and abs(ref["test_accuracy"] - ddp["test_accuracy"]) < 0.1
     rows = [r for r in read_metrics(tmp_path / "ref") if "test_samples" in r]
-    assert [r["test_samples_per_rank"] for r in rows] == [[501, 500]] * 2
+    assert [r["test_samples_per_rank"] for r in rows] == [shards] * 2
 
     broken = tmp_path / "broken"
-    hold = ["--run-dir", str(broken), "--debug-hold-at-step", "37"]  # inside epoch 2
+    hold = ["--run-dir", str(broken), "--debug-hold-at-step", str(hold_at)]
     proc = gpu_start([*fsdp, *hold], tmp_path / "1.log")
     try:
         signal_workers(wait_for_progress(broken, holding, proc, timeout=180), signal.SIGUSR1)
@@ -474,11 +482,11 @@ def test_gpu_trainer_fsdp_bf16_learns_and_resumes_bit_identical(tmp_path: Path) 
         proc.wait()
         raise
     rc, out = finish(proc, tmp_path / "1.log")
-    assert rc == 75 and "checkpointed at step 37" in out, out[-3000:]
+    assert rc == 75 and f"checkpointed at step {hold_at}" in out, out[-3000:]
     rc, out = gpu_train([*fsdp, "--run-dir", str(broken)], tmp_path / "2.log")
-    assert rc == 0 and "step 37)" in out, out[-3000:]
+    assert rc == 0 and f"step {hold_at})" in out, out[-3000:]
     again = read_result(broken)
-    assert again["interruptions"] == 1 and again["steps"] == 64
+    assert again["interruptions"] == 1 and again["steps"] == steps
     assert again["params_sha256"] == ref["params_sha256"]
 
 
