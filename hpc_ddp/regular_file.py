@@ -71,9 +71,10 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> BinaryIO
         raise
 
 
-def read_capped(f: BinaryIO, limit: int, path: str | Path) -> bytes:
-    """Read an open file to its end, refusing more than ``limit`` bytes (it may still grow)."""
-    data = f.read(limit + 1)
+def read_capped(f: BinaryIO, limit: int, path: str | Path, first: bytes = b"") -> bytes:
+    """Read an open file to its end, refusing more than ``limit`` bytes (it may still grow);
+    ``first``: what was read of it already (at most ``limit + 1`` bytes)."""
+    data = first + f.read(limit + 1 - len(first))
     if len(data) > limit:
         raise FileTooLargeError(
             errno.EFBIG, f"larger than the {limit} bytes such a file may hold", str(path)
@@ -97,7 +98,10 @@ def read_whole(f: BinaryIO, limit: int, path: str | Path) -> bytes:
             f"{size} bytes, larger than the {limit} bytes such a file may hold",
             str(path),
         )
-    return read_capped(f, limit, path)
+    # Sized by the file: a read of ``limit`` bytes allocates that much first, which costs more
+    # than the read itself for the many small files of an image folder.
+    data = f.read(size + 1)
+    return data if len(data) <= size else read_capped(f, limit, path, data)  # it grew since
 
 
 def read_json(path: str | Path, limit: int = JSON_LIMIT) -> Any:
