@@ -80,6 +80,18 @@ def test_augmentation_depends_on_seed_epoch_and_index_only(folder: Path) -> None
     assert any(not torch.equal(a, other) for other in epochs[3:])
 
 
+def test_the_crop_window_is_the_crop_of_the_zero_padded_image() -> None:
+    """image_folder.window spares the padded copy; every offset gives what padding gave."""
+    import torch.nn.functional as F
+
+    x = torch.randint(1, 256, (3, 8, 8), dtype=torch.uint8, generator=torch.Generator())
+    padded = F.pad(x, (2, 2, 2, 2))
+    for dy in range(5):
+        for dx in range(5):
+            want = padded[:, dy : dy + 8, dx : dx + 8]
+            assert torch.equal(image_folder.window(x, dy - 2, dx - 2), want), (dy, dx)
+
+
 def test_the_dataloader_gives_the_same_batches_whatever_its_workers(folder: Path) -> None:
     from hpc_ddp.runtime.shard_plan import ShardPlan
     from hpc_ddp.train.loader_data import LoaderTrainData
@@ -284,7 +296,8 @@ def test_planted_files_are_refused_before_anything_is_allocated(
     shutil.copytree(folder, data)
     bomb = data / "train" / "class_002" / "000001.png"
     train = image_folder.ImageFolderDataset(data / "train")
-    for side, said in ((10_000, "claims 10000 x 10000 px"), (100_000, "claims more than")):
+    for side in (10_000, 100_000):  # the second over Pillow's own bound: refused as well
+        said = f"claims {side} x {side} px"
         bomb.write_bytes(_png_header(side, side))  # up to 30 GB of pixels, claimed in 45 bytes
         item = train[PER_CLASS * 2 + 1]
         assert isinstance(item, FailedItem) and f"{bomb} {said}" in item.message, item
