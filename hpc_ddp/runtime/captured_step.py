@@ -79,8 +79,8 @@ class CapturedStep:
     add it to an accumulator before the next call. Inputs must be on the model's device with
     the same shapes each step. Call ``close()`` (or use ``with``) before the process group is
     destroyed; ``hpc_ddp.end_process_group``, ``shutdown`` and ``run_main`` are safe without.
-    Raises ``ConfigError`` for a wrapped or sharded model, parameters the optimizer holds but the
-    model does not train, LBFGS, and out-of-range settings.
+    Raises ``ConfigError`` for a wrapped or sharded model, an optimizer holding tensors that are
+    not the model's parameters, LBFGS, and out-of-range settings.
     """
 
     def __init__(
@@ -145,7 +145,9 @@ class CapturedStep:
         self.log(self.line)
 
     # ---- what the caller sees ----
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> Any:
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None
+    ) -> torch.Tensor:
         return self.step(x, y, sync=sync)
 
     def __enter__(self) -> CapturedStep:
@@ -180,7 +182,7 @@ class CapturedStep:
 
     make_capturable = staticmethod(capturable.make_capturable)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> Any:
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> torch.Tensor:
         """One micro-batch (see the class docstring); returns its loss (a device tensor)."""
         if self._closed:
             raise ConfigError("this CapturedStep was closed", hint="build a new one to step again")
@@ -198,6 +200,7 @@ class CapturedStep:
             if phase not in self._graphs:
                 self._capture(phase)
             self._replay(x, y, phase)
+        assert self.loss is not None  # the first micro-batch made it
         return self.loss
 
     def close(self) -> None:
@@ -292,6 +295,8 @@ class CapturedStep:
         assert self.static_x is not None and self.static_y is not None
         if self.before_capture is not None:
             self.before_capture()
+        if not self._graphs:
+            self._snapshot()
         torch.cuda.synchronize(self.device)
         first = torch.cuda.CUDAGraph()
         with recording(first, pool=self._pool):
@@ -331,10 +336,18 @@ class CapturedStep:
         if self.reason is None:
             self._given = capturable.given_flags(self.optimizer)
             capturable.make_capturable(self.optimizer, self.device)
-            groups = self.optimizer.param_groups
-            self._lrs = [group["lr"] for group in groups]
-            self._hyper = [_settings(group) for group in groups]
         self._prepared = True
+
+    def _snapshot(self) -> None:
+        """Before the first capture: the LR tensors the graphs will read (a float assigned
+        during the warm-up becomes one again) and the settings they will bake in."""
+        groups = self.optimizer.param_groups
+        for group in groups:
+            lr = group["lr"]
+            if not isinstance(lr, torch.Tensor) or lr.device != self.device:
+                group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
+        self._lrs = [group["lr"] for group in groups]
+        self._hyper = [_settings(group) for group in groups]
 
     def _settings_changed(self) -> str | None:
         """What changed in the optimizer's settings since the capture that a replay would not
@@ -451,12 +464,13 @@ def _refuse_bad_input(
             "the model is sharded into DTensors (FSDP2): FSDP reduces its gradients itself",
             hint="step an FSDP2 model as FSDP2 does, without CapturedStep",
         )
-    ids = {id(p) for p in trainable}
+    ids = {
+        id(p) for p in model.parameters()
+    }  # a frozen one gets no gradient: the optimizer skips it
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in ids]
     if foreign:
         raise ConfigError(
-            f"the optimizer holds {len(foreign)} tensor(s) that are not trainable parameters of "
-            "the model",
+            f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model",
             hint="build the optimizer over model.parameters() (after speed_up, its answer)",
         )
     if isinstance(optimizer, torch.optim.LBFGS):

@@ -140,8 +140,9 @@ class GraphedStep(CapturedStep):
         self.summed = _SummedLoss()
         super().__init__(model, optimizer, loss_fn=self.summed, log=log.debug, **kw)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> Any:
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> torch.Tensor:
         super().step(x, y, sync=sync)
+        assert self.summed.total is not None  # the first micro-batch made it
         return self.summed.total
 
     def release(self) -> None:
