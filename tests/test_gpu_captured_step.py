@@ -113,6 +113,18 @@ def test_replays_and_matches_its_eager_step(dev, amp, tol, accum) -> None:
 
 
 @need(1)
+def test_an_odd_batch_right_after_the_warm_up_does_not_set_the_graphs_shape(dev) -> None:
+    """A resumed run may meet an epoch's short last batch first: the graph takes the shapes
+    that come twice in a row, so the full batches after it are replayed, not run eagerly."""
+    net = _net(dev)
+    step = hpc_ddp.CapturedStep(net, _sgd(net), warmup=1, log=_quiet)
+    for x, y in _batches(dev, [64, 24, 64, 64, 64]):
+        step(x, y)
+    assert step.replays == 2 and step.static_x is not None and len(step.static_x) == 64
+    step.close()
+
+
+@need(1)
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_lr_schedules_reach_the_graph_and_a_frozen_setting_goes_eager(dev) -> None:
     nets = [_net(dev), _net(dev)]

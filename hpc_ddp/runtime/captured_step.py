@@ -127,6 +127,7 @@ class CapturedStep:
         self._graphs: dict[Phase, list[torch.cuda.CUDAGraph]] = {}
         self._pool: Any = None
         self._micro = 0  # micro-batches of the current step taken so far
+        self._previous: tuple[torch.Size, torch.Size] | None = None  # the last batch's shapes
         self._prepared = False  # make_capturable runs at the first step, after any restore
         self._given: list[dict[str, Any]] | None = None  # the flags before make_capturable
         self._lrs: list[torch.Tensor] = []  # the LR tensors the graphs read
@@ -272,12 +273,18 @@ class CapturedStep:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False)
 
     def _replays(self, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether this micro-batch replays a graph (else it runs eagerly)."""
+        """Whether this micro-batch replays a graph (else it runs eagerly). The graphs take
+        the first shapes that come twice in a row after the warm-up: an epoch's short last
+        batch, which a resumed run may meet first, never does."""
+        shapes = (x.shape, y.shape)
+        previous, self._previous = self._previous, shapes
         if self.reason is not None or self.eager_steps < self.warmup:
             return False
         if self.static_x is None or self.static_y is None:
+            if shapes != previous:
+                return False
             self.static_x, self.static_y = torch.empty_like(x), torch.empty_like(y)
-        return x.shape == self.static_x.shape and y.shape == self.static_y.shape
+        return shapes == (self.static_x.shape, self.static_y.shape)
 
     def _eager(self, x: torch.Tensor, y: torch.Tensor, phase: Phase) -> None:
         if self.reason is None:  # on a side stream, as torch.cuda.graph's documentation asks
@@ -328,7 +335,7 @@ class CapturedStep:
             torch.cuda.synchronize(self.device)
             for graph in self.graphs:
                 graph.reset()
-            self._graphs = {}
+            self._graphs, self._pool = {}, None  # a new capture takes a new pool
             torch.cuda.synchronize(self.device)
 
     # ---- the optimizer as the graphs read it ----
