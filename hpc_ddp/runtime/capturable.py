@@ -93,3 +93,13 @@ def saved_as_given(
             if group.get(key) != value and saved.get(key) == group.get(key):
                 saved[key] = value
     return state_dict
+
+
+def baked_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's settings that a captured step bakes in: all but its parameters and LR (a
+    tensor the graph reads), tensors by identity."""
+    return {
+        k: id(v) if isinstance(v, torch.Tensor) else v
+        for k, v in group.items()
+        if k not in ("params", "lr")
+    }

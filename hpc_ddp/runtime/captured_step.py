@@ -43,19 +43,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_ddp.dist import close_before_end
-from hpc_ddp.dtensors import any_dtensor
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.log import get_logger
 from hpc_ddp.runtime import capturable
-from hpc_ddp.runtime.grad_buckets import BucketedAllReduce, dense, flat_grads
+from hpc_ddp.runtime import captured_checks as checks
+from hpc_ddp.runtime.grad_buckets import BucketedAllReduce, flat_grads
 from hpc_ddp.runtime.recording import recording
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # A micro-batch's place in its step: (first: zero the gradients, last: all-reduce and step).
 Phase = tuple[bool, bool]
-AMP_DTYPES = (None, torch.bfloat16, torch.float16)
-MAX_ACCUM_STEPS = 1 << 16
-MAX_WARMUP = 1000
 
 
 class CapturedStep:
@@ -88,7 +84,7 @@ class CapturedStep:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        loss_fn: LossFn | None = None,
+        loss_fn: checks.LossFn | None = None,
         amp_dtype: torch.dtype | None = None,
         accum_steps: int = 1,
         warmup: int = 3,
@@ -96,9 +92,9 @@ class CapturedStep:
         allreduce_in_graph: bool = True,
         log: Callable[[str], object] | None = None,
     ) -> None:
-        _refuse_bad_input(model, optimizer, loss_fn, amp_dtype, accum_steps, warmup)
+        checks.refuse_bad_input(model, optimizer, loss_fn, amp_dtype, accum_steps, warmup)
         self.model, self.optimizer = model, optimizer
-        self.loss_fn: LossFn = loss_fn or F.cross_entropy
+        self.loss_fn: checks.LossFn = loss_fn or F.cross_entropy
         self.amp_dtype, self.accum_steps, self.warmup = amp_dtype, accum_steps, warmup
         self.allreduce_in_graph = allreduce_in_graph
         self.log = log or get_logger().info
@@ -107,12 +103,15 @@ class CapturedStep:
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.device = self.params[0].device
         self.world_size = dist.get_world_size() if _grouped() else 1
-        one_buffer = _why_not_one_buffer(self.params)
+        one_buffer = checks.why_not_one_buffer(self.params)
         self.flat = flat_grads(self.params) if one_buffer is None else None
         self.buckets: BucketedAllReduce | None = None
         if self.flat is not None and self.world_size > 1 and allreduce_in_graph:
             self.buckets = BucketedAllReduce(self.params, self.flat, self.world_size)
-        self.reason = self._why_eager(capture, one_buffer)  # None: captured
+        self.reason = checks.why_eager(  # None: captured
+            model, optimizer, self.device, amp_dtype, self.world_size, allreduce_in_graph,
+            capture, one_buffer,
+        )  # fmt: skip
         self.scaler = torch.amp.GradScaler(self.device.type) if amp_dtype == torch.float16 else None
         _broadcast_from_rank0(model)
         self.loss: torch.Tensor | None = None
@@ -354,7 +353,7 @@ class CapturedStep:
             if not isinstance(lr, torch.Tensor) or lr.device != self.device:
                 group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
         self._lrs = [group["lr"] for group in groups]
-        self._hyper = [_settings(group) for group in groups]
+        self._hyper = [capturable.baked_settings(group) for group in groups]
 
     def _settings_changed(self) -> str | None:
         """What changed in the optimizer's settings since the capture that a replay would not
@@ -367,7 +366,7 @@ class CapturedStep:
             if group["lr"] is not lr:
                 lr.fill_(float(group["lr"]))
                 group["lr"] = lr
-            now = _settings(group)
+            now = capturable.baked_settings(group)
             if now != settings:
                 keys = sorted(
                     k for k in now.keys() | settings.keys() if now.get(k) != settings.get(k)
@@ -393,51 +392,9 @@ class CapturedStep:
         self._release_graphs()
         self._prepared, self._given, self.eager_steps = False, None, 0
 
-    def _why_eager(self, capture: bool, one_buffer: str | None) -> str | None:
-        if not capture:
-            return "capture=False"
-        if self.device.type != "cuda":
-            return f"the model is on {self.device.type}, not a CUDA GPU"
-        if one_buffer is not None:
-            return one_buffer
-        if self.amp_dtype == torch.float16:
-            return (
-                "amp_dtype=float16: its loss scaling checks for inf on the host (bf16 needs none)"
-            )
-        why = capturable.why_not_capturable(self.optimizer)
-        if why is not None:
-            return why
-        if any(isinstance(m, nn.SyncBatchNorm) for m in self.model.modules()):
-            return "SyncBatchNorm: its statistics' all-gather is not captured"
-        if self.world_size > 1 and self.allreduce_in_graph and dist.get_backend() != "nccl":
-            return f"the process group's backend is {dist.get_backend()}: only NCCL's is captured"
-        return None
-
-
-def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's settings other than its parameters and LR, tensors by identity."""
-    return {
-        k: id(v) if isinstance(v, torch.Tensor) else v
-        for k, v in group.items()
-        if k not in ("params", "lr")
-    }
-
 
 def _grouped() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _why_not_one_buffer(params: list[nn.Parameter]) -> str | None:
-    """Why the gradients cannot share one flat buffer (which a graph needs), or None."""
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        return f"the parameters are on {len(devices)} devices: a graph drives one"
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        return f"the parameters have {len(dtypes)} dtypes: the gradient buffer holds one"
-    if not all(dense(p) for p in params):
-        return "a parameter is a strided view: the gradient buffer needs dense tensors"
-    return None
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
@@ -445,54 +402,3 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
     if _grouped() and dist.get_world_size() > 1:
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, src=0)
-
-
-def _refuse_bad_input(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn | None,
-    amp_dtype: torch.dtype | None,
-    accum_steps: int,
-    warmup: int,
-) -> None:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if isinstance(model, (DataParallel, DistributedDataParallel)):
-        raise ConfigError(
-            f"CapturedStep was given a {type(model).__name__}-wrapped model",
-            hint="pass the bare model: CapturedStep averages the gradients itself (it replaces "
-            "DDP(model))",
-        )
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
-        raise ConfigError("the model has no trainable parameters", hint="pass the model you train")
-    if any_dtensor(trainable):
-        raise ConfigError(
-            "the model is sharded into DTensors (FSDP2): FSDP reduces its gradients itself",
-            hint="step an FSDP2 model as FSDP2 does, without CapturedStep",
-        )
-    ids = {
-        id(p) for p in model.parameters()
-    }  # a frozen one gets no gradient: the optimizer skips it
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in ids]
-    if foreign:
-        raise ConfigError(
-            f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model",
-            hint="build the optimizer over model.parameters() (after speed_up, its answer)",
-        )
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ConfigError("LBFGS steps with a closure", hint="use another optimizer, or DDP")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass loss_fn(out, y)")
-    if amp_dtype not in AMP_DTYPES:
-        raise ConfigError(
-            f"amp_dtype={amp_dtype} is not supported", hint="use torch.bfloat16, float16 or None"
-        )
-    for name, value, most in (
-        ("accum_steps", accum_steps, MAX_ACCUM_STEPS),
-        ("warmup", warmup, MAX_WARMUP),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-            raise ConfigError(
-                f"{name}={value!r} is out of range", hint=f"use a whole number from 1 to {most}"
-            )
