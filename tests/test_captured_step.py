@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,6 +34,19 @@ def _net() -> nn.Module:
     )
 
 
+class _Mixed(nn.Module):
+    """Parameters of two dtypes: no one flat gradient buffer, so each gradient is averaged by an
+    all-reduce of its own (the step's other eager path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32).double(), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x.double())).float())
+
+
 def _sgd(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
@@ -40,7 +54,22 @@ def _sgd(net: nn.Module) -> torch.optim.Optimizer:
 def _ddp_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    a, b = _net(), _net()
+    result = _against_ddp(rank, _net)
+    mixed = _against_ddp(rank, _Mixed)
+    end_process_group()  # the script forgot step.close(): the group's end closes it first
+    for one in (result, mixed):
+        try:
+            one.pop("step")(*one.pop("batch"))
+            one["closed"] = False
+        except hpc_ddp.ConfigError:
+            one["closed"] = True
+    torch.save({"flat": result, "mixed": mixed}, f"{out}.{rank}")
+    shutdown_and_exit(0)  # Gloo can abort at interpreter exit (hpc_ddp.dist explains); this cannot
+
+
+def _against_ddp(rank: int, build: Callable[[], nn.Module]) -> dict:
+    """DDP and CapturedStep side by side on ``build()``'s model, each rank its own data."""
+    a, b = build(), build()
     if rank == 1:  # CapturedStep must start from rank 0's weights, as DDP's constructor does
         with torch.no_grad():
             for p in b.parameters():
@@ -64,18 +93,11 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
             opt_a.zero_grad(set_to_none=True)
         same_loss.append(torch.equal(step(x, y, sync=sync), loss.detach()))
     equal = [torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters(), strict=True)]
-    start = _net().parameters()
+    start = build().parameters()
     moved = max((pa - p0).abs().max().item() for pa, p0 in zip(a.parameters(), start, strict=True))
-    end_process_group()  # the script forgot step.close(): the group's end closes it first
-    try:
-        step(*batches[0])
-        closed = False
-    except hpc_ddp.ConfigError:
-        closed = True
     params = [p.detach() for p in b.parameters()]
-    result = {"equal": equal, "same_loss": same_loss, "lines": lines, "closed": closed}
-    torch.save({**result, "moved": moved, "params": params}, f"{out}.{rank}")
-    shutdown_and_exit(0)  # Gloo can abort at interpreter exit (hpc_ddp.dist explains); this cannot
+    return {"equal": equal, "same_loss": same_loss, "lines": lines, "moved": moved,
+            "params": params, "step": step, "batch": batches[0]}  # fmt: skip
 
 
 @pytest.mark.timeout(120)
@@ -85,13 +107,15 @@ def test_eager_step_is_ddp_bit_for_bit_on_two_ranks_and_the_group_closes_it(tmp_
     so the strongest claim holds: bit for bit)."""
     out = str(tmp_path / "res")
     spawn_ranks(_ddp_worker, (free_port(), out), 2)
-    r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
-    for r in (r0, r1):
-        assert all(r["equal"]) and all(r["same_loss"]), r
-        assert r["moved"] > 1e-3  # it trained
-        assert r["lines"] == [CPU_LINE] and r["closed"]
-    for p0, p1 in zip(r0["params"], r1["params"], strict=True):
-        assert torch.equal(p0, p1)  # the ranks stay in lockstep
+    ranks = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    for kind in ("flat", "mixed"):  # one flat buffer and its buckets; a gradient at a time
+        r0, r1 = (r[kind] for r in ranks)
+        for r in (r0, r1):
+            assert all(r["equal"]) and all(r["same_loss"]), (kind, r)
+            assert r["moved"] > 1e-3  # it trained
+            assert r["lines"] == [CPU_LINE] and r["closed"], (kind, r)
+        for p0, p1 in zip(r0["params"], r1["params"], strict=True):
+            assert torch.equal(p0, p1)  # the ranks stay in lockstep
 
 
 def test_one_process_says_why_it_steps_eagerly() -> None:
