@@ -136,6 +136,28 @@ def test_the_returned_loss_is_overwritten_by_the_next_call() -> None:
     assert second is first and not torch.equal(kept, second)  # documented: read it before
 
 
+def test_a_zero_grad_left_in_the_loop_changes_nothing() -> None:
+    """``opt.zero_grad()`` (set_to_none) between steps, as a loop written for DDP has it: the
+    step points ``.grad`` back at its buffer, and trains as without it."""
+    nets = [_net(), _net()]
+    opts = [_sgd(net) for net in nets]
+    steps = [
+        hpc_ddp.CapturedStep(n, o, log=lambda _: None) for n, o in zip(nets, opts, strict=True)
+    ]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(4, (8,), generator=g)
+        opts[1].zero_grad()
+        for step in steps:
+            step(x, y)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    flat = steps[1].flat
+    assert flat is not None
+    for p in nets[1].parameters():
+        assert p.grad is not None and p.grad.untyped_storage().data_ptr() == flat.data_ptr()
+
+
 def _foreign_optimizer(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
 

@@ -105,6 +105,7 @@ class CapturedStep:
         self.world_size = dist.get_world_size() if _grouped() else 1
         one_buffer = checks.why_not_one_buffer(self.params)
         self.flat = flat_grads(self.params) if one_buffer is None else None
+        self._views = [p.grad for p in self.params]  # the .grad views into ``flat``
         self.buckets: BucketedAllReduce | None = None
         if self.flat is not None and self.world_size > 1 and allreduce_in_graph:
             self.buckets = BucketedAllReduce(self.params, self.flat, self.world_size)
@@ -188,6 +189,8 @@ class CapturedStep:
             raise ConfigError("this CapturedStep was closed", hint="build a new one to step again")
         phase = (self._micro == 0, self._micro + 1 >= self.accum_steps if sync is None else sync)
         self._micro = 0 if phase[1] else self._micro + 1
+        if self.flat is not None and self.params[0].grad is not self._views[0]:
+            self._repoint()
         if not self._prepared:  # after any checkpoint was restored into the optimizer
             self._prepare()
         if self.reason is None and phase[1] and self._graphs:
@@ -214,6 +217,12 @@ class CapturedStep:
         if self.buckets is not None:
             self.buckets.remove()
         self._release_graphs()
+
+    def _repoint(self) -> None:
+        """A ``zero_grad()`` left in a loop from DDP set every ``.grad`` to None: the views
+        into the buffer the all-reduce averages go back (same memory: graphs stay valid)."""
+        for p, view in zip(self.params, self._views, strict=True):
+            p.grad = view
 
     # ---- the step in three parts, identical whether run eagerly or recorded ----
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, phase: Phase) -> None:
