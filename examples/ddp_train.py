@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,9 +53,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps; 0: epoch ends only")
-    p.add_argument("--fast", action="store_true", help="hpc_ddp.speed_up: a faster GPU step")
+    p.add_argument("--fast", action="store_true", help="speed_up + CapturedStep: a faster GPU step")
     p.add_argument("--hold-at-step", type=int, default=0, help="tests: wait there for a signal")
     return p.parse_args()
+
+
+def ddp_step(
+    net: nn.Module, opt: torch.optim.Optimizer, accum_steps: int, ctx: hpc_ddp.DistContext
+) -> Callable[..., torch.Tensor]:
+    """The plain DDP step: ``step(x, y, sync)`` accumulates under ``no_sync`` until a step's last
+    micro-batch (``sync``), whose backward all-reduces; then the optimizer steps."""
+    model = DDP(net, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    if ctx.backend == "gloo":  # bit-exact resume with > 2 ranks: see docs/your-code.md
+        hpc_ddp.per_tensor_allreduce(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
+        with contextlib.nullcontext() if sync else model.no_sync():  # 1 all-reduce a step
+            loss = F.cross_entropy(model(x), y)
+            (loss / accum_steps).backward()
+        if sync:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
 
 
 def main() -> int:
@@ -70,11 +92,11 @@ def main() -> int:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)).to(dev)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    if args.fast:  # on GPUs: channels_last for convolutions, the fused optimizer; before DDP
+    if args.fast:  # on GPUs: the fused optimizer, and the whole step replayed as a CUDA graph
         net, opt = hpc_ddp.speed_up(net, opt, log=log)
-    model = DDP(net, device_ids=[dev] if dev.type == "cuda" else None)
-    if ctx.backend == "gloo":  # bit-exact resume with > 2 ranks: see docs/your-code.md
-        hpc_ddp.per_tensor_allreduce(model)
+        train_step = hpc_ddp.CapturedStep(net, opt, accum_steps=args.accum_steps, log=log)
+    else:
+        train_step = ddp_step(net, opt, args.accum_steps, ctx)
     torch.manual_seed(args.seed + 1 + ctx.rank)  # each rank its own dropout masks
 
     train_set, test_set = Blobs(args.samples, args.seed), Blobs(args.samples // 4, args.seed + 1)
@@ -110,17 +132,15 @@ def main() -> int:
 
     metrics: dict = {}
     loss = torch.full((), float("nan"))
+    started, trained = time.perf_counter(), 0  # the training's wall time and samples, this run
     while epoch < args.epochs:
         sampler.set_epoch(epoch, plan.step_start(done))  # mid-epoch: where the checkpoint was
         for i, (x, y) in enumerate(loader):
-            sync = (i + 1) % args.accum_steps == 0 or i + 1 == len(loader)
-            with contextlib.nullcontext() if sync else model.no_sync():  # 1 all-reduce a step
-                loss = F.cross_entropy(model(x.to(dev)), y.to(dev)) / args.accum_steps
-                loss.backward()
+            sync = (i + 1) % args.accum_steps == 0 or i + 1 == len(loader)  # a step's last
+            loss = train_step(x.to(dev), y.to(dev), sync=sync)
+            trained += len(y)
             if not sync:
                 continue
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             step, done = step + 1, done + 1
             if step == args.hold_at_step:  # a count, not a clock: every rank stops polling together
                 print(f"rank {ctx.rank} pid {os.getpid()} holding at step {step}", flush=True)
@@ -138,14 +158,19 @@ def main() -> int:
                 save()
         epoch, done = epoch + 1, 0
         metrics = test()
-        last_loss = loss.item() * args.accum_steps
+        last_loss = loss.item()
         log(f"epoch {epoch} step {step}: loss {last_loss:.4f}, test accuracy "
             f"{metrics['test_accuracy']:.4f} of {metrics['test_samples']} samples")  # fmt: skip
         save()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # the GPU's queued steps count too
+    train_s = time.perf_counter() - started
     metrics = metrics or test()  # a rerun of a finished run
     sha = hpc_ddp.params_sha256(net.state_dict())
     if ctx.is_main:
         result = dict(metrics, steps=step, epochs=epoch, world_size=ctx.world_size)
+        speed = trained * ctx.world_size / train_s if train_s > 0 else 0.0
+        result.update(train_s=round(train_s, 3), samples_per_s=round(speed, 1))
         tmp = args.run_dir / "result.json.tmp"
         tmp.write_text(json.dumps(dict(result, params_sha256=sha), indent=1))
         tmp.replace(args.run_dir / "result.json")

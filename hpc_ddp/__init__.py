@@ -54,6 +54,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "params_sha256": ("hpc_ddp.train.fingerprint", "params_sha256"),
     "speed_up": ("hpc_ddp.runtime.fast_step", "speed_up"),
     "SpeedUp": ("hpc_ddp.runtime.fast_step", "SpeedUp"),
+    "CapturedStep": ("hpc_ddp.runtime.captured_step", "CapturedStep"),
     # jobs (torch-free)
     "JobSpec": ("hpc_ddp.deploy.spec", "JobSpec"),
     "load_job_spec": ("hpc_ddp.deploy.spec", "build_spec"),
@@ -104,6 +105,7 @@ __all__ = [
     "EXIT_DIVERGED",
     "EXIT_REQUEUE",
     "Backend",
+    "CapturedStep",
     "Check",
     "Checkpointer",
     "ClusterUp",
@@ -225,6 +227,7 @@ if TYPE_CHECKING:
     )
     from hpc_ddp.network import pick_backend
     from hpc_ddp.run_dir import RunPaths
+    from hpc_ddp.runtime.captured_step import CapturedStep
     from hpc_ddp.runtime.collectives import Comm
     from hpc_ddp.runtime.evaluation import EvalSums, evaluate
     from hpc_ddp.runtime.evaluation import accumulate as eval_sums

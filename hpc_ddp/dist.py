@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -264,11 +265,23 @@ def leave_group_to_exit() -> None:
     _exit_follows = True
 
 
+# Objects whose ``close()`` must run before the group is destroyed (a captured step: ncclCommDestroy
+# waits for ever for the resources of an all-reduce that a live CUDA graph holds). Weak, so a step
+# that is collected drops out by itself; ``close`` is idempotent.
+_close_first: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_before_end(holder: Any) -> None:
+    """Have ``end_process_group`` call ``holder.close()`` before it destroys the group."""
+    _close_first.add(holder)
+
+
 def end_process_group(
     release: Callable[[], object] | None = None, *, exiting: bool = False
 ) -> None:
     """Destroy this process's group, calling ``release`` first (what must go before it, such as
-    a graph's captured NCCL work).
+    a graph's captured NCCL work), and ``close()`` of what ``close_before_end`` registered
+    (a ``CapturedStep`` its script did not close).
 
     Where the process exits next (``exiting``: ``shutdown_and_exit``; or declared by
     ``leave_group_to_exit``), an NCCL group is left to the exit instead, once this GPU's queued
@@ -280,6 +293,8 @@ def end_process_group(
         return
     if release is not None:
         release()
+    for holder in list(_close_first):
+        holder.close()
     dist.destroy_process_group()
 
 

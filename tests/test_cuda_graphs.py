@@ -19,6 +19,7 @@ from trainer_helpers import spawn_ranks
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.capturable import make_capturable
 from hpc_ddp.train.cifar.models import build_model
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast import cuda_graphs
@@ -185,7 +186,7 @@ def test_forced_on_refuses_what_it_cannot_capture(kw, device, amp, devices, word
 def test_make_capturable_turns_lr_into_a_tensor_schedulers_fill() -> None:
     model = build_model("lenet", 10)
     opt, sched, _ = _parts(model)
-    cuda_graphs.make_capturable(opt, CPU)
+    make_capturable(opt, CPU)
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and opt.param_groups[0]["capturable"]
     sched.step()
@@ -216,7 +217,7 @@ def test_make_capturable_lays_loaded_state_out_as_its_channels_last_weight() -> 
     for state in saved["state"].values():  # as the async save restores it
         state["momentum_buffer"] = state["momentum_buffer"].contiguous()
     opts[0].load_state_dict(saved)
-    cuda_graphs.make_capturable(opts[0], CPU)
+    make_capturable(opts[0], CPU)
     weight = next(p for p in model.parameters() if p.dim() == 4)
     assert opts[0].state[weight]["momentum_buffer"].stride() == weight.stride()
     train(batches[2:])
@@ -237,7 +238,7 @@ def test_make_capturable_puts_sgd_on_its_fused_kernel_with_the_same_steps() -> N
         for m in (model, twin)
     ]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in opts]
-    cuda_graphs.make_capturable(opts[0], CPU)
+    make_capturable(opts[0], CPU)
     group = opts[0].param_groups[0]
     assert group["fused"] and not group["foreach"] and isinstance(group["lr"], torch.Tensor)
     for x, y in _batches(3, n=3):

@@ -369,8 +369,9 @@ def test_kernel_warmup_draws_no_random_numbers_on_the_gpu() -> None:
 @need(1)
 def test_graphed_step_replays_and_matches_eager() -> None:
     """In-process: the captured graph computes what the eager step computes."""
+    from hpc_ddp.runtime.capturable import make_capturable
     from hpc_ddp.train.cifar.models import build_model
-    from hpc_ddp.train.fast.cuda_graphs import GraphedStep, make_capturable
+    from hpc_ddp.train.fast.cuda_graphs import GraphedStep
 
     torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""The captured step's bucketed all-reduce (hpc_ddp.train.fast.grad_buckets), over two real Gloo
+"""The captured step's bucketed all-reduce (hpc_ddp.runtime.grad_buckets), over two real Gloo
 processes on the CPU: the same sums as one all-reduce of the whole buffer, buckets started in
 order during backward, and a parameter without a gradient does not hold the step up."""
 
@@ -14,9 +14,8 @@ from trainer_helpers import spawn_ranks
 
 from hpc_ddp.cluster.master_port import free_port
 from hpc_ddp.dist import shutdown_and_exit
+from hpc_ddp.runtime.grad_buckets import BucketedAllReduce, bucket_bounds, flat_grads
 from hpc_ddp.train.cifar.models import build_model
-from hpc_ddp.train.fast.cuda_graphs import flat_grads
-from hpc_ddp.train.fast.grad_buckets import BucketedAllReduce, bucket_bounds
 
 
 def test_bucket_bounds_close_at_the_caps() -> None:

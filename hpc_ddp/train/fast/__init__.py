@@ -4,10 +4,10 @@ The default loop (hpc_ddp/train/trainer.py, state.py) is a plain DDP loop; what 
 where that pays is chosen here, in one place, automatically:
 
 - "make me a step": :func:`plan_step` decides once per run whether the step is captured as a
-  CUDA graph (cuda_graphs.py, with its evaluation graphs, eval_graph.py, and gradient buckets,
-  grad_buckets.py) and how an eager step averages gradients (sync.py: DDP with lighter
-  settings, each gradient's own all-reduce on Gloo, tensor_average.py, or nothing); the
-  resulting :class:`StepPlan` gives the model and optimizer their layout and kernel
+  CUDA graph (cuda_graphs.py: the public ``hpc_ddp.CapturedStep`` with the trainer's loss,
+  and its evaluation graphs, eval_graph.py) and how an eager step averages gradients (sync.py:
+  DDP with lighter settings, each gradient's own all-reduce on Gloo, tensor_average.py, or
+  nothing); the resulting :class:`StepPlan` gives the model and optimizer their layout and kernel
   (``StepPlan.speed_up``: the public ``hpc_ddp.speed_up``, channels_last and the fused optimizer
   on GPUs), wraps the model and builds the step runner, and has the data hand its batches in
   the model's memory format (``StepPlan.feed``);

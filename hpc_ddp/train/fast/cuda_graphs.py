@@ -1,24 +1,9 @@
-"""``--cuda-graphs``: one training step (forward, backward, gradient all-reduce, optimizer) as a
-CUDA graph replayed once per micro-batch.
+"""``--cuda-graphs``: the trainer's step as the public ``hpc_ddp.CapturedStep`` (forward, backward,
+gradient all-reduce and optimizer as one CUDA graph replayed per micro-batch: its module,
+hpc_ddp/runtime/captured_step.py, says why and how it stays exact), with the trainer's loss, its
+evaluation graphs sharing the step's memory pool (eval_graph.py) and the choice of when to take it.
 
-Why: a small model such as LeNet needs little arithmetic per step, but eager PyTorch spends many
-times as long launching its ~100 kernels from Python (DDP hooks, autograd, the optimizer's loops;
-benchmarks/NOTES.md). A graph replay launches all of them with one call, so the GPU, not the CPU,
-sets the pace.
-
-Same semantics as the eager DDP step, which is what makes it safe as an option:
-- gradients are averaged over ranks exactly as DDP does (sum of per-rank gradients / world size),
-  over a flat gradient buffer that the parameters' ``.grad`` views point into (DDP's
-  ``gradient_as_bucket_view``), bucket by bucket while backward runs, as DDP overlaps them
-  (``grad_buckets``), captured inside the graph;
-- rank 0's parameters and buffers are broadcast at start, as DDP's constructor does;
-- every micro-batch is trained on exactly once: the first ``warmup`` steps run eagerly (on a side
-  stream, to settle cuBLAS/cuDNN workspaces, NCCL communicators and the optimizer's state), the
-  graph is captured on the next one and replayed from then on, and capture itself runs nothing;
-- the learning rate becomes a 1-element device tensor (Adam's ``capturable`` mode and SGD's
-  fused kernel read it on the GPU), so LR schedulers keep working: they ``fill_`` it in place;
-- autocast (bf16) runs inside the graph with its cast cache off, as PyTorch requires for graphs.
-Limits: Adam/AdamW or SGD (SGD through its fused kernel: the multi-tensor one reads a tensor LR
+Limits here: Adam/AdamW or SGD (SGD through its fused kernel: the multi-tensor one reads a tensor LR
 on the host), no fp16 loss scaling (its inf check syncs with the host), no gradient
 accumulation, no SyncBN, one CUDA GPU per process. ``choose`` applies them: by default
 (``cuda_graphs="auto"``) a run that meets them is captured and any other runs eager DDP, saying
@@ -29,28 +14,26 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp import DistEnv, EvalSums, process_device
-from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR, GRAPH_FUSED_ADAM_VAR
+from hpc_ddp import CapturedStep, DistEnv, EvalSums, process_device
+from hpc_ddp.env_vars import GRAPH_ALLREDUCE_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.log import get_logger
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast.eval_graph import GraphedEval
-from hpc_ddp.train.fast.grad_buckets import BucketedAllReduce
-from hpc_ddp.train.fast.recording import recording
 from hpc_ddp.train.loop import Stepper, Times
 from hpc_ddp.train.optim import amp_dtype
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.evaluation import Batches
+
+log = get_logger("train")
 
 
 def unsupported(cfg: TrainConfig, amp_dtype: torch.dtype | None, devices: int) -> list[str]:
@@ -132,225 +115,39 @@ def choose_before_start(cfg: TrainConfig, env: DistEnv) -> StepChoice | None:
         return None
 
 
-def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    """One contiguous gradient buffer; each ``p.grad`` becomes a view into it, with ``p``'s own
-    strides (a channels_last weight's gradient is channels_last too: the fused optimizer walks a
-    weight and its gradient as flat memory, element for element)."""
-    flat = torch.zeros(
-        sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-    )
-    offset = 0
-    for p in params:
-        if not _dense(p):
-            raise ConfigError(
-                f"a parameter of shape {tuple(p.shape)} is a strided view, not a dense tensor",
-                hint="use --no-cuda-graphs, or make the model's parameters dense tensors",
-            )
-        p.grad = flat[offset : offset + p.numel()].as_strided(p.shape, p.stride())
-        offset += p.numel()
-    return flat
+class _SummedLoss:
+    """``loop.Stepper``'s loss: cross-entropy summed over the batch, kept in ``total`` for the
+    log (a device tensor the graph writes at each replay), divided by the batch size for
+    backward."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(out.float(), y, reduction="sum")
+        if self.total is None:  # made in the eager warm-up, never inside a capture
+            self.total = torch.zeros((), dtype=torch.float32, device=total.device)
+        self.total.copy_(total.detach())
+        return total / y.shape[0]
 
 
-def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Adam's capturable mode or SGD's fused kernel, a device-tensor LR, and any loaded state
-    moved to the device, laid out as its parameter.
+class GraphedStep(CapturedStep):
+    """``hpc_ddp.CapturedStep`` with the trainer's loss: ``step(x, y)`` returns the summed
+    cross-entropy (``_SummedLoss``), a device tensor that the next call overwrites. The
+    trainer's ``CUDA graphs:`` line says what the step's own line would (debug level here)."""
 
-    On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones): the
-    same algorithm in less GPU time per captured step (benchmarks/NOTES.md).
-    ``env_vars.GRAPH_FUSED_ADAM_VAR`` set to 0 keeps the multi-tensor kernels. SGD has no such
-    choice: only its fused kernel reads a tensor LR on the GPU.
-    """
-    fused = device.type == "cuda" and os.environ.get(GRAPH_FUSED_ADAM_VAR, "1") != "0"
-    for group in optimizer.param_groups:
-        if isinstance(optimizer, torch.optim.SGD):
-            group["fused"], group["foreach"] = True, False
-        elif "capturable" in group:
-            group["capturable"] = True
-            if fused and "fused" in group:
-                group["fused"], group["foreach"] = True, False
-        else:
-            raise ConfigError(f"{type(optimizer).__name__} cannot be captured; use Adam or SGD")
-        lr = group["lr"]
-        if not isinstance(lr, torch.Tensor) or lr.device != device:  # a restore loads it on CPU
-            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
-    for param, state in optimizer.state.items():  # e.g. 'step' restored on the CPU
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.device != device:
-                state[key] = value = value.to(device)
-            if value.shape == param.shape and value.stride() != param.stride():
-                # The fused kernel walks a weight and its state as flat memory: a checkpoint's
-                # momentum, written contiguous, must take a channels_last weight's strides.
-                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kw: Any) -> None:
+        self.summed = _SummedLoss()
+        super().__init__(model, optimizer, loss_fn=self.summed, log=log.debug, **kw)
 
-
-def _dense(t: torch.Tensor) -> bool:
-    """``t`` covers its memory exactly once, in some order of its dimensions (contiguous,
-    channels_last, ...): a block of ``numel`` elements with its strides is a view of it."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=0)
-
-
-class GraphedStep:
-    """Call ``step(x, y)`` once per micro-batch instead of the eager DDP step.
-
-    ``model`` is the bare module (not DDP-wrapped). The loss is ``loop.Stepper``'s: cross-entropy
-    summed over the batch (returned, for the log) and divided by the batch size for backward.
-    ``step`` returns it as a device tensor that the next call overwrites: read it (or add it to
-    an accumulator) before calling again.
-
-    ``allreduce_in_graph=False`` captures two graphs (forward+backward, optimizer) around an
-    eager all-reduce: one more launch per step, for NCCL builds that cannot be captured.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        amp_dtype: torch.dtype | None = None,
-        warmup: int = 3,
-        capture: bool = True,
-        allreduce_in_graph: bool = True,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.amp_dtype = amp_dtype
-        self.warmup = warmup
-        self.capture = capture
-        self.allreduce_in_graph = allreduce_in_graph
-        self.device = next(model.parameters()).device
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # Reversed: backward produces the last layers' gradients first, so the buckets that
-        # fill first lie at the front of the buffer (grad_buckets).
-        params = [p for p in model.parameters() if p.requires_grad][::-1]
-        self.flat = flat_grads(params)
-        self.buckets: BucketedAllReduce | None = None
-        if self.world_size > 1 and allreduce_in_graph:
-            self.buckets = BucketedAllReduce(params, self.flat, self.world_size)
-        broadcast_from_rank0(model)
-        self.prepared = False  # make_capturable runs at the first step, after any restore
-        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.static_x: torch.Tensor | None = None
-        self.static_y: torch.Tensor | None = None
-        self.eager_steps = 0
-        self.replays = 0
-        # Called before capture: CUDA refuses other threads' allocations of pinned memory while
-        # a stream captures, so a background checkpoint save still copying to the host must
-        # finish first (a resumed run reaches capture after its first epoch-end save).
-        self.before_capture: Callable[[], object] | None = None
-
-    def _autocast(self) -> AbstractContextManager:
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False)
-
-    # The step in three parts; identical whether run eagerly or recorded into a graph.
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.flat.zero_()  # backward accumulates into the .grad views, so start from zero
-        if self.buckets is not None:
-            self.buckets.begin()
-        with self._autocast():
-            out = self.model(x)
-        loss = F.cross_entropy(out.float(), y, reduction="sum")
-        (loss / y.shape[0]).backward()
-        self.loss.copy_(loss.detach())
-
-    def _allreduce(self) -> None:
-        if self.buckets is not None:  # started during backward: the rest, then the average
-            self.buckets.finish()
-        elif self.world_size > 1:  # DDP's average: sum of the ranks' gradients / world size
-            dist.all_reduce(self.flat, op=dist.ReduceOp.SUM)
-            self.flat.div_(self.world_size)
-
-    def _update(self) -> None:
-        self.optimizer.step()
-
-    def _eager(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        def body() -> None:
-            self._forward_backward(x, y)
-            self._allreduce()
-            self._update()
-
-        if self.device.type == "cuda" and self.capture:
-            # Warm-up on a side stream, as torch.cuda.graph's documentation asks.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        else:
-            body()
-        self.eager_steps += 1
-        return self.loss
-
-    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.static_x = torch.empty_like(x)
-        self.static_y = torch.empty_like(y)
-        if self.before_capture is not None:
-            self.before_capture()
-        torch.cuda.synchronize(self.device)
-        first = torch.cuda.CUDAGraph()
-        with recording(first):
-            self._forward_backward(self.static_x, self.static_y)
-            if self.allreduce_in_graph:
-                self._allreduce()
-                self._update()
-        self.graphs = [first]
-        if not self.allreduce_in_graph:
-            second = torch.cuda.CUDAGraph()
-            with recording(second, pool=first.pool()):
-                self._update()
-            self.graphs.append(second)
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool | None = None) -> torch.Tensor:
+        super().step(x, y, sync=sync)
+        assert self.summed.total is not None  # the first micro-batch made it
+        return self.summed.total
 
     def release(self) -> None:
-        """Destroy the graphs. Must run before the process group is destroyed: NCCL keeps the
-        resources of a captured all-reduce until its graph is gone, and ncclCommDestroy waits
-        for them, so destroying the group first hangs forever (benchmarks/NOTES.md)."""
-        if self.buckets is not None:
-            self.buckets.remove()
-        if self.graphs:
-            torch.cuda.synchronize(self.device)
-            for graph in self.graphs:
-                graph.reset()
-            self.graphs = []
-            torch.cuda.synchronize(self.device)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if not self.prepared:  # after the trainer restored a checkpoint into the optimizer
-            if self.capture and self.device.type == "cuda":
-                make_capturable(self.optimizer, self.device)
-            self.prepared = True
-        if not self.capture or self.device.type != "cuda" or self.eager_steps < self.warmup:
-            return self._eager(x, y)
-        if not self.graphs:
-            self._capture(x, y)
-        assert self.static_x is not None and self.static_y is not None
-        if x.shape != self.static_x.shape or y.shape != self.static_y.shape:
-            return self._eager(x, y)  # a differently sized batch: exact, just not captured
-        self.static_x.copy_(x)
-        self.static_y.copy_(y)
-        self.graphs[0].replay()
-        if len(self.graphs) > 1:
-            self._allreduce()
-            self.graphs[1].replay()
-        self.replays += 1
-        return self.loss
+        """``close``: before the process group is destroyed."""
+        self.close()
 
 
 @dataclass
@@ -371,7 +168,7 @@ class GraphedStepper(Stepper):
 
     def _step_pool(self) -> object | None:
         """The training graph's memory pool, once captured (eval_graph: why it is shared)."""
-        return self.graphed.graphs[0].pool() if self.graphed.graphs else None
+        return self.graphed.pool
 
     def eval_sums(
         self, model: nn.Module, batches: Batches, amp_dtype: torch.dtype | None

@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hpc_ddp import EvalSums
+from hpc_ddp import CapturedStep, EvalSums
 from hpc_ddp.log import get_logger
-from hpc_ddp.train.fast.recording import recording
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.evaluation import Batches
@@ -137,7 +136,7 @@ class GraphedEval:
     def _record(self, x: torch.Tensor, y: torch.Tensor, amp_dtype: torch.dtype | None) -> _Recorded:
         recorded = _Recorded(torch.cuda.CUDAGraph(), torch.empty_like(x), torch.empty_like(y))
         pool = self.pool() if self.pool is not None else None
-        with recording(recorded.graph, pool=pool):
+        with CapturedStep.record(recorded.graph, pool=pool):
             self.sums.add_batch(self.model, recorded.x, recorded.y, amp_dtype, cast_cache=False)
         return recorded
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_ddp import DistEnv, process_device, speed_up
+from hpc_ddp import CapturedStep, DistEnv, process_device, speed_up
 from hpc_ddp.log import get_logger
 from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.fast import cuda_graphs
@@ -49,7 +49,7 @@ def optimizer_factory(config: TrainConfig, *, captured: bool) -> MakeOptimizer:
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = build_optimizer(config, params)
         if captured:
-            cuda_graphs.make_capturable(optimizer, params[0].device)
+            CapturedStep.make_capturable(optimizer, params[0].device)
             return optimizer
         holder = nn.ParameterList(params)  # speed_up reads the device from a module
         fused = config.fused_optimizer

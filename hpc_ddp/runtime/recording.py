@@ -1,4 +1,5 @@
-"""How the fast path records a CUDA graph: one place for the capture's settings."""
+"""How the project records a CUDA graph (the captured step, the trainer's evaluation graphs): one
+place for the capture's settings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The captured step's gradient all-reduce, started bucket by bucket while backward runs, as
-DDP's is.
+"""The captured step's gradients: one flat buffer that every ``.grad`` views (``flat_grads``), and
+its all-reduce, started bucket by bucket while backward runs, as DDP's is (``BucketedAllReduce``).
 
 Why: one all-reduce of the whole flat gradient after backward leaves all of it exposed.
 Overlapped with backward, less of it shows in the step (NCCL's kernels still slow the backward
@@ -30,8 +30,44 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hpc_ddp.errors import ConfigError
+
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's: a small first bucket starts the communication early
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb default
+
+
+def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """One contiguous gradient buffer; each ``p.grad`` becomes a view into it, with ``p``'s own
+    strides (a channels_last weight's gradient is channels_last too: the fused optimizer walks a
+    weight and its gradient as flat memory, element for element). ``params`` share one device
+    and dtype (``CapturedStep`` checks)."""
+    flat = torch.zeros(
+        sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+    )
+    offset = 0
+    for p in params:
+        if not dense(p):
+            raise ConfigError(
+                f"a parameter of shape {tuple(p.shape)} is a strided view, not a dense tensor",
+                hint="make the model's parameters dense tensors (e.g. .contiguous() copies), "
+                "or step it through DDP instead of a captured step",
+            )
+        p.grad = flat[offset : offset + p.numel()].as_strided(p.shape, p.stride())
+        offset += p.numel()
+    return flat
+
+
+def dense(t: torch.Tensor) -> bool:
+    """``t`` covers its memory exactly once, in some order of its dimensions (contiguous,
+    channels_last, ...): a block of ``numel`` elements with its strides is a view of it."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def bucket_bounds(
