@@ -125,6 +125,27 @@ def test_an_odd_batch_right_after_the_warm_up_does_not_set_the_graphs_shape(dev)
 
 
 @need(1)
+def test_an_epochs_short_batch_is_captured_when_it_comes_again(dev) -> None:
+    """Eager, an epoch's short last batch is a fixed cost per epoch (a larger share the more
+    GPUs shorten the epoch): at its second coming it gets graphs of its own, and the weights
+    stay those of the eager step."""
+    nets = [_net(dev), _net(dev)]
+    steps = [
+        hpc_ddp.CapturedStep(net, _sgd(net), warmup=1, capture=capture, log=_quiet)
+        for net, capture in zip(nets, (False, True), strict=True)
+    ]
+    for x, y in _batches(dev, [64, 64, 64, 24, 64, 64, 24, 64, 40, 40]):
+        for step in steps:
+            step(x, y)
+    # 1 warm-up, 2 full, the short one eager (first seen), 2 full, the short one captured,
+    # 1 full; 40 is a third shape: eager, even twice in a row.
+    assert steps[1].replays == 6 and len(steps[1].graphs) == 2
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    steps[1].close()
+
+
+@need(1)
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_lr_schedules_reach_the_graph_and_a_frozen_setting_goes_eager(dev) -> None:
     nets = [_net(dev), _net(dev)]

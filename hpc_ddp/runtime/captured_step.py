@@ -20,8 +20,9 @@ Same semantics as the eager DDP step, which is what makes it a drop-in:
 - every micro-batch is trained on exactly once: the first ``warmup`` optimizer steps run eagerly
   (on a side stream, to settle cuBLAS/cuDNN workspaces, NCCL communicators and the optimizer's
   state), each kind of micro-batch (first, middle, last of its step) is captured when it next
-  comes and replayed from then on, and a capture itself runs nothing; a batch of another shape
-  (an epoch's short last one) runs the same step eagerly;
+  comes and replayed from then on, and a capture itself runs nothing; the batch's shape is the
+  first that comes twice in a row after the warm-up, and one more shape (an epoch's short last
+  batch) is captured when it comes a second time; any other shape runs the same step eagerly;
 - the learning rate becomes a 1-element device tensor (``capturable``), so LR schedulers keep
   working; a checkpoint of the optimizer is written as the eager one would be;
 - autocast (bf16) runs inside the graph with its cast cache off, as graphs require.
@@ -52,6 +53,12 @@ from hpc_ddp.runtime.recording import recording
 
 # A micro-batch's place in its step: (first: zero the gradients, last: all-reduce and step).
 Phase = tuple[bool, bool]
+Shapes = tuple[torch.Size, torch.Size]  # of the inputs and the targets
+# Shapes with graphs of their own: the batch's, and an epoch's short last batch. Eager, that
+# one step is a fixed cost per epoch, whose share grows as more GPUs shorten the epoch.
+MAX_SHAPES = 2
+# Shapes remembered as seen once (a second coming captures): bounded for inputs of varying shape.
+MAX_SEEN = 64
 
 
 class CapturedStep:
@@ -122,12 +129,12 @@ class CapturedStep:
         # a stream captures, so a background checkpoint save still copying to the host must
         # finish first.
         self.before_capture: Callable[[], object] | None = None
-        self.static_x: torch.Tensor | None = None
-        self.static_y: torch.Tensor | None = None
-        self._graphs: dict[Phase, list[torch.cuda.CUDAGraph]] = {}
+        self._static: dict[Shapes, tuple[torch.Tensor, torch.Tensor]] = {}  # replay inputs
+        self._graphs: dict[tuple[Phase, Shapes], list[torch.cuda.CUDAGraph]] = {}
         self._pool: Any = None
         self._micro = 0  # micro-batches of the current step taken so far
-        self._previous: tuple[torch.Size, torch.Size] | None = None  # the last batch's shapes
+        self._previous: Shapes | None = None  # the last batch's shapes
+        self._seen: set[Shapes] = set()
         self._prepared = False  # make_capturable runs at the first step, after any restore
         self._given: list[dict[str, Any]] | None = None  # the flags before make_capturable
         self._lrs: list[torch.Tensor] = []  # the LR tensors the graphs read
@@ -169,6 +176,11 @@ class CapturedStep:
         return [g for phase in self._graphs.values() for g in phase]
 
     @property
+    def static_x(self) -> torch.Tensor | None:
+        """The input buffer the batch-size graphs replay (None before the first capture)."""
+        return next(iter(self._static.values()))[0] if self._static else None
+
+    @property
     def pool(self) -> Any:
         """The memory pool the step's graphs share (None until the first capture): a graph of
         your own recorded with it (``record``) reuses their memory."""
@@ -197,12 +209,13 @@ class CapturedStep:
             changed = self._settings_changed()
             if changed is not None:
                 self._go_eager(changed)
-        if not self._replays(x, y):
+        shapes = (x.shape, y.shape)
+        if not self._replays(shapes, x, y):
             self._eager(x, y, phase)
         else:
-            if phase not in self._graphs:
-                self._capture(phase)
-            self._replay(x, y, phase)
+            if (phase, shapes) not in self._graphs:
+                self._capture(phase, shapes)
+            self._replay(x, y, phase, shapes)
         assert self.loss is not None  # the first micro-batch made it
         return self.loss
 
@@ -280,19 +293,23 @@ class CapturedStep:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False)
 
-    def _replays(self, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether this micro-batch replays a graph (else it runs eagerly). The graphs take
-        the first shapes that come twice in a row after the warm-up: an epoch's short last
-        batch, which a resumed run may meet first, never does."""
-        shapes = (x.shape, y.shape)
+    def _replays(self, shapes: Shapes, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether this micro-batch replays a graph (else it runs eagerly). The first graphs
+        take the first shapes that come twice in a row after the warm-up (an epoch's short
+        last batch, which a resumed run may meet first, never does); then one more shape gets
+        graphs when it comes a second time (that short batch, in the next epoch)."""
         previous, self._previous = self._previous, shapes
+        again = shapes in self._seen
+        if len(self._seen) < MAX_SEEN:
+            self._seen.add(shapes)
         if self.reason is not None or self.eager_steps < self.warmup:
             return False
-        if self.static_x is None or self.static_y is None:
-            if shapes != previous:
-                return False
-            self.static_x, self.static_y = torch.empty_like(x), torch.empty_like(y)
-        return shapes == (self.static_x.shape, self.static_y.shape)
+        if shapes in self._static:
+            return True
+        wanted = again and len(self._static) < MAX_SHAPES if self._static else shapes == previous
+        if wanted:
+            self._static[shapes] = (torch.empty_like(x), torch.empty_like(y))
+        return wanted
 
     def _eager(self, x: torch.Tensor, y: torch.Tensor, phase: Phase) -> None:
         if self.reason is None:  # on a side stream, as torch.cuda.graph's documentation asks
@@ -306,8 +323,8 @@ class CapturedStep:
             self._micro_batch(x, y, phase)
         self.eager_steps += int(phase[1])
 
-    def _capture(self, phase: Phase) -> None:
-        assert self.static_x is not None and self.static_y is not None
+    def _capture(self, phase: Phase, shapes: Shapes) -> None:
+        static_x, static_y = self._static[shapes]
         if self.before_capture is not None:
             self.before_capture()
         if not self._graphs:
@@ -315,23 +332,23 @@ class CapturedStep:
         torch.cuda.synchronize(self.device)
         first = torch.cuda.CUDAGraph()
         with recording(first, pool=self._pool):
-            self._forward_backward(self.static_x, self.static_y, phase)
+            self._forward_backward(static_x, static_y, phase)
             if phase[1] and self.allreduce_in_graph:
                 self._allreduce()
                 self._update()
         self._pool = first.pool() if self._pool is None else self._pool
-        self._graphs[phase] = [first]
+        self._graphs[phase, shapes] = [first]
         if phase[1] and not self.allreduce_in_graph:
             second = torch.cuda.CUDAGraph()
             with recording(second, pool=self._pool):
                 self._update()
-            self._graphs[phase].append(second)
+            self._graphs[phase, shapes].append(second)
 
-    def _replay(self, x: torch.Tensor, y: torch.Tensor, phase: Phase) -> None:
-        assert self.static_x is not None and self.static_y is not None
-        self.static_x.copy_(x)
-        self.static_y.copy_(y)
-        graphs = self._graphs[phase]
+    def _replay(self, x: torch.Tensor, y: torch.Tensor, phase: Phase, shapes: Shapes) -> None:
+        static_x, static_y = self._static[shapes]
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graphs = self._graphs[phase, shapes]
         graphs[0].replay()
         if len(graphs) > 1:
             self._allreduce()
