@@ -244,6 +244,18 @@ def test_a_fed_step_says_nothing() -> None:
     assert data_wait.advice(data_wait.Waited(), workers=2, cores=3, cores_from="x") is None
 
 
+def test_epoch_2_says_it_again_when_the_warmed_up_step_starves_more() -> None:
+    """Epoch 1's step is slower than later ones: a loader that kept up with it may not after."""
+    assert data_wait.says(1, 0.07, 0.07) and not data_wait.says(1, 0.05, 0.05)
+    assert data_wait.says(2, 0.50, 0.07)  # said at 7 %, now 50 %: said again
+    assert data_wait.says(2, 0.30, 0.0)  # unsaid in epoch 1 (a resumed run: no figure)
+    assert not data_wait.says(2, 0.10, 0.07)  # not twice epoch 1's: nothing new to say
+    assert not data_wait.says(2, 0.04, 0.0) and not data_wait.says(3, 0.90, 0.0)
+    starved = data_wait.Waited(wait_s=5.0, span_s=10.0, samples=1000, batches=10)
+    line = data_wait.advice(starved, workers=2, cores=3, cores_from="x", epoch=2)
+    assert line is not None and "50 % of its time in epoch 2 (more than 5 %)" in line
+
+
 def test_the_meter_leaves_out_the_first_batch() -> None:
     meter = data_wait.WaitMeter()
     batches = [(torch.zeros(4), torch.zeros(4)) for _ in range(3)]

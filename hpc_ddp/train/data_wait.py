@@ -5,8 +5,11 @@ spent waiting for the next batch against the whole time between batches (``WaitM
 first batch of an epoch is left out (the workers start, and fill their prefetch queues, while
 the step has nothing to wait for yet). At the end of epoch 1, ``advice`` turns those figures
 into one line when the wait is more than ``ALLOWED`` of the step time: how fast one core
-decodes, how many cores this process has, how many would keep up, and what would help. It is a
-pure function of the measured numbers, so its decision is tested without timing anything.
+decodes, how many cores this process has, how many would keep up, and what would help. Epoch 1's
+step is slower than later ones (kernel selection, the warm-up before a captured step), so a loader
+that kept up with it may not keep up after: at the end of epoch 2 the line comes (again) when the
+wait is over the limit and at least twice epoch 1's (``says``). Both are pure functions of the
+measured numbers, so their decisions are tested without timing anything.
 """
 
 from __future__ import annotations
@@ -32,12 +35,27 @@ class Waited:
     samples: int = 0  # samples of the batches after the first
     batches: int = 0
 
+    @property
+    def share(self) -> float:
+        """The share of the time between batches spent waiting (0 without figures)."""
+        return self.wait_s / self.span_s if self.span_s > 0 and self.batches > 0 else 0.0
+
+
+def says(epoch: int, share: float, first_share: float, allowed: float = ALLOWED) -> bool:
+    """Whether the end of ``epoch`` (1-based) says its starvation line: epoch 1 over the limit,
+    epoch 2 over it and at least twice epoch 1's share, no later epoch."""
+    if share <= allowed:
+        return False
+    return epoch == 1 or (epoch == 2 and share >= 2 * first_share)
+
 
 class WaitMeter:
-    """Measures the waits of the batch iterators it wraps; ``latest`` is the last epoch's."""
+    """Measures the waits of the batch iterators it wraps; ``latest`` is the last epoch's,
+    ``first_share`` epoch 1's share (for ``says``)."""
 
     def __init__(self) -> None:
         self.latest = Waited()
+        self.first_share = 0.0
 
     def wrap(self, batches: Iterable[T]) -> Iterator[T]:
         waited = self.latest = Waited()
@@ -72,12 +90,18 @@ def _samples(batch: object) -> int:
 
 
 def advice(
-    waited: Waited, *, workers: int, cores: int, cores_from: str, allowed: float = ALLOWED
+    waited: Waited,
+    *,
+    workers: int,
+    cores: int,
+    cores_from: str,
+    allowed: float = ALLOWED,
+    epoch: int = 1,
 ) -> str | None:
     """The line to print when the step waited more than ``allowed`` of its time, else None."""
     if waited.batches < 1 or waited.span_s <= 0 or waited.samples < 1:
         return None
-    share = waited.wait_s / waited.span_s
+    share = waited.share
     if share <= allowed:
         return None
     # Starved, the loader delivered what the decoding cores gave: that rate, per core.
@@ -96,7 +120,7 @@ def advice(
         "a pre-decoded cache (the decoded pixels as arrays, like the CIFAR files)",
     ]
     return (
-        f"data: the step waited for its batches {100 * share:.0f} % of its time in epoch 1 "
+        f"data: the step waited for its batches {100 * share:.0f} % of its time in epoch {epoch} "
         f"(more than {100 * allowed:.0f} %): {per_core:.0f} samples/s per decode core x "
         f"{decoders} = {delivered:.0f} samples/s, with {cores} core(s) for this process "
         f"({cores_from}); the step takes {step_rate:.0f} samples/s, which needs about "

@@ -309,8 +309,8 @@ class Normalised:
     def batches(self, *args: int) -> Iterator[Batch]:
         return ((normalise(x), y) for x, y in self.inner.batches(*args))
 
-    def starvation(self) -> str | None:
-        return self.inner.starvation() if hasattr(self.inner, "starvation") else None
+    def starvation(self, epoch: int) -> str | None:
+        return self.inner.starvation(epoch) if hasattr(self.inner, "starvation") else None
 
 
 def split_dirs(root: Path) -> tuple[Path, Path]:

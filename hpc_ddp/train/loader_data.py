@@ -196,15 +196,23 @@ class LoaderTrainData:
             yield next(stream)
         self._stream_at = then
 
-    def starvation(self) -> str | None:
-        """The epoch's starvation line (data_wait.advice), for a dataset read from disk."""
+    def starvation(self, epoch: int) -> str | None:
+        """The starvation line (data_wait.advice) at the end of ``epoch`` (1-based) when
+        ``data_wait.says`` so, for a dataset read from disk."""
         if not reads_from_disk(self.data):
+            return None
+        waited = self.meter.latest
+        if epoch == 1:
+            self.meter.first_share = waited.share
+        if not data_wait.says(epoch, waited.share, self.meter.first_share):
             return None
         settings = self.settings
         workers = settings.workers if settings is not None else self.num_workers
         cores = settings.cores if settings is not None else 1
         origin = settings.cores_from if settings is not None else "unknown"
-        return data_wait.advice(self.meter.latest, workers=workers, cores=cores, cores_from=origin)
+        return data_wait.advice(
+            waited, workers=workers, cores=cores, cores_from=origin, epoch=epoch
+        )
 
 
 def eval_batches(

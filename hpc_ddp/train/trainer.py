@@ -495,7 +495,7 @@ class Trainer:
         if advice:
             log.info(advice)
         starvation = getattr(self.state.train_data, "starvation", None)  # data_wait.py
-        if progress.epoch == 0 and starvation is not None and (line := starvation()):
+        if starvation is not None and (line := starvation(progress.epoch + 1)):
             log.info(line)
         progress.history.append(row)
         progress.epoch += 1
