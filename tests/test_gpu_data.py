@@ -392,6 +392,7 @@ def _gather_rank(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
     from hpc_ddp import Comm
+    from hpc_ddp.runtime.collectives import PeerFailed
     from hpc_ddp.train import loader_settings
     from hpc_ddp.train.fast import gpu_folder
 
@@ -405,10 +406,16 @@ def _gather_rank(rank: int, port: int, folder: str) -> None:
     whole = gpu_folder.gather(share, len(train), Comm(CPU))
     want = torch.stack([train.decode(path) for path, _ in train.samples])
     assert torch.equal(whole, want)
+    # Only rank 1's device has room: auto holds it on neither, gpu fails on both.
+    gpu_data.fits_on_device = lambda nbytes, device: (rank == 1, f"rank {rank}'s")
+    ok, why = gpu_folder.decide("auto", 30, 20, CPU, Comm(CPU))
+    assert not ok and why == ("rank 1's here, but not on every rank" if rank else "rank 0's")
+    with pytest.raises(ConfigError if rank == 0 else PeerFailed):
+        gpu_folder.decide("gpu", 30, 20, CPU, Comm(CPU))
     dist.destroy_process_group()
 
 
-def test_the_ranks_shares_gather_into_the_whole_split(folder) -> None:
+def test_the_ranks_shares_gather_into_the_whole_split_and_agree_where(folder) -> None:
     from trainer_helpers import spawn_ranks
 
     from hpc_ddp.cluster.master_port import free_port
