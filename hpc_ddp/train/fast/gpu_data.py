@@ -19,6 +19,9 @@ Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches thr
 unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
 classes, so a run never imports torchvision to read data (seconds of start-up, benchmarks/NOTES.md);
 tests/test_gpu_data.py checks this reader gives torchvision's arrays.
+
+An image folder decoded once (gpu_folder.py) is served by the same classes, with its own image
+size, crop padding and normalisation.
 """
 
 from __future__ import annotations
