@@ -383,6 +383,7 @@ def test_a_forced_gpu_folder_on_a_cpu_is_refused(folder) -> None:
         gpu_folder.decide("gpu", 30, 20, CPU, Comm(CPU))
     assert gpu_folder.decide("auto", 30, 20, CPU, Comm(CPU))[0] is False
     assert gpu_data.resident_bytes(10, 64) == 10 * (3 * 64 * 64 * 4 + 8)
+    assert [gpu_folder.decode_batch(s) for s in (20, 64, 224, 1024)] == [256, 256, 111, 5]
 
 
 def _gather_rank(rank: int, port: int, folder: str) -> None:

@@ -38,9 +38,16 @@ from hpc_ddp.train.image_folder import ImageFolderDataset, normalise, pad_of
 from hpc_ddp.train.loader_data import FailedItem, collate
 from hpc_ddp.train.loader_settings import LoaderSettings
 
-# Images a worker decodes and hands over at a time: a few milliseconds of work at 64 px, and
-# few enough MiB in flight per worker at the largest side an image folder allows.
-DECODE_BATCH = 64
+# What a worker decodes and hands over at a time: up to 256 images, and at most 16 MiB of them,
+# so that the batches in flight (workers x prefetch) stay within a GiB at any image size, while
+# a batch of small images is enough work to outweigh its hand-over.
+DECODE_BATCH = 256
+DECODE_BATCH_BYTES = 16 << 20
+
+
+def decode_batch(size: int) -> int:
+    """Images per decoding batch at ``size`` px (RGB uint8): 1 to DECODE_BATCH."""
+    return min(max(DECODE_BATCH_BYTES // (3 * size * size), 1), DECODE_BATCH)
 
 
 @dataclass
@@ -109,7 +116,7 @@ def decode_share(
     # Its own generator: an iterator otherwise draws its workers' seed from the global RNG.
     kwargs["generator"] = torch.Generator().manual_seed(0)
     loader = DataLoader(
-        Subset(plain, indices), batch_size=DECODE_BATCH, collate_fn=collate, **kwargs
+        Subset(plain, indices), batch_size=decode_batch(dataset.size), collate_fn=collate, **kwargs
     )
     at = 0
     for batch in loader:
