@@ -287,3 +287,138 @@ def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path, memory_forma
     assert out["gpu"]["sha"] == out["torchvision"]["sha"]
     assert out["gpu"]["loss"] == out["torchvision"]["loss"]
     assert out["gpu"]["acc"] == out["torchvision"]["acc"]
+
+
+# --- an image folder, decoded once (fast/gpu_folder.py) ----------------------------------------
+
+# Odd counts: shares of unequal length on 2 ranks, a short last batch; 20 px: the crop pads 2.
+FOLDER = {"classes": 3, "train_per_class": 7, "test_per_class": 3, "size": 20}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from hpc_ddp.train import image_synthetic
+
+    return image_synthetic.write_image_folder(tmp_path_factory.mktemp("folder") / "f", **FOLDER)
+
+
+def _folder_sets(folder: Path, *, augment: bool):
+    from hpc_ddp.train.image_folder import ImageFolderDataset
+
+    train = ImageFolderDataset(folder / "train", augment=augment, seed=7, normalise=False)
+    test = ImageFolderDataset(folder / "test", seed=7, size=train.size, normalise=False)
+    return train, test
+
+
+def _held(folder: Path, monkeypatch, *, augment: bool, workers: int = 0):
+    """Both splits through the resident path's decision and decode, on the CPU (one process:
+    the gather is the identity): the device pretends to fit."""
+    from hpc_ddp import Comm
+    from hpc_ddp.train import loader_settings
+    from hpc_ddp.train.fast import gpu_folder
+
+    monkeypatch.setattr(gpu_data, "fits_on_device", lambda nbytes, device: (True, "pretended"))
+    train, test = _folder_sets(folder, augment=augment)
+    settings = loader_settings.choose(workers, from_disk=True, cuda=False, source="cli",
+                                      local_world_size=1)  # fmt: skip
+    said: list[str] = []
+    held = gpu_folder.decode_if_held(
+        "gpu", train, test, settings, device=CPU, comm=Comm(CPU), log=said.append
+    )
+    assert held is not None and "data: image folder decoded once in" in said[-1], said
+    return train, test, held
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_an_image_folder_held_gives_the_streamed_batches(folder, monkeypatch, augment) -> None:
+    """GPU-resident (on a CPU tensor) == the streamed loader + Normalised, bit for bit: every
+    rank of 2, two epochs, a mid-epoch resume position; the evaluation shards too."""
+    from hpc_ddp.train.image_folder import Normalised
+    from hpc_ddp.train.loader_data import LoaderEvalData
+    from hpc_ddp.train.loader_data import LoaderTrainData as Streamed
+
+    train, test, held = _held(folder, monkeypatch, augment=augment, workers=1)
+    plan = ShardPlan(n=len(train), seed=7, world_size=2, micro_batch=4)
+    for rank in (0, 1):
+        ours, ours_test = held.serve(plan, rank=rank, world_size=2, device=CPU)
+        streamed = Normalised(Streamed(plan, train, rank, CPU))
+        for epoch, start in ((0, 0), (1, 0), (1, 8)):  # 8: a step of 2 x 4 in
+            _assert_same(streamed.batches(epoch, start), ours.batches(epoch, start))
+        evaluation = Normalised(LoaderEvalData(test, rank, 2, CPU))
+        _assert_same(evaluation.batches(5), ours_test.batches(5))
+    if augment:  # the crop and flip did move pixels
+        plain = _held(folder, monkeypatch, augment=False)[2].serve(
+            plan, rank=0, world_size=2, device=CPU
+        )[0]
+        assert not torch.equal(next(ours.batches(1, 0))[0], next(plain.batches(1, 0))[0])
+
+
+def test_an_image_folder_held_is_laid_out_in_the_models_memory_format(folder, monkeypatch):
+    from hpc_ddp.train.fast.choice import StepPlan
+
+    train, _, held = _held(folder, monkeypatch, augment=True)
+    plan = ShardPlan(n=len(train), seed=7, world_size=1, micro_batch=4)
+    data, test = StepPlan.feed(torch.channels_last, *held.serve(plan, rank=0, world_size=1,
+                                                                device=CPU))  # fmt: skip
+    for x, _ in [*data.batches(0, 0), *test.batches(4)]:
+        assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def test_a_file_that_does_not_decode_is_named_when_held(tmp_path, folder, monkeypatch) -> None:
+    import shutil
+
+    data = tmp_path / "f"
+    shutil.copytree(folder, data)
+    bad = data / "train" / "class_001" / "000004.png"
+    bad.write_bytes(bad.read_bytes()[:60])  # the header reads, the pixels do not
+    with pytest.raises(ConfigError, match=f"{bad} does not decode"):
+        _held(data, monkeypatch, augment=False, workers=1)
+
+
+def test_a_forced_gpu_folder_on_a_cpu_is_refused(folder) -> None:
+    from hpc_ddp import Comm
+    from hpc_ddp.train.fast import gpu_folder
+
+    with pytest.raises(ConfigError, match="--data-path gpu: device cpu is not a CUDA GPU"):
+        gpu_folder.decide("gpu", 30, 20, CPU, Comm(CPU))
+    assert gpu_folder.decide("auto", 30, 20, CPU, Comm(CPU))[0] is False
+    assert gpu_data.resident_bytes(10, 64) == 10 * (3 * 64 * 64 * 4 + 8)
+    assert [gpu_folder.decode_batch(s) for s in (20, 64, 224, 1024)] == [256, 256, 111, 5]
+
+
+def _gather_rank(rank: int, port: int, folder: str) -> None:
+    """One of 2 Gloo ranks: its share of the decode, gathered, is the whole split."""
+    import os
+
+    import torch.distributed as dist
+
+    from hpc_ddp import Comm
+    from hpc_ddp.runtime.collectives import PeerFailed
+    from hpc_ddp.train import loader_settings
+    from hpc_ddp.train.fast import gpu_folder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    train, _ = _folder_sets(Path(folder), augment=True)
+    settings = loader_settings.choose(0, from_disk=True, cuda=False, source="cli",
+                                      local_world_size=2)  # fmt: skip
+    share = gpu_folder.decode_share(train, rank, 2, settings)
+    assert len(share) == (11 if rank == 0 else 10)  # 21 images: unequal shares
+    whole = gpu_folder.gather(share, len(train), Comm(CPU))
+    want = torch.stack([train.decode(path) for path, _ in train.samples])
+    assert torch.equal(whole, want)
+    # Only rank 1's device has room: auto holds it on neither, gpu fails on both.
+    gpu_data.fits_on_device = lambda nbytes, device: (rank == 1, f"rank {rank}'s")
+    ok, why = gpu_folder.decide("auto", 30, 20, CPU, Comm(CPU))
+    assert not ok and why == ("rank 1's here, but not on every rank" if rank else "rank 0's")
+    with pytest.raises(ConfigError if rank == 0 else PeerFailed):
+        gpu_folder.decide("gpu", 30, 20, CPU, Comm(CPU))
+    dist.destroy_process_group()
+
+
+def test_the_ranks_shares_gather_into_the_whole_split_and_agree_where(folder) -> None:
+    from trainer_helpers import spawn_ranks
+
+    from hpc_ddp.cluster.master_port import free_port
+
+    spawn_ranks(_gather_rank, (free_port(), str(folder)), 2)

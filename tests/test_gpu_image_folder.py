@@ -1,8 +1,15 @@
-"""An image folder from disk (``--dataset imagefolder``) on two CUDA GPUs: a generated folder of
-PNGs, decoded by DataLoader workers chosen from the cores, batches pinned and normalised on the
-GPU, the default (captured) step, under real torchrun with NCCL; interrupted by a real SIGUSR1
-mid-epoch and resumed, ending bit-identical to the uninterrupted run. Needs two CUDA GPUs and
-skips cleanly where fewer are visible (CI has none).
+"""An image folder from disk (``--dataset imagefolder``) on two CUDA GPUs, under real torchrun
+with NCCL and the default (captured) step, on a generated folder of PNGs, both data paths:
+
+- streamed (``--data-path torchvision``): decoded by DataLoader workers chosen from the cores,
+  batches pinned and normalised on the GPU;
+- GPU-resident (``auto``, which a small folder fits): decoded once, each rank its share, the
+  shares gathered over NCCL, served from GPU memory (train/fast/gpu_folder.py).
+
+Each is interrupted by a real SIGUSR1 mid-epoch and resumed, ending bit-identical to its
+uninterrupted run; the two paths' uninterrupted runs end with the same weights, as their
+batches are the same bit for bit (tests/test_gpu_data.py shows it on the CPU). Needs two CUDA
+GPUs and skips cleanly where fewer are visible (CI has none).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from hpc_ddp.train import image_synthetic
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+need_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
 
 
 def command(run_dir: Path, data: Path, *extra: str) -> list[str]:
@@ -34,29 +42,65 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs, {GPUS} visible")
-def test_image_folder_on_two_gpus_captured_resumed_bit_identical(tmp_path: Path) -> None:
-    data = image_synthetic.write_image_folder(
-        tmp_path / "images", classes=CLASSES, train_per_class=PER_CLASS,
-        test_per_class=TEST_PER_CLASS, size=SIZE,
-    )  # fmt: skip
-    ref = tmp_path / "ref"
+def train(run_dir: Path, data: Path, *extra: str) -> str:
+    """A whole run; its log."""
     done = subprocess.run(
-        command(ref, data), env=env(), capture_output=True, text=True, timeout=300
+        command(run_dir, data, *extra), env=env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = done.stdout + done.stderr
     assert "CUDA graphs: on" in log, log[-3000:]
-    assert "persistent, pinned memory" in log, log[-3000:]
-    assert read_result(ref)["world_size"] == 2
+    assert read_result(run_dir)["world_size"] == 2
+    return log
 
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return image_synthetic.write_image_folder(
+        tmp_path_factory.mktemp("images") / "set", classes=CLASSES, train_per_class=PER_CLASS,
+        test_per_class=TEST_PER_CLASS, size=SIZE,
+    )  # fmt: skip
+
+
+PATHS = {"streamed": ("--data-path", "torchvision"), "resident": ()}  # resident: auto's choice
+
+
+@pytest.fixture(scope="module")
+def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each path's uninterrupted run (skipped without two GPUs: nothing to run them on)."""
+    if GPUS < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, {GPUS} visible")
+    runs = {}
+    for name, flags in PATHS.items():
+        runs[name] = tmp_path_factory.mktemp(name) / "ref"
+        log = train(runs[name], data, *flags)
+        if name == "streamed":
+            assert "persistent, pinned memory" in log and "GPU-resident" not in log, log[-3000:]
+        else:
+            assert "data: image folder decoded once in " in log, log[-3000:]
+            assert " a process; GPU-resident (" in log, log[-3000:]
+            assert "fits in 25% of" in log and "data loader:" not in log, log[-3000:]
+    return runs
+
+
+@need_two
+def test_both_paths_end_with_the_same_weights(reference: dict[str, Path]) -> None:
+    streamed, resident = (read_result(reference[name]) for name in PATHS)
+    assert resident["params_sha256"] == streamed["params_sha256"]
+    assert resident["test_accuracy"] == streamed["test_accuracy"]
+
+
+@need_two
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_image_folder_on_two_gpus_captured_resumed_bit_identical(
+    path: str, data: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
+    flags = PATHS[path]
     rc, first = interrupt_at(
-        command(run_dir, data, "--debug-hold-at-step", "6"), run_dir, tmp_path / "first.log"
+        command(run_dir, data, *flags, "--debug-hold-at-step", "6"), run_dir, tmp_path / "1.log"
     )
     assert rc != 0 and "checkpointed at step 6" in first, first[-3000:]
-    again = subprocess.run(
-        command(run_dir, data), env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert_resumed_like(run_dir, ref, interruptions=1, steps=12)
+    assert ("GPU-resident (" in first) == (path == "resident"), first[-3000:]
+    train(run_dir, data, *flags)
+    assert_resumed_like(run_dir, reference[path], interruptions=1, steps=12)

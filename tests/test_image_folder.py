@@ -17,6 +17,7 @@ import torch
 from trainer_helpers import (
     assert_resumed_like,
     forked_cmd,
+    forked_script,
     interrupt_at,
     read_result,
     reference_run,
@@ -425,3 +426,45 @@ def test_a_plugin_image_folder_trains_and_a_starved_step_is_said(
     lines = [line for line in done.stdout.splitlines() if line.startswith("data: the step")]
     assert len(lines) == 1 and LINE.fullmatch(lines[0]), done.stdout
     assert read_result(tmp_path / "run")["steps"] == CLASSES * PER_CLASS // 16
+
+
+HELD = """
+import sys
+
+from hpc_ddp.train.cli import main
+from hpc_ddp.train.fast import gpu_data
+
+# The CPU stands in for a GPU with room: the one-time decode, its Gloo gather and the resident
+# batches are all real.
+gpu_data.fits_on_device = lambda nbytes, device, fraction=0.25: (True, "pretended")
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_an_image_folder_held_on_the_device_trains_as_the_streamed_one(
+    tmp_path: Path, folder: Path
+) -> None:
+    """2 ranks: the folder decoded once (shares gathered over Gloo) and held, preempted
+    mid-epoch and resumed, ends with the weights of the streamed run, bit for bit."""
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    settings = {**folder_settings(), "num_workers": 1}
+    streamed = tmp_path / "streamed"
+    done = run(forked_cmd(2, train_args(streamed, folder, **settings, data_path="torchvision")))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "data: streamed from the files by the loader's workers (asked for)" in done.stdout
+    assert "data loader: 1 worker process(es) (--num-workers)" in done.stdout, done.stdout
+
+    held = tmp_path / "held"
+    args = train_args(held, folder, **settings)
+    rc, log = interrupt_at(
+        forked_script(2, str(script), [*args, "--debug-hold-at-step", "6"]), held, tmp_path / "1"
+    )
+    assert rc == 75 and "checkpointed at step 6" in log, log
+    said = re.search(r"data: image folder decoded once in [\d.]+ s by 1 worker a process; "
+                     r"GPU-resident \(pretended\)", log)  # fmt: skip
+    assert said and "data loader:" not in log, log
+    final = run(forked_script(2, str(script), args), timeout=300)
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert_resumed_like(held, streamed, interruptions=1, steps=12)

@@ -3,7 +3,9 @@
 ``ImageFolder`` shape). ``ImageFolderDataset`` is also public for a plug-in dataset
 (``--dataset my_data:split`` returning one), where it gives normalised float tensors.
 
-Where each part of the input pipeline runs, and why there:
+Where the decoded splits fit on the GPU (``--data-path auto``, or ``gpu``), the folder is decoded
+once, each rank a share, and held there (fast/gpu_folder.py, asked by ``load``): no worker runs
+after that. Otherwise it is streamed; where each part of that pipeline runs, and why there:
 
 - Decoding, in the DataLoader's worker processes (loader_settings.py chooses how many from the
   cores): it is the expensive part (a millisecond or more per 224 px image), and it scales with
@@ -54,6 +56,7 @@ from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainDat
 if TYPE_CHECKING:
     from hpc_ddp.dist import DistContext
     from hpc_ddp.train.config import TrainConfig
+    from hpc_ddp.train.fast.gpu_folder import DecodedFolder
 
 log = get_logger("data")
 
@@ -213,10 +216,15 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
 
     def _crop_flip(self, x: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         """A random window of the image padded by size/8 with zeros, flipped half the time."""
-        pad = max(self.size // 8, 1)
+        pad = pad_of(self.size)
         dx, dy, flip = crop_draws.draw(index, seed=self.seed, epoch=epoch, span=2 * pad + 1)
         x = window(x, dy - pad, dx - pad)
         return x.flip(2) if flip else x
+
+
+def pad_of(size: int) -> int:
+    """The random crop's zero padding of a ``size`` px image: 1/8 of it, as CIFAR's 4 of 32."""
+    return max(size // 8, 1)
 
 
 def window(x: torch.Tensor, top: int, left: int) -> torch.Tensor:
@@ -325,11 +333,13 @@ def split_dirs(root: Path) -> tuple[Path, Path]:
 
 @dataclass
 class ImageFolderSplits:
-    """The trainer's data (``data_source.Splits``) of an image folder."""
+    """The trainer's data (``data_source.Splits``) of an image folder: streamed from the files,
+    or ``resident`` on the GPU, decoded once (fast/gpu_folder.py)."""
 
     train_set: ImageFolderDataset
     test_set: ImageFolderDataset
     settings: loader_settings.LoaderSettings
+    resident: DecodedFolder | None = None
 
     @property
     def n(self) -> int:
@@ -342,6 +352,8 @@ class ImageFolderSplits:
     def make(
         self, plan: ShardPlan, *, rank: int, world_size: int, device: torch.device
     ) -> tuple[TrainData, EvalData]:
+        if self.resident is not None:
+            return self.resident.serve(plan, rank=rank, world_size=world_size, device=device)
         train = LoaderTrainData(plan, self.train_set, rank, device, settings=self.settings)
         test = LoaderEvalData(self.test_set, rank, world_size, device, settings=self.settings)
         return Normalised(train), Normalised(test)
@@ -407,13 +419,12 @@ def read_splits(cfg: TrainConfig, root: Path) -> tuple[ImageFolderDataset, Image
 
 def load(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> ImageFolderSplits:
     """The registry's builder of ``imagefolder``: stage the synthetic folder (local rank 0, if
-    asked), then every rank scans both splits; a failure on one rank fails them all."""
-    if cfg.data_path == "gpu":
-        raise ConfigError(
-            "--data-path gpu holds the CIFAR demo's arrays on the GPU; an image folder is read "
-            "through a DataLoader",
-            hint="use --data-path auto (or torchvision) with --dataset imagefolder",
-        )
+    asked), then every rank scans both splits; a failure on one rank fails them all. Then the
+    fast path's answer to where the data lives (``--data-path``): decoded once and held on the
+    GPU, or streamed from the files by the loader's workers."""
+    # Imported here: the fast path builds on this module's dataset.
+    from hpc_ddp.train.fast import gpu_folder
+
     error: BaseException | None = None
     if cfg.synthetic and ctx.env.local_rank == 0:
         try:
@@ -438,11 +449,15 @@ def load(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> ImageFolderSplits:
         source=ctx.env.source,
         local_world_size=ctx.env.local_world_size,
     )
-    log.info(settings.describe())
     train, test = splits
     log.info(
         f"data: image folder {root}: {len(train)} training and {len(test)} test images of "
         f"{len(train.classes)} classes at {train.size} px, decoded by "
         f"{'torchvision.io' if train.torchvision else 'Pillow'} in the loader's workers"
     )
-    return ImageFolderSplits(train, test, settings)
+    resident = gpu_folder.decode_if_held(
+        cfg.data_path, train, test, settings, device=ctx.devices[0], comm=comm, log=log.info
+    )
+    if resident is None:
+        log.info(settings.describe())
+    return ImageFolderSplits(train, test, settings, resident)

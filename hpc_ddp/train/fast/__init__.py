@@ -13,7 +13,8 @@ where that pays is chosen here, in one place, automatically:
   the model's memory format (``StepPlan.feed``);
 - "where does the data live": a dataset asks :func:`gpu_data.choose` whether its arrays go to
   the GPU once (gpu_data.py, read through the array cache, array_cache.py) or through a
-  DataLoader;
+  DataLoader; an image folder asks :func:`gpu_folder.decode_if_held` (the same answer,
+  ``gpu_data.resident``, agreed by the ranks) whether it is decoded once and held there;
 - the start: :class:`StartUp` pays CUDA's one-time costs (kernel_warmup.py) and imports
   torch._dynamo (prefetch.py) on threads while the process group comes up;
 - step-rate advice (step_rate.py): :class:`LatencyAdvice` says when the GPU waits for the host.

@@ -19,6 +19,9 @@ Both paths read the files with ``data.read_arrays`` (CIFAR's pickled batches thr
 unpickler, decoded once into a .npy cache by ``array_cache``), not through torchvision's dataset
 classes, so a run never imports torchvision to read data (seconds of start-up, benchmarks/NOTES.md);
 tests/test_gpu_data.py checks this reader gives torchvision's arrays.
+
+An image folder decoded once (gpu_folder.py) is served by the same classes, with its own image
+size, crop padding and normalisation.
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ def normalize(
     return (x - m) / s
 
 
-def augment_params(indices: torch.Tensor, *, seed: int, epoch: int) -> torch.Tensor:
-    """(len, 3) int64 of (dx, dy, flip) per sample, drawn as ``data.CifarTensors`` draws them,
+def augment_params(indices: torch.Tensor, *, seed: int, epoch: int, pad: int = PAD) -> torch.Tensor:
+    """(len, 3) int64 of (dx, dy, flip) per sample, drawn as the loader path's dataset draws
+    them for a crop padded by ``pad`` (CIFAR's 4, an image folder's ``image_folder.pad_of``),
     where ``indices`` live."""
-    return crop_draws.draws(indices, seed=seed, epoch=epoch, span=2 * PAD + 1)
+    return crop_draws.draws(indices, seed=seed, epoch=epoch, span=2 * pad + 1)
 
 
 def channels_last(x: torch.Tensor) -> bool:
@@ -113,22 +117,27 @@ def take(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return images.index_select(0, rows)
 
 
-def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Batched RandomCrop(32, padding=4) + horizontal flip of normalized (B, C, 32, 32) images,
-    in ``x``'s memory format.
+def crop_flip(
+    x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor, pad: int = PAD
+) -> torch.Tensor:
+    """Batched RandomCrop(H x W, padding=pad) + horizontal flip of normalized (B, C, H, W)
+    images (CIFAR's 32 px with 4), in ``x``'s memory format.
 
     One gather: each output pixel reads its source pixel, or ``fill`` (the normalized value of
     the zero padding) where the source lies in the padding.
     """
+    height, width = x.shape[2], x.shape[3]
     dx, dy, flip = params[:, 0:1], params[:, 1:2], params[:, 2:3]
-    ar = torch.arange(SIZE, device=x.device).view(1, -1)
-    rows = dy - PAD + ar
-    cols = dx - PAD + torch.where(flip.bool(), SIZE - 1 - ar, ar)
-    valid = ((rows >= 0) & (rows < SIZE)).unsqueeze(2) & ((cols >= 0) & (cols < SIZE)).unsqueeze(1)
+    ar_h = torch.arange(height, device=x.device).view(1, -1)
+    ar_w = torch.arange(width, device=x.device).view(1, -1)
+    rows = dy - pad + ar_h
+    cols = dx - pad + torch.where(flip.bool(), width - 1 - ar_w, ar_w)
+    inside_r = (rows >= 0) & (rows < height)
+    valid = inside_r.unsqueeze(2) & ((cols >= 0) & (cols < width)).unsqueeze(1)
     b = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)
-    r = rows.clamp(0, SIZE - 1).unsqueeze(2)
-    c = cols.clamp(0, SIZE - 1).unsqueeze(1)
-    pixels = x.permute(0, 2, 3, 1)[b, r, c]  # (B, 32, 32, C)
+    r = rows.clamp(0, height - 1).unsqueeze(2)
+    c = cols.clamp(0, width - 1).unsqueeze(1)
+    pixels = x.permute(0, 2, 3, 1)[b, r, c]  # (B, H, W, C)
     out = torch.where(valid.unsqueeze(3), pixels, fill.view(1, 1, 1, -1))
     layout = torch.channels_last if channels_last(x) else torch.contiguous_format
     return out.permute(0, 3, 1, 2).contiguous(memory_format=layout)  # NHWC: no copy for that
@@ -138,8 +147,11 @@ def crop_flip(x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor) -> torc
 class GpuTrainData:
     """``TrainData`` over a split held on the device: ``batches(epoch, start)`` like the loader's.
 
-    ``images`` is the normalized float32 split (N, 3, 32, 32), ``labels`` (N,) int64, both on the
-    training device. ``start`` counts global samples already consumed in the epoch.
+    ``images`` is the normalized float32 split (N, 3, H, W), ``labels`` (N,) int64, both on the
+    training device. ``start`` counts global samples already consumed in the epoch. The crop
+    pads by ``pad``; ``fill`` is the normalized value of a zero pixel per channel, computed as
+    (and where) the loader path normalizes its padding: None for CIFAR's, from ``mean`` and
+    ``std`` on the host as ``data.CifarTensors`` does.
     """
 
     plan: ShardPlan
@@ -150,14 +162,18 @@ class GpuTrainData:
     seed: int = 0
     mean: Sequence[float] = MEAN
     std: Sequence[float] = STD
+    pad: int = PAD
+    fill: torch.Tensor | None = None
     _fill: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.labels) != self.plan.n:
             raise ValueError(f"plan is for {self.plan.n} samples, data has {len(self.labels)}")
-        m = torch.tensor(self.mean, dtype=torch.float32)
-        s = torch.tensor(self.std, dtype=torch.float32)
-        self._fill = ((0.0 - m) / s).to(self.images.device)
+        if self.fill is None:
+            m = torch.tensor(self.mean, dtype=torch.float32)
+            s = torch.tensor(self.std, dtype=torch.float32)
+            self.fill = (0.0 - m) / s
+        self._fill = self.fill.to(self.images.device)
 
     def use_memory_format(self, memory_format: torch.memory_format) -> None:
         """Lay the split out once in the model's memory format: its batches come in it."""
@@ -167,13 +183,13 @@ class GpuTrainData:
         idx = self.plan.indices(epoch, self.rank, start).to(self.images.device, non_blocking=True)
         params = None
         if self.augment:  # drawn on the device, queued like the batches: no wait for the host
-            params = augment_params(idx, seed=self.seed, epoch=epoch)
+            params = augment_params(idx, seed=self.seed, epoch=epoch, pad=self.pad)
         step = self.plan.micro_batch
         for lo in range(0, len(idx), step):
             sel = idx[lo : lo + step]
             x = take(self.images, sel)
             if params is not None:
-                x = crop_flip(x, params[lo : lo + step], self._fill)
+                x = crop_flip(x, params[lo : lo + step], self._fill, self.pad)
             yield x, self.labels.index_select(0, sel)
 
 
@@ -197,9 +213,10 @@ class GpuEvalData:
             yield take(self.images, sel), self.labels.index_select(0, sel)
 
 
-def resident_bytes(n_samples: int) -> int:
-    """Device memory a normalized float32 split and its labels take."""
-    return n_samples * (3 * SIZE * SIZE * 4 + 8)
+def resident_bytes(n_samples: int, size: int = SIZE) -> int:
+    """Device memory a normalized float32 split of RGB ``size`` x ``size`` images and its labels
+    take."""
+    return n_samples * (3 * size * size * 4 + 8)
 
 
 def fits_on_device(nbytes: int, device: torch.device, fraction: float = 0.25) -> tuple[bool, str]:
@@ -214,6 +231,20 @@ def fits_on_device(nbytes: int, device: torch.device, fraction: float = 0.25) ->
     ok = nbytes <= fraction * free
     verb = "fits in" if ok else "exceeds"
     return ok, f"{nbytes / 2**20:.0f} MiB {verb} {fraction:.0%} of {free / 2**30:.1f} GiB free"
+
+
+def resident(mode: str, nbytes: int, device: torch.device) -> tuple[bool, str]:
+    """(whether the data goes to the GPU, why) for ``--data-path mode`` and ``nbytes`` of it
+    held there (``fits_on_device``): ``torchvision`` never, ``auto`` where it fits, ``gpu``
+    where it fits and otherwise a ConfigError (forced, it is no silent fallback)."""
+    if mode not in DATA_PATHS:
+        raise ConfigError(f"data_path={mode!r} is not valid", hint=f"use one of {DATA_PATHS}")
+    if mode == "torchvision":
+        return False, "asked for"
+    ok, why = fits_on_device(nbytes, device)
+    if mode == "gpu" and not ok:
+        raise ConfigError(f"--data-path gpu: {why}", hint="use --data-path auto or torchvision")
+    return ok, why
 
 
 def load_split(
@@ -243,14 +274,9 @@ def choose(
     asked for) and says why in the log.
     """
     log = log or get_logger("data").info
-    mode = cfg.data_path
-    if mode not in DATA_PATHS:
-        raise ConfigError(f"data_path={mode!r} is not valid", hint=f"use one of {DATA_PATHS}")
-    ok, why = fits_on_device(resident_bytes(len(train_set) + len(test_set)), device)
-    if mode == "gpu" and not ok:
-        raise ConfigError(f"--data-path gpu: {why}", hint="use --data-path auto or torchvision")
-    if mode == "torchvision" or not ok:
-        log(f"data: torchvision loader ({'asked for' if mode == 'torchvision' else why})")
+    ok, why = resident(cfg.data_path, resident_bytes(len(train_set) + len(test_set)), device)
+    if not ok:
+        log(f"data: torchvision loader ({why})")
         if isinstance(train_set, Split):  # read by load_splits: the same arrays, wrapped
             train_set = _as_dataset(train_set, augment=cfg.augment, seed=cfg.seed)
         if isinstance(test_set, Split):
