@@ -225,26 +225,31 @@ def test_its_checkpoint_loads_into_a_script_without_it_and_back(dev, tmp_path) -
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     plain.load_state_dict(saved["model"])
     plain_opt.load_state_dict(saved["optimizer"])
+    assert all("momentum_buffer" in state for state in plain_opt.state_dict()["state"].values())
     for x, y in batches[4:6]:
         plain_opt.zero_grad()
         F.cross_entropy(plain(x), y).backward()
         plain_opt.step()
-    # And back: a captured run restores the plain one's checkpoint and steps on as it does.
-    back, back_opt = _sped_up(dev)
-    back_step = hpc_ddp.CapturedStep(back, back_opt, warmup=1, log=_quiet)
-    back.load_state_dict(plain.state_dict())
-    back_opt.load_state_dict(plain_opt.state_dict())
-    for x, y in batches[6:]:
-        plain_opt.zero_grad()
-        F.cross_entropy(plain(x), y).backward()
-        plain_opt.step()
-        back_step(x, y)
-    assert back_step.replays == 3
-    # NCHW against channels_last kernels: rounding apart; a lost LR or momentum is not.
-    for a, b in zip(plain.parameters(), back.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    # And back: a captured run restores the plain one's checkpoint and steps on as an eager
+    # run of the same kernels (channels_last, fused SGD) restored from it does. Against the
+    # plain NCHW script itself, BatchNorm amplifies the kernels' rounding to ~1e-4 in 4 steps.
+    runs = []
+    for capture in (True, False):
+        net2, opt2 = _sped_up(dev)
+        step2 = hpc_ddp.CapturedStep(net2, opt2, warmup=1, capture=capture, log=_quiet)
+        net2.load_state_dict(plain.state_dict())
+        opt2.load_state_dict(plain_opt.state_dict())
+        for x, y in batches[6:]:
+            step2(x, y)
+        runs.append((net2, step2))
+    (back, back_step), (ref, ref_step) = runs
+    assert back_step.replays == 3 and ref_step.replays == 0
+    # Rounding apart (eager against replayed); a lost LR or momentum is not.
+    for a, b in zip(ref.parameters(), back.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     step.close()
     back_step.close()
+    ref_step.close()
 
 
 @need(1)
