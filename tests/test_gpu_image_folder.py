@@ -104,3 +104,22 @@ def test_image_folder_on_two_gpus_captured_resumed_bit_identical(
     assert ("GPU-resident (" in first) == (path == "resident"), first[-3000:]
     train(run_dir, data, *flags)
     assert_resumed_like(run_dir, reference[path], interruptions=1, steps=12)
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_normalising_a_batch_does_not_wait_for_the_gpu() -> None:
+    """The streamed path normalises each batch on the GPU: made from Python lists there, its
+    constants were blocking copies, and the host waited for every queued step before each batch
+    (a ResNet-50 on a 64 px folder streamed at 32 k samples/s against 36.5 k held on the GPU)."""
+    from hpc_ddp.train.image_folder import normalise
+
+    dev = torch.device("cuda", 0)
+    x = torch.zeros(8, 3, 16, 16, dtype=torch.uint8, device=dev)
+    normalise(x)  # first use on this device
+    torch.cuda.synchronize(dev)
+    torch.cuda._sleep(1 << 31)  # the GPU busy for about a second with queued work
+    queued = torch.cuda.Event()
+    queued.record()
+    normalise(x)
+    assert not queued.query(), "normalise waited for the GPU's queued work"
+    torch.cuda.synchronize(dev)

@@ -32,6 +32,7 @@ naming the file (exit 2), found by the scan (names and types) or when the item i
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import stat
@@ -303,9 +304,18 @@ def _pillow(path: str, data: bytes, size: int) -> torch.Tensor:
 
 def normalise(x: torch.Tensor) -> torch.Tensor:
     """uint8 N x 3 x H x W -> float32, normalised with MEAN and STD (where ``x`` lives)."""
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1) * 255
-    inv = 1 / (torch.tensor(STD, device=x.device).view(1, 3, 1, 1) * 255)
+    mean, inv = _scale(x.device)
     return (x.float() - mean) * inv
+
+
+@functools.cache
+def _scale(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MEAN x 255, 1 / (STD x 255)) on ``device``, made once: a tensor built from a list on a
+    GPU is a blocking copy, which before every batch made the host wait for the GPU's queued
+    steps, so it could never launch ahead of them."""
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
+    inv = 1 / (torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255)
+    return mean, inv
 
 
 @dataclass
