@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hpc_ddp
@@ -208,6 +207,11 @@ def test_what_cannot_be_captured_steps_eagerly_and_says_why(dev) -> None:
 
 @need(1)
 def test_its_checkpoint_loads_into_a_script_without_it_and_back(dev, tmp_path) -> None:
+    """A captured run's checkpoint loads into a plain script (float LR, its momentum), and the
+    plain script's own checkpoint of that state loads back into a captured run, which then steps
+    on bit for bit as the run that never stopped. Weights are compared only between runs of the
+    same kernels: this small BatchNorm model turns the rounding of other kernels (NCHW against
+    channels_last, a float against a tensor LR) into 1e-2 apart within four steps (H200)."""
     net, opt = _sped_up(dev)
     step = hpc_ddp.CapturedStep(net, opt, warmup=1, log=_quiet)
     batches = _batches(dev, [64] * 10)
@@ -220,36 +224,30 @@ def test_its_checkpoint_loads_into_a_script_without_it_and_back(dev, tmp_path) -
     saved = ckpt.load_latest().shared
     group = saved["optimizer"]["param_groups"][0]
     assert type(group["lr"]) is float and group["lr"] == pytest.approx(0.05)
-    # A script without it: the plain multi-tensor SGD, a float LR.
+    # A script without it: the plain multi-tensor SGD, a float LR, the same momentum.
     plain = _net(dev)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     plain.load_state_dict(saved["model"])
     plain_opt.load_state_dict(saved["optimizer"])
-    assert all("momentum_buffer" in state for state in plain_opt.state_dict()["state"].values())
-    for x, y in batches[4:6]:
-        plain_opt.zero_grad()
-        F.cross_entropy(plain(x), y).backward()
-        plain_opt.step()
-    # And back: a captured run restores the plain one's checkpoint and steps on as an eager
-    # run of the same kernels (channels_last, fused SGD) restored from it does. Against the
-    # plain NCHW script itself, BatchNorm amplifies the kernels' rounding to ~1e-4 in 4 steps.
-    runs = []
-    for capture in (True, False):
-        net2, opt2 = _sped_up(dev)
-        step2 = hpc_ddp.CapturedStep(net2, opt2, warmup=1, capture=capture, log=_quiet)
-        net2.load_state_dict(plain.state_dict())
-        opt2.load_state_dict(plain_opt.state_dict())
-        for x, y in batches[6:]:
-            step2(x, y)
-        runs.append((net2, step2))
-    (back, back_step), (ref, ref_step) = runs
-    assert back_step.replays == 3 and ref_step.replays == 0
-    # Rounding apart (eager against replayed); a lost LR or momentum is not.
-    for a, b in zip(ref.parameters(), back.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert plain_opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    for mine, theirs in zip(plain.parameters(), net.parameters(), strict=True):
+        assert torch.equal(
+            plain_opt.state[mine]["momentum_buffer"], opt.state[theirs]["momentum_buffer"]
+        )
+    # And back, through the plain script's own checkpoint: the same steps as the run that never
+    # stopped (one eager warm-up step, then a new capture; eager and replay agree bit for bit).
+    back, back_opt = _sped_up(dev)
+    back_step = hpc_ddp.CapturedStep(back, back_opt, warmup=1, log=_quiet)
+    back.load_state_dict(plain.state_dict())
+    back_opt.load_state_dict(plain_opt.state_dict())
+    for x, y in batches[4:]:
+        step(x, y)
+        back_step(x, y)
+    assert back_step.replays == 5
+    for a, b in zip(net.state_dict().values(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
     step.close()
     back_step.close()
-    ref_step.close()
 
 
 @need(1)
