@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -171,29 +170,11 @@ def pytest_configure(config: pytest.Config) -> None:
     pytest-xdist's workers)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    _one_cpu_thread()
     every = config.getoption("progress_every")
     if every > 0 and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Progress(config, every), "hpc-ddp-progress")
     if config.getoption("record_durations") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(quick_tier.Recorder(), "hpc-ddp-durations")
-
-
-def _one_cpu_thread() -> None:
-    """One CPU thread for torch's operators, in this process and every process the tests start
-    (they inherit OMP_NUM_THREADS), unless OMP_NUM_THREADS says otherwise: what torchrun, the
-    rendered jobs and hpc_ddp.spawn give every rank. The suite runs several test files at once
-    beside Slurm jobs, so the cores are always shared: an OpenMP team of one thread per core
-    there spends more CPU waiting for its threads than it saves, which slowed every
-    single-process run (the tests' own tensors included) by a factor of two or more. An
-    OMP_NUM_THREADS the suite was started with wins; tests that are about the variable set
-    their own."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch = sys.modules.get("torch")  # OpenMP read the variable when torch was loaded
-    if torch is not None:
-        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
