@@ -31,6 +31,7 @@ from trainer_helpers import (
     holding,
     interrupt_at,
     job_env,
+    python_cmd,
     read_metrics,
     read_result,
     reference_run,
@@ -58,10 +59,11 @@ def torchrun(world: int, run_dir: Path, out: Path, *extra: str, timeout: float =
 
 
 def forked(world: int, run_dir: Path, out: Path, *extra: str, timeout: float = 180):
-    """The same ranks forked from one interpreter after its imports (hpc_ddp.spawn): about half
-    torchrun's start-up on this machine, for the runs whose launcher is not what is tested."""
-    cmd = [sys.executable, WORKER, "--nproc", str(world)]
-    return run([*cmd, "--run-dir", str(run_dir), "--out", str(out), *extra], timeout=timeout)
+    """The same ranks forked from one interpreter after its imports (hpc_ddp.spawn), itself
+    forked from the tests' fork server, which imported torch: a fraction of torchrun's start-up
+    on this machine, for the runs whose launcher is not what is tested."""
+    args = ["--nproc", str(world), "--run-dir", str(run_dir), "--out", str(out), *extra]
+    return run(python_cmd(WORKER, args), timeout=timeout)
 
 
 def same_state(a: Path, b: Path) -> None:
@@ -167,6 +169,14 @@ def test_two_ranks_checkpoint_loads_into_one_and_one_into_two(
     same_state(tmp_path / "up.pt", reference[0])
 
 
+def _one_rank(tmp_path: Path, code: str) -> list[str]:
+    """``code`` as a script of one rank (its process group in a file under ``tmp_path``, its
+    run dir ``tmp_path/run``), forked from the tests' fork server, which imported torch."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(code)
+    return python_cmd(str(script), [str(tmp_path / "run"), str(tmp_path / "s")])
+
+
 FRESH_THEN_GROWN = """
 import sys, torch, torch.distributed as dist, hpc_ddp
 from torch.distributed.fsdp import fully_shard
@@ -206,8 +216,7 @@ def test_resumable_fsdp_starts_fresh_and_restores_counters_that_grew(tmp_path: P
     for a checkpoint there is none of, would step the optimizer once); an object that is not
     sharded is restored whatever shape its state took since it was built (DCP alone loads only
     the keys of the fresh object's state)."""
-    code = [sys.executable, "-c", FRESH_THEN_GROWN, str(tmp_path / "run"), str(tmp_path / "s")]
-    done = run(code, timeout=120)
+    done = run(_one_rank(tmp_path, FRESH_THEN_GROWN), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fresh optimizer state: 0" in done.stdout, done.stdout
     assert "restored: [{'step': 1}] {'loss': 0.5} [1, 1, 1, 1]" in done.stdout, done.stdout
@@ -506,7 +515,6 @@ except hpc_ddp.HpcDdpError as err:
 
 def test_a_whole_checkpoint_is_refused_for_a_sharded_model(tmp_path: Path) -> None:
     """Not silently resumed with the fresh weights: the run says which kind it found."""
-    code = [sys.executable, "-c", WHOLE_THEN_SHARDED, str(tmp_path / "run"), str(tmp_path / "s")]
-    done = run(code, timeout=120)
+    done = run(_one_rank(tmp_path, WHOLE_THEN_SHARDED), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "holds a whole (unsharded) state, and this run's model is sharded" in done.stdout

@@ -229,10 +229,10 @@ from hpc_ddp.train.config import TrainConfig
 from hpc_ddp.train.trainer import train
 if sys.argv[1] == "gpu":  # the GPU-resident classes, run on the CPU: pretend the device fits
     gpu_data.fits_on_device = lambda nbytes, device, fraction=0.25: (True, "pretended")
-cfg = TrainConfig(**json.loads(sys.argv[2]))
-result = train(cfg)
-print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
-                  "acc": result.test_accuracy, "torchvision": "torchvision" in sys.modules}))
+for settings in sys.argv[2:]:  # one run after the other, each with its own run dir
+    result = train(TrainConfig(**json.loads(settings)))
+    print(json.dumps({"sha": result.params_sha256, "loss": result.train_loss,
+                      "acc": result.test_accuracy, "torchvision": "torchvision" in sys.modules}))
 """
 
 
@@ -240,53 +240,64 @@ STEP_LINES = {
     "auto": "step: as given (the model is on cpu, not a CUDA device)",
     "channels_last": "step: channels_last (2 Conv2d), AdamW as given (no CUDA device)",
 }
+CUDA_GRAPHS_OFF = "CUDA graphs: off (device cpu is not a CUDA GPU)"  # the step line follows it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("memory_format", sorted(STEP_LINES))
-def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path, memory_format: str) -> None:
-    """A whole training run on the GPU-resident path (on the CPU), and one on the loader path,
+def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
+    """Whole training runs on the GPU-resident path (on the CPU), and on the loader path,
     neither importing torchvision (the files are read without it), with the same weights, loss
     and accuracy; in channels_last too (the resident path's batches come in it, the loader's
-    are converted by the first convolution), said beside the CUDA graphs line."""
+    are converted by the first convolution), said beside the CUDA graphs line. Each path's
+    runs, one per memory format, share one fresh interpreter: a run after the first would
+    still see torchvision in sys.modules had any run before it imported it."""
     import json
     import subprocess
     import sys
 
     from trainer_helpers import job_env
 
-    out = {}
+    out: dict[tuple[str, str], dict] = {}
     for path in ("gpu", "torchvision"):
-        settings = {
-            "run_dir": str(tmp_path / path),
-            "data_dir": str(tmp_path / "data"),
-            "synthetic": True,
-            "synthetic_train_size": 96,
-            "synthetic_test_size": 21,
-            "epochs": 2,
-            "batch_size": 16,
-            "augment": True,
-            "data_path": "auto" if path == "gpu" else "torchvision",
-            "memory_format": memory_format,
-        }
+        runs = [
+            {
+                "run_dir": str(tmp_path / path / memory_format),
+                "data_dir": str(tmp_path / "data"),
+                "synthetic": True,
+                "synthetic_train_size": 96,
+                "synthetic_test_size": 21,
+                "epochs": 2,
+                "batch_size": 16,
+                "augment": True,
+                "data_path": "auto" if path == "gpu" else "torchvision",
+                "memory_format": memory_format,
+            }
+            for memory_format in sorted(STEP_LINES)
+        ]
         done = subprocess.run(
-            [sys.executable, "-c", GPU_PATH_RUN, path, json.dumps(settings)],
+            [sys.executable, "-c", GPU_PATH_RUN, path, *map(json.dumps, runs)],
             env=job_env(),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=180,
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert ("data: GPU-resident" in done.stdout) == (path == "gpu"), done.stdout
         lines = done.stdout.splitlines()
-        step = lines[lines.index("CUDA graphs: off (device cpu is not a CUDA GPU)") + 1]
-        assert step == STEP_LINES[memory_format]
-        out[path] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["gpu"]["torchvision"] is False and out["torchvision"]["torchvision"] is False
-    assert out["gpu"]["sha"] == out["torchvision"]["sha"]
-    assert out["gpu"]["loss"] == out["torchvision"]["loss"]
-    assert out["gpu"]["acc"] == out["torchvision"]["acc"]
+        resident = [line for line in lines if line.startswith("data: GPU-resident")]
+        assert len(resident) == (len(runs) if path == "gpu" else 0), done.stdout
+        graphs = [i for i, line in enumerate(lines) if line == CUDA_GRAPHS_OFF]
+        results = [json.loads(line) for line in lines if line.startswith('{"sha"')]
+        assert len(graphs) == len(results) == len(runs), done.stdout
+        for memory_format, at, result in zip(sorted(STEP_LINES), graphs, results, strict=True):
+            assert lines[at + 1] == STEP_LINES[memory_format], done.stdout
+            out[path, memory_format] = result
+    for memory_format in STEP_LINES:
+        gpu, loader = out["gpu", memory_format], out["torchvision", memory_format]
+        assert gpu["torchvision"] is False and loader["torchvision"] is False
+        assert gpu["sha"] == loader["sha"], memory_format
+        assert gpu["loss"] == loader["loss"], memory_format
+        assert gpu["acc"] == loader["acc"], memory_format
 
 
 # --- an image folder, decoded once (fast/gpu_folder.py) ----------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import torch
 from ckpt_support import Counter
 from launch_support import REPO, hpc_ddp
-from trainer_helpers import TORCHRUN, finish, forked_script, run, start
+from trainer_helpers import TORCHRUN, finish, forked_script, python_cmd, run, start
 
 import hpc_ddp as hpc_ddp_api
 from hpc_ddp.checkpoint import CheckpointError
@@ -113,7 +113,7 @@ def test_a_ddp_run_does_not_import_the_sharded_checkpoint_machinery(tmp_path: Pa
     assert printed == ["[]", "[]"], done.stdout
 
 
-def test_what_cannot_resume_is_refused_by_name() -> None:
+def test_what_cannot_resume_is_refused_by_name(tmp_path: Path) -> None:
     code = (
         "import torch, hpc_ddp\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
@@ -124,9 +124,9 @@ def test_what_cannot_resume_is_refused_by_name() -> None:
         "    except hpc_ddp.HpcDdpError as err:\n"
         "        print(str(err).replace('\\n', ' '))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    script = tmp_path / "refused.py"
+    script.write_text(code)
+    done = run(python_cmd(str(script), []))  # forked: the interpreter's start is not tested
     lines = done.stdout.splitlines()
     assert len(lines) == 2, done.stdout + done.stderr
     assert "RandomSampler" in lines[0] and "DistributedSampler" in lines[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,11 @@ from trainer_helpers import (
     holding,
     interrupt_at,
     job_env,
+    python_cmd,
     read_json,
     read_metrics,
     read_result,
+    run,
     single_cmd,
     start,
     train_args,
@@ -158,16 +159,13 @@ def test_run_process_returns_exit_codes_with_the_rank_named(tmp_path: Path, data
         "print('OK', ok, flush=True)\n"
         "os._exit(0)\n"  # a process group is left up on purpose: skip Gloo's exit-time teardown
     )
-    good = subprocess.run(
-        [sys.executable, "-c", code, str(data_dir), str(tmp_path / "run")],
-        env=job_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    good_script, bad_script = tmp_path / "good.py", tmp_path / "bad.py"
+    good_script.write_text(code)
+    bad_script.write_text(code.replace("synthetic=True", "synthetic=False"))
+    # Forked from the tests' fork server (it imported torch): the interpreter is not tested.
+    good = run(python_cmd(str(good_script), [str(data_dir), str(tmp_path / "run")]))
     assert "OK 0" in good.stdout, good.stdout + good.stderr
-    bad_code = code.replace("synthetic=True", "synthetic=False")
-    bad = subprocess.run(
-        [sys.executable, "-c", bad_code, str(tmp_path / "missing"), str(tmp_path / "run2")],
-        env=job_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    bad = run(python_cmd(str(bad_script), [str(tmp_path / "missing"), str(tmp_path / "run2")]))
     assert "OK 2" in bad.stdout, bad.stdout + bad.stderr
     assert "[rank 0/1 " in bad.stderr and "does not exist" in bad.stderr, bad.stderr
 
