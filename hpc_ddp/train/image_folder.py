@@ -4,8 +4,9 @@
 (``--dataset my_data:split`` returning one), where it gives normalised float tensors.
 
 Where the decoded splits fit on the GPU (``--data-path auto``, or ``gpu``), the folder is decoded
-once, each rank a share, and held there (fast/gpu_folder.py, asked by ``load``): no worker runs
-after that. Otherwise it is streamed; where each part of that pipeline runs, and why there:
+once, each rank a share, and held there (fast/gpu_folder.py, which image_folder_splits.py asks):
+no worker runs after that. Otherwise it is streamed; where each part of that pipeline runs, and
+why there:
 
 - Decoding, in the DataLoader's worker processes (loader_settings.py chooses how many from the
   cores): it is the expensive part (a millisecond or more per 224 px image), and it scales with
@@ -46,18 +47,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from hpc_ddp import Comm, ShardPlan
-from hpc_ddp.errors import ConfigError, HpcDdpError
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.log import get_logger
 from hpc_ddp.regular_file import open_regular, read_whole
 from hpc_ddp.train import crop_draws, image_synthetic, loader_settings
-from hpc_ddp.train.data_source import Batch, EvalData, TrainData
-from hpc_ddp.train.loader_data import FailedItem, LoaderEvalData, LoaderTrainData
+from hpc_ddp.train.data_source import Batch
+from hpc_ddp.train.loader_data import FailedItem
 
 if TYPE_CHECKING:
-    from hpc_ddp.dist import DistContext
     from hpc_ddp.train.config import TrainConfig
-    from hpc_ddp.train.fast.gpu_folder import DecodedFolder
 
 log = get_logger("data")
 
@@ -83,7 +81,7 @@ class ImageFolderError(HpcDdpError):
     """An image folder, or one of its files, is not what the trainer can read."""
 
 
-def _hint() -> str:
+def folder_hint() -> str:
     return (
         "an image folder holds train/ and test/ (or val/), each with one folder per class of "
         f"{', '.join(EXTENSIONS)} files and nothing else"
@@ -97,18 +95,20 @@ def scan(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
     try:
         entries = sorted(os.scandir(split_dir), key=lambda e: e.name)
     except OSError as err:
-        raise ImageFolderError(f"cannot list {split_dir}: {err.strerror}", hint=_hint()) from None
+        raise ImageFolderError(
+            f"cannot list {split_dir}: {err.strerror}", hint=folder_hint()
+        ) from None
     classes = []
     for entry in entries:
         if not entry.is_dir():  # follows a symlink to a folder
             raise ImageFolderError(
                 f"{entry.path} is not a folder: {split_dir} holds one folder per class",
-                hint=_hint(),
+                hint=folder_hint(),
             )
         classes.append(entry.name)
     if not 1 <= len(classes) <= MAX_CLASSES:
         raise ImageFolderError(
-            f"{split_dir} has {len(classes)} class folders (1 to {MAX_CLASSES})", hint=_hint()
+            f"{split_dir} has {len(classes)} class folders (1 to {MAX_CLASSES})", hint=folder_hint()
         )
     samples: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
@@ -118,19 +118,23 @@ def scan(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
             if len(samples) > MAX_SAMPLES:
                 raise ImageFolderError(f"{split_dir} has more than {MAX_SAMPLES} images")
     if not samples:
-        raise ImageFolderError(f"{split_dir} has no images", hint=_hint())
+        raise ImageFolderError(f"{split_dir} has no images", hint=folder_hint())
     return classes, samples
 
 
 def _check_entry(entry: os.DirEntry[str]) -> None:
     if not entry.name.lower().endswith(EXTENSIONS):
-        raise ImageFolderError(f"{entry.path} is not an image file (by its name)", hint=_hint())
+        raise ImageFolderError(
+            f"{entry.path} is not an image file (by its name)", hint=folder_hint()
+        )
     try:
         mode = entry.stat().st_mode  # follows a symlink: links to shared copies are common
     except OSError as err:
-        raise ImageFolderError(f"cannot read {entry.path}: {err.strerror}", hint=_hint()) from None
+        raise ImageFolderError(
+            f"cannot read {entry.path}: {err.strerror}", hint=folder_hint()
+        ) from None
     if not stat.S_ISREG(mode):
-        raise ImageFolderError(f"{entry.path} is not a regular file", hint=_hint())
+        raise ImageFolderError(f"{entry.path} is not a regular file", hint=folder_hint())
 
 
 def _decoder() -> Any:
@@ -212,7 +216,9 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int] | FailedItem]):
                     warnings.simplefilter("ignore", DeprecationWarning)
                     return tvio.decode_image(buffer, mode=tvio.ImageReadMode.RGB)
             except RuntimeError as err:
-                raise ImageFolderError(f"{path} does not decode: {err}", hint=_hint()) from None
+                raise ImageFolderError(
+                    f"{path} does not decode: {err}", hint=folder_hint()
+                ) from None
         return _pillow(path, data, self.size)
 
     def _crop_flip(self, x: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
@@ -246,11 +252,13 @@ def _header(path: str, data: bytes | None = None) -> tuple[int, int]:
             with open_regular(path, follow_symlinks=True) as fh:
                 data = read_whole(fh, MAX_FILE_BYTES, path)
         except OSError as err:
-            raise ImageFolderError(f"{path} is not a readable image: {err}", hint=_hint()) from None
+            raise ImageFolderError(
+                f"{path} is not a readable image: {err}", hint=folder_hint()
+            ) from None
     width, height = _png_size(data) or _pillow_size(path, data)
     if width * height > MAX_PIXELS or not width or not height:
         raise ImageFolderError(
-            f"{path} claims {width} x {height} px (at most {MAX_PIXELS} pixels)", hint=_hint()
+            f"{path} claims {width} x {height} px (at most {MAX_PIXELS} pixels)", hint=folder_hint()
         )
     return height, width
 
@@ -274,16 +282,19 @@ def _pillow_size(path: str, data: bytes) -> tuple[int, int]:
             fmt, size = im.format, im.size
     except UnidentifiedImageError:
         raise ImageFolderError(
-            f"{path} is not a readable image: Pillow recognises no image format in it", hint=_hint()
+            f"{path} is not a readable image: Pillow recognises no image format in it",
+            hint=folder_hint(),
         ) from None
     except Image.DecompressionBombError:  # Pillow's own bound, above ours
         raise ImageFolderError(
-            f"{path} claims more than {MAX_PIXELS} pixels", hint=_hint()
+            f"{path} claims more than {MAX_PIXELS} pixels", hint=folder_hint()
         ) from None
     except (OSError, ValueError) as err:
-        raise ImageFolderError(f"{path} is not a readable image: {err}", hint=_hint()) from None
+        raise ImageFolderError(
+            f"{path} is not a readable image: {err}", hint=folder_hint()
+        ) from None
     if fmt not in FORMATS:
-        raise ImageFolderError(f"{path} is a {fmt} image, not PNG or JPEG", hint=_hint())
+        raise ImageFolderError(f"{path} is a {fmt} image, not PNG or JPEG", hint=folder_hint())
     return size
 
 
@@ -298,7 +309,7 @@ def _pillow(path: str, data: bytes, size: int) -> torch.Tensor:
                 rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.array(rgb, dtype=np.uint8)
     except (OSError, ValueError) as err:
-        raise ImageFolderError(f"{path} does not decode: {err}", hint=_hint()) from None
+        raise ImageFolderError(f"{path} does not decode: {err}", hint=folder_hint()) from None
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
 
 
@@ -337,39 +348,8 @@ def split_dirs(root: Path) -> tuple[Path, Path]:
     test = next((root / n for n in TEST_SPLITS if (root / n).is_dir()), root / "test")
     for folder in (train, test):
         if not folder.is_dir():
-            raise ImageFolderError(f"{root} has no {folder.name}/ folder", hint=_hint())
+            raise ImageFolderError(f"{root} has no {folder.name}/ folder", hint=folder_hint())
     return train, test
-
-
-@dataclass
-class ImageFolderSplits:
-    """The trainer's data (``data_source.Splits``) of an image folder: streamed from the files,
-    or ``resident`` on the GPU, decoded once (fast/gpu_folder.py)."""
-
-    train_set: ImageFolderDataset
-    test_set: ImageFolderDataset
-    settings: loader_settings.LoaderSettings
-    resident: DecodedFolder | None = None
-
-    @property
-    def n(self) -> int:
-        return len(self.train_set)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.train_set.classes)
-
-    def make(
-        self, plan: ShardPlan, *, rank: int, world_size: int, device: torch.device
-    ) -> tuple[TrainData, EvalData]:
-        if self.resident is not None:
-            return self.resident.serve(plan, rank=rank, world_size=world_size, device=device)
-        train = LoaderTrainData(plan, self.train_set, rank, device, settings=self.settings)
-        test = LoaderEvalData(self.test_set, rank, world_size, device, settings=self.settings)
-        return Normalised(train), Normalised(test)
-
-    def example(self) -> torch.Tensor:
-        return self.train_set.item(0)[0].unsqueeze(0).float()
 
 
 def synthetic_folder(cfg: TrainConfig) -> Path:
@@ -387,7 +367,7 @@ def _per_class(cfg: TrainConfig) -> tuple[int, int]:
     )
 
 
-def _stage_synthetic(cfg: TrainConfig) -> None:
+def stage_synthetic(cfg: TrainConfig) -> None:
     """Write the synthetic folder unless it is there (local rank 0; the staging lock)."""
     from hpc_ddp.train.cifar.data import _staging_lock
 
@@ -425,49 +405,3 @@ def read_splits(cfg: TrainConfig, root: Path) -> tuple[ImageFolderDataset, Image
     checked = train.item(0)  # the first item now: a broken file fails before training starts
     del checked
     return train, test
-
-
-def load(cfg: TrainConfig, ctx: DistContext, comm: Comm) -> ImageFolderSplits:
-    """The registry's builder of ``imagefolder``: stage the synthetic folder (local rank 0, if
-    asked), then every rank scans both splits; a failure on one rank fails them all. Then the
-    fast path's answer to where the data lives (``--data-path``): decoded once and held on the
-    GPU, or streamed from the files by the loader's workers."""
-    # Imported here: the fast path builds on this module's dataset.
-    from hpc_ddp.train.fast import gpu_folder
-
-    error: BaseException | None = None
-    if cfg.synthetic and ctx.env.local_rank == 0:
-        try:
-            _stage_synthetic(cfg)
-        except Exception as err:
-            error = err
-    comm.check(error, "staging the synthetic image folder")
-    root = synthetic_folder(cfg) if cfg.synthetic else Path(cfg.data_dir)
-    splits: tuple[ImageFolderDataset, ImageFolderDataset] | None = None
-    try:
-        if not root.is_dir():
-            raise ConfigError(f"data dir {root} does not exist", hint=_hint())
-        splits = read_splits(cfg, root)
-    except Exception as err:
-        error = err
-    comm.check(error, f"reading the image folder {root}")
-    assert splits is not None
-    settings = loader_settings.choose(
-        cfg.num_workers,
-        from_disk=True,
-        cuda=ctx.devices[0].type == "cuda",
-        source=ctx.env.source,
-        local_world_size=ctx.env.local_world_size,
-    )
-    train, test = splits
-    log.info(
-        f"data: image folder {root}: {len(train)} training and {len(test)} test images of "
-        f"{len(train.classes)} classes at {train.size} px, decoded by "
-        f"{'torchvision.io' if train.torchvision else 'Pillow'} in the loader's workers"
-    )
-    resident = gpu_folder.decode_if_held(
-        cfg.data_path, train, test, settings, device=ctx.devices[0], comm=comm, log=log.info
-    )
-    if resident is None:
-        log.info(settings.describe())
-    return ImageFolderSplits(train, test, settings, resident)

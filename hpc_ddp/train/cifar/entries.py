@@ -12,6 +12,6 @@ MODELS = {
 DATASETS = {
     "cifar10": "hpc_ddp.train.cifar.source:load",
     "cifar100": "hpc_ddp.train.cifar.source:load",
-    # Not CIFAR: folders of encoded images from disk (train/image_folder.py).
-    "imagefolder": "hpc_ddp.train.image_folder:load",
+    # Not CIFAR: folders of encoded images from disk (train/image_folder_splits.py).
+    "imagefolder": "hpc_ddp.train.image_folder_splits:load",
 }
