@@ -317,9 +317,10 @@ def test_two_processes_each_driving_two_gpus(data_dir, tmp_path) -> None:
     assert res["status"] == "finished" and res["world_size"] == 2, res
 
 
-@need(1)
-def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
-    """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
+def cifar_both_ways(data_dir: Path) -> tuple:
+    """The tests' synthetic CIFAR-100 (augmented, seed 3) for rank 1 of 2 in batches of 100, as
+    the torchvision loader reads it on the CPU and as the resident path holds it on GPU 0:
+    (loader, resident training data, resident evaluation data)."""
     from hpc_ddp.runtime.shard_plan import ShardPlan
     from hpc_ddp.train.cifar.data import LoaderTrainData, load_datasets
     from hpc_ddp.train.config import TrainConfig
@@ -327,11 +328,11 @@ def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
 
     cfg = TrainConfig(dataset="cifar100", synthetic=True, augment=True, seed=3)
     root = synthetic.synthetic_root(data_dir, "cifar100", TRAIN, TEST)
-    train, _, _ = load_datasets(cfg, root)
+    train, test, _ = load_datasets(cfg, root)
     plan = ShardPlan(n=len(train), seed=3, world_size=2, micro_batch=100)
     cpu = LoaderTrainData(plan, train, 1, torch.device("cpu"))
     dev = torch.device("cuda", 0)
-    gpu = gpu_data.GpuTrainData(
+    resident = gpu_data.GpuTrainData(
         plan=plan,
         images=gpu_data.normalize(train.images.to(dev)),
         labels=train.targets.to(dev),
@@ -339,6 +340,16 @@ def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
         augment=True,
         seed=3,
     )
+    evaluation = gpu_data.GpuEvalData(
+        gpu_data.normalize(test.images.to(dev)), test.targets.to(dev), 1, 2
+    )
+    return cpu, resident, evaluation
+
+
+@need(1)
+def test_gpu_resident_batches_equal_cpu_loader(data_dir) -> None:
+    """The same batches on the GPU as the torchvision loader gives on the CPU, bit for bit."""
+    cpu, gpu, _ = cifar_both_ways(data_dir)
     n = 0
     for (xc, yc), (xg, yg) in zip(cpu.batches(1, 0), gpu.batches(1, 0), strict=True):
         assert xg.is_cuda and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc)

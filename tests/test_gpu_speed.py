@@ -16,6 +16,7 @@ from test_gpu import (  # noqa: F401  (data_dir: the module's fixture, used by n
     RESNET_BF16,
     TEST,
     TRAIN,
+    cifar_both_ways,
     data_dir,
     deterministic_probe,
     flags,
@@ -27,7 +28,6 @@ from test_gpu import (  # noqa: F401  (data_dir: the module's fixture, used by n
 from torch import nn
 
 import hpc_ddp
-from hpc_ddp.train.cifar import synthetic
 
 pytestmark = pytest.mark.gpu
 
@@ -96,29 +96,9 @@ def test_speed_up_on_cuda_is_channels_last_and_fused_and_learns_alike(optimizer:
 def test_gpu_resident_batches_come_channels_last_with_the_loaders_values(data_dir) -> None:  # noqa: F811
     """The resident split laid out in the model's format (the trainer's StepPlan.feed): every
     batch channels_last on the GPU, the torchvision loader's values bit for bit."""
-    from hpc_ddp.runtime.shard_plan import ShardPlan
-    from hpc_ddp.train.cifar.data import LoaderTrainData, load_datasets
-    from hpc_ddp.train.config import TrainConfig
-    from hpc_ddp.train.fast import gpu_data
     from hpc_ddp.train.fast.choice import StepPlan
 
-    cfg = TrainConfig(dataset="cifar100", synthetic=True, augment=True, seed=3)
-    root = synthetic.synthetic_root(data_dir, "cifar100", TRAIN, TEST)
-    train, test, _ = load_datasets(cfg, root)
-    plan = ShardPlan(n=len(train), seed=3, world_size=2, micro_batch=100)
-    cpu = LoaderTrainData(plan, train, 1, torch.device("cpu"))
-    dev = torch.device("cuda", 0)
-    resident = gpu_data.GpuTrainData(
-        plan=plan,
-        images=gpu_data.normalize(train.images.to(dev)),
-        labels=train.targets.to(dev),
-        rank=1,
-        augment=True,
-        seed=3,
-    )
-    evaluation = gpu_data.GpuEvalData(
-        gpu_data.normalize(test.images.to(dev)), test.targets.to(dev), 1, 2
-    )
+    cpu, resident, evaluation = cifar_both_ways(data_dir)
     StepPlan.feed(torch.channels_last, resident, evaluation)
     n = 0
     for (xc, yc), (xg, yg) in zip(cpu.batches(1, 0), resident.batches(1, 0), strict=True):
