@@ -18,6 +18,7 @@ import torch
 
 from hpc_ddp.env_vars import GRAPH_FUSED_ADAM_VAR
 from hpc_ddp.errors import ConfigError
+from hpc_ddp.runtime.fast_step import lay_out_state
 
 # The flags make_capturable may change; a checkpoint gets the values they had before.
 FLAGS = ("capturable", "fused", "foreach")
@@ -38,7 +39,7 @@ def why_not_capturable(optimizer: torch.optim.Optimizer) -> str | None:
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Adam's capturable mode or SGD's fused kernel, a device-tensor LR, and any loaded state
-    moved to the device, laid out as its parameter.
+    on its parameter's device, laid out as its parameter (``fast_step.lay_out_state``).
 
     On CUDA Adam also takes its fused kernel (one launch instead of a dozen multi-tensor ones): the
     same algorithm in less GPU time per captured step (benchmarks/NOTES.md).
@@ -61,16 +62,7 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor) or lr.device != device:  # a restore loads it on CPU
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
-    for param, state in optimizer.state.items():  # e.g. 'step' restored on the CPU
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.device != device:
-                state[key] = value = value.to(device)
-            if value.shape == param.shape and value.stride() != param.stride():
-                # The fused kernel walks a weight and its state as flat memory: a checkpoint's
-                # momentum, written contiguous, must take a channels_last weight's strides.
-                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+    lay_out_state(optimizer)  # e.g. 'step' restored on the CPU, a contiguous checkpoint's momentum
 
 
 def given_flags(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

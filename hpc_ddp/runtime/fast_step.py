@@ -272,19 +272,24 @@ def _saved_without_kernel(
 
 
 def _keep_fused(optimizer: torch.optim.Optimizer) -> None:
-    """After a load: the fused kernel again, and each state tensor where and as the fused kernel
-    reads it. The kernel walks a parameter, its gradient and its state as flat memory, so a state
-    tensor must have its parameter's strides (a checkpoint of a contiguous model holds NCHW
-    momentum for a channels_last weight), and ``step`` must be on the parameter's device (an
-    unfused Adam keeps it on the CPU)."""
+    """After a load: the fused kernel again, and its state where and as it reads it."""
     for group in optimizer.param_groups:
         group.update(fused=True, foreach=None)
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if key == "step" and value.device != param.device:
-                    state[key] = value.to(device=param.device, dtype=torch.float32)
-                elif value.shape == param.shape and value.stride() != param.stride():
-                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+    lay_out_state(optimizer)
+
+
+def lay_out_state(optimizer: torch.optim.Optimizer) -> None:
+    """Each state tensor where and as a fused kernel reads it. The kernel walks a parameter, its
+    gradient and its state as flat memory, so a state tensor of the parameter's shape must have
+    its strides (a checkpoint of a contiguous model holds NCHW momentum for a channels_last
+    weight), and every state tensor must be on the parameter's device (an unfused Adam keeps
+    ``step`` on the CPU, as float32 where the fused kernel reads it)."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.device != param.device:
+                dtype = torch.float32 if key == "step" else value.dtype
+                state[key] = value = value.to(device=param.device, dtype=dtype)
+            if value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
