@@ -41,6 +41,7 @@ from trainer_helpers import (
     wait_for_progress,
 )
 
+from hpc_ddp.checkpoint.committed import read_latest
 from hpc_ddp.errors import ConfigError
 from hpc_ddp.localslurm.free_ports import free_ports
 from hpc_ddp.run_dir.marker import claim_run_dir
@@ -106,9 +107,10 @@ def test_csv_and_tensorboard_continue_across_a_preemption_and_a_kill(
     try:
         progress = wait_for_progress(run_dir, holding, proc)
         # The epoch-end checkpoint (step 8) is saved in the background: killed before its
-        # commit, the run would rightly resume from step 6. Kill once it has committed.
-        committed = run_dir / "checkpoints" / "step-00000008"
-        wait_for(committed.is_dir, 60, "the step-8 checkpoint to commit")
+        # commit, the run would rightly resume from step 6. Kill once it has committed: its
+        # directory is renamed into place before `latest` names it, and only that commits it.
+        root = run_dir / "checkpoints"
+        wait_for(lambda: read_latest(root)[0] == "step-00000008", 60, "step 8 to commit")
         for pid in progress["pids"]:
             os.kill(pid, signal.SIGKILL)
     except BaseException:
