@@ -29,6 +29,12 @@ from hpc_ddp import programs
 from hpc_ddp.localslurm import LocalCluster
 from hpc_ddp.localslurm.orphans import reap
 
+# Every test process, and every process it starts, runs torch on one thread unless the
+# developer's shell says otherwise: the suite runs several torch processes per core, where
+# torch's default (a thread per core, spinning between small ops) spends more CPU waiting than
+# working. A test that checks a thread count sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Tests import the deployment layer directly: they register the trainer's hook as the layers
 # above it do (hpc_ddp/programs.py), whether or not the installed metadata holds its entry point
 # (tests/test_program_hook.py checks the entry point itself).
