@@ -295,9 +295,10 @@ class Trainer:
 
     def stage_epoch_end(self, progress: Progress, times: Times) -> Staged | None:
         """Background saves: queue the copy of the model and optimizer for the epoch-end
-        checkpoint right after the epoch's last step, before its sync point, so the copy's
-        launches overlap the steps the GPU still runs instead of following them on an idle GPU
-        (evaluation, in between, changes neither); the save then adds the progress."""
+        checkpoint right after the epoch's sync point (evaluation, in between, changes neither);
+        the save then adds the progress. Not before that sync: whatever in the queueing waits
+        for the GPU would take the epoch's last steps out of its compute time, and the epoch's
+        samples/s would then count them only in the epochs that end with a save."""
         if not self.cfg.async_checkpoint:
             return None
         t0 = time.perf_counter()
@@ -388,8 +389,6 @@ class Trainer:
                 if last:
                     final = progress.epoch + 1 == cfg.epochs
                     epoch_save = saves.due(progress.global_step, agree.agreed_pace, final=final)
-                    if epoch_save:
-                        staged = self.stage_epoch_end(progress, times)
                 if last or logging or saving or hold or due:
                     vote = 0.0 if last else float(flag.requested)
                     preempt, loss = self.sync_steps(progress, pending, times, agree, vote)
@@ -401,6 +400,8 @@ class Trainer:
                         return self.preempted(progress, times, flag)
                     if saving:
                         self.save(progress, times)
+                if last and epoch_save:
+                    staged = self.stage_epoch_end(progress, times)
             self.end_epoch(progress, times, staged, epoch_save)
             if progress.epoch < cfg.epochs and self.comm.sum([float(flag.requested)])[0]:
                 return self.preempted(progress, times, flag, saved=epoch_save)
