@@ -248,13 +248,17 @@ def _become_worker(
 def _share_cpu_threads(nproc: int) -> None:
     """One CPU thread per worker unless OMP_NUM_THREADS says otherwise, as torchrun does: N
     workers each running a thread per core would oversubscribe the machine N times (GPU runs
-    barely use them). torch read OMP_NUM_THREADS when the parent imported it, so tell it too."""
-    if "OMP_NUM_THREADS" in os.environ or nproc == 1:
-        return
-    os.environ["OMP_NUM_THREADS"] = "1"  # for anything the worker starts
+    barely use them). torch read OMP_NUM_THREADS when the parent imported it, so tell it too,
+    whatever the count: a worker whose thread pools were left to be made later sometimes died
+    at teardown after losing a rank ("pool INTERNAL ASSERT FAILED" from torch's fork handler,
+    in place of the error naming the lost rank); set up here, in the new process, it never
+    did (tests/test_fsdp.py, test_rank_killed_inside_a_save_and_a_torn_shard_fall_back)."""
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # for anything the worker starts
+    threads = os.environ.get("OMP_NUM_THREADS", "")
     torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def launch(
