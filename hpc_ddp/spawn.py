@@ -249,10 +249,9 @@ def _share_cpu_threads(nproc: int) -> None:
     """One CPU thread per worker unless OMP_NUM_THREADS says otherwise, as torchrun does: N
     workers each running a thread per core would oversubscribe the machine N times (GPU runs
     barely use them). torch read OMP_NUM_THREADS when the parent imported it, so tell it too,
-    whatever the count: a worker whose thread pools were left to be made later sometimes died
-    at teardown after losing a rank ("pool INTERNAL ASSERT FAILED" from torch's fork handler,
-    in place of the error naming the lost rank); set up here, in the new process, it never
-    did (tests/test_fsdp.py, test_rank_killed_inside_a_save_and_a_torn_shard_fall_back)."""
+    whatever the count: set here, torch's thread pools are made before anything in the worker
+    forks; left to be made later, they could fail torch's own fork handler at teardown and end
+    the worker before it named a lost rank."""
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # for anything the worker starts
     threads = os.environ.get("OMP_NUM_THREADS", "")
