@@ -54,7 +54,8 @@ def main() -> int:
         ProgressFile(RunPaths(args.run_dir), ctx.rank, ctx.world_size).write(
             Progress(global_step=step), "training"
         )
-    _wait_retired(args.steps * len(BUCKETS) + 1)
+    # Every collective so far: init_distributed's own, the buckets', the side group's one.
+    _wait_retired(1 + args.steps * len(BUCKETS) + (args.side_step <= args.steps))
     if args.dump_before_hang:
         _dump(f"{args.dump_before_hang}/rank_", ctx.rank, ctx.world_size)
     pending = None
