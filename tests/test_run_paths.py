@@ -26,7 +26,7 @@ def test_import_is_torch_free() -> None:
 
 def test_a_real_run_leaves_every_file_where_run_paths_says(tmp_path: Path, data_dir: Path) -> None:
     paths = RunPaths(tmp_path / "run")
-    argv = train_args(paths.root, data_dir, epochs=1, checkpoint_every_steps=4)
+    argv = train_args(paths.root, data_dir, epochs=1, checkpoint_every_steps=4, plot=True)
     done = run(single_cmd(argv), timeout=300)
     assert done.returncode == 0, done.stderr
     for path in (paths.marker, paths.config, paths.progress, paths.metrics, paths.plot):

@@ -36,7 +36,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     # timeout but never makes the directory, so the trainer must (and only then).
     fr = {"TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace/rank_"}
     done = subprocess.run(
-        single_cmd(train_args(run_dir, data_dir)), env=job_env(**fr),
+        single_cmd(train_args(run_dir, data_dir, plot=True)), env=job_env(**fr),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -103,6 +103,7 @@ def test_sigterm_exits_75_and_resume_matches_uninterrupted(
     result = read_result(run_dir)
     assert result["params_sha256"] == read_result(finished)["params_sha256"]
     assert result["interruptions"] == 1 and result["steps"] == 32
+    assert not (run_dir / "plot.png").exists()  # --no-plot (SMALL): no plot, nor its helper
     # The clocks go on from the checkpoint's (test_train_units has the exact sums).
     assert result["train_wall_seconds"] > first_attempt["train_wall_seconds"]
     assert result["wall_seconds"] > first_attempt["wall_seconds"]

@@ -34,6 +34,9 @@ SMALL = {
     "batch_size": 16,
     "log_every": 100,
     "model": "lenet",
+    # No plot helper (a process that imports matplotlib) beside runs that never look at
+    # plot.png: the few that do ask for it (plot=True).
+    "plot": False,
 }
 
 

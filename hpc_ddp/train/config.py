@@ -278,6 +278,12 @@ class TrainConfig:
             split=",",
         ),
     )
+    # Off where nobody looks at it (sweeps, CI): no helper process importing matplotlib beside
+    # rank 0's training.
+    plot: bool = field(
+        default=True,
+        metadata=field_doc("draw plot.png (loss and accuracy per epoch) when the run finishes"),
+    )
     requeue: str = field(
         default="auto",
         metadata=field_doc("after a preemption checkpoint: auto, scontrol (Slurm) or none"),

@@ -329,7 +329,7 @@ class Trainer:
         )
 
     def run(self, flag: Preemption) -> results.Result:
-        if self.rank == 0:
+        if self.rank == 0 and self.cfg.plot:
             # The plot's helper imports matplotlib from now on, beside the training: started
             # any later, it would still be importing when a short run ends, and rank 0 would
             # wait for it (benchmarks/NOTES.md). On a core of its own at the lowest priority;
