@@ -71,7 +71,7 @@ def test_fast_changes_nothing_on_a_cpu_and_says_so(reference: dict, tmp_path: Pa
     """--fast: hpc_ddp.speed_up before DDP (docs/your-code.md, "A faster step"); on the CPU it
     leaves the model and optimizer as built, so the run ends with the reference's weights."""
     run_dir = tmp_path / "run"
-    done = run(torchrun_cmd(2, [*ARGS, "--fast", "--run-dir", str(run_dir)], script=EXAMPLE))
+    done = run(forked_script(2, EXAMPLE, [*ARGS, "--fast", "--run-dir", str(run_dir)]))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("step: as given (the model is on cpu, not a CUDA device)") == 1
     assert _result(run_dir)["params_sha256"] == reference["params_sha256"]
