@@ -112,11 +112,15 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
 ) -> None:
     """Two jobs at once, per-process srun, each in a container stand-in:
 
-    * apptainer, preempted at step 3 with USR1. Inside the "container" there is no scontrol,
-      so the trainer cannot requeue its job; its step exits 75 and the batch shell, on the
-      host, runs ``scontrol requeue``. The job comes back (restart 1), resumes, and ends with
-      the uninterrupted reference's weights. On the code before the batch-shell requeue the
-      step's 75 ended the job (FAILED, never requeued).
+    * apptainer, preempted at step 3 with USR1 to the step's tasks (``scancel --signal=USR1``,
+      what ``--signal=USR1@N`` does): the ranks agree, checkpoint and all exit 75. Inside the
+      "container" there is no scontrol, and rendered srun jobs leave the requeue to the batch
+      shell anyway: on the step's 75 it runs ``scontrol requeue`` on the host. The job comes
+      back with SLURM_RESTART_COUNT=1, resumes, and ends with the uninterrupted reference's
+      weights; the run dir alone then names the job and its restart. On the code before the
+      batch-shell requeue the step's 75 ended the job (FAILED, never requeued). The srun
+      layout's one preemption test of the trainer: the host-side path is the same template
+      minus the ``apptainer exec`` prefix (test_example_script.py runs it with a user's script).
     * pyxis, uninterrupted: its tasks run under srun's --container-* options and end with the
       reference's weights. Its preemption would take the apptainer job's path: the step's 75,
       then the same batch shell on the host."""
@@ -150,12 +154,17 @@ def test_container_jobs_run_and_the_batch_shell_requeues_them(
             continue
         assert "PENDING" in states[job_id], states[job_id]
         assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
+        assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
         assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
         assert "batch script, which requeues the job" in log, log  # the trainer left it there
         assert "resumed from" in log, log
         result = read_result(cwd / "run")
         assert (result["interruptions"], result["world_size"]) == (1, 4)
         assert result["params_sha256"] == reference
+        # What the run dir alone says (`hpc-ddp status RUN_DIR` once Slurm forgot the job): its
+        # job, and the restart that wrote progress.json last.
+        report = run_dir_report(cwd / "run")
+        assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
     calls = Path(env["STANDIN_LOG"]).read_text().splitlines()
     apptainer = [c for c in calls if c.startswith("apptainer ")]
     pyxis = [c for c in calls if c.startswith("srun ")]
@@ -182,7 +191,7 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
       in the image) left the requeue marker in the run dir, so the batch shell on the host
       requeues. The job resumes and ends with the uninterrupted reference's weights. On the
       code before the marker no one could requeue: the job ended FAILED after its first run.
-      (The torchrun layout's one preemption test: test_slurm_jobs.py runs the srun layout's.)
+      (The torchrun layout's preemption test; the apptainer job above is the srun layout's.)
     * ``crashed``: one worker dies (SIGKILL, as the OOM killer does) and torchrun stops the
       others with SIGTERM, which the trainer takes for a preemption signal; but no checkpoint
       can commit without the dead rank, so there is no marker and the job ends FAILED, never

@@ -32,11 +32,9 @@ from deploy_support import (
 from slurm_support import late_reply_scontrol_path
 
 from hpc_ddp.deploy import JobSpec
-from hpc_ddp.deploy.job_control import run_dir_report
 from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import wait_job
 from hpc_ddp.localslurm import wait_for
-from hpc_ddp.slurm_client import TERMINAL
 
 pytestmark = pytest.mark.slurm
 
@@ -67,49 +65,6 @@ def test_cpu_srun_job_trains_with_the_right_ranks(reference_run) -> None:
     assert len({g[8] for g in ranks.values()}) == 1  # one port everyone derived alone
     result = read_result(cwd / "run")
     assert result["status"] == "finished" and result["world_size"] == 4
-
-
-@pytest.mark.slow
-def test_preemption_checkpoints_requeues_resumes_same_weights(
-    slurm_cluster, reference_run, tmp_path: Path
-) -> None:
-    """The srun layout, USR1 to the step tasks (``scancel --signal=USR1``, what
-    ``--signal=USR1@N`` does): the ranks agree, checkpoint, all exit 75, and the batch shell
-    runs ``scontrol requeue`` on the step's 75; the job comes back with SLURM_RESTART_COUNT=1,
-    resumes, and ends with the uninterrupted reference's weights.
-
-    The trainer's preemption in the torchrun layout (USR1 to the batch shell only, forwarded;
-    rank 0's requeue marker) is test_container_jobs.py's torchrun job: the same template and
-    trainer, run in the apptainer stand-in; test_localslurm_install.py runs it without one, the
-    signal to the step's tasks, under proctrack/cgroup."""
-    cwd = tmp_path / "srun"
-    cwd.mkdir()
-    spec = train_spec("pre-srun", launcher="srun")
-    spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
-    job_id, out = submit_spec(spec, cwd, slurm_cluster.env)
-    wait_for(lambda: progress_status(cwd / "run") == "holding", 120, "srun hold")
-    slurm_cluster.run(["scancel", "--signal=USR1", job_id])
-    reference = read_result(reference_run[0] / "run")["params_sha256"]
-    # It was RUNNING (holding) when signalled and must be seen PENDING (requeued) before it ends.
-    seen: list[str] = []
-    wait_for(
-        lambda: seen.append(slurm_cluster.job_state(job_id)) or seen[-1] in TERMINAL,
-        180, "the preempted job to finish", interval_s=0.2,
-    )  # fmt: skip
-    done = wait_job(job_id, slurm_cluster.env, timeout_s=10, output=out)
-    assert "PENDING" in seen, seen  # it really went back to the queue
-    log = out.read_text()
-    assert (done.state, done.exit_code, done.restarts) == ("COMPLETED", 0, 1), log
-    assert f"job {job_id} restart 0 " in log and f"job {job_id} restart 1 " in log
-    assert "resumed from" in log, log
-    result = read_result(cwd / "run")
-    assert (result["interruptions"], result["world_size"]) == (1, 4)
-    assert result["params_sha256"] == reference
-    # What the run dir alone says (`hpc-ddp status RUN_DIR` once Slurm forgot the job): its job,
-    # and the restart that wrote progress.json last.
-    report = run_dir_report(cwd / "run")
-    assert (report.job_id, report.restarts, report.state) == (job_id, 1, "ENDED"), report
-    assert f"step exited 75 (checkpointed): requeueing job {job_id}" in log, log
 
 
 # A job program that asks for its own requeue as the trainer does under --requeue scontrol
