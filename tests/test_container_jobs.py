@@ -192,10 +192,11 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
       requeues. The job resumes and ends with the uninterrupted reference's weights. On the
       code before the marker no one could requeue: the job ended FAILED after its first run.
       (The torchrun layout's preemption test; the apptainer job above is the srun layout's.)
-    * ``crashed``: one worker dies (SIGKILL, as the OOM killer does) and torchrun stops the
-      others with SIGTERM, which the trainer takes for a preemption signal; but no checkpoint
-      can commit without the dead rank, so there is no marker and the job ends FAILED, never
-      requeued (an exit-code-only rule, "torchrun's 1 means requeue", would loop here).
+    * ``crashed``, on one node: one worker dies (SIGKILL, as the OOM killer does) and torchrun
+      stops the other with SIGTERM, which the trainer takes for a preemption signal; but no
+      checkpoint can commit without the dead rank, so there is no marker and the job ends
+      FAILED, never requeued (an exit-code-only rule, "torchrun's 1 means requeue", would loop
+      here).
 
     The host's task shell starts ``apptainer exec IMAGE torchrun ...`` on each node; the batch
     shell gets the rendezvous port from the image's python."""
@@ -204,8 +205,13 @@ def test_torchrun_in_the_image_is_requeued_by_the_batch_shell_after_a_checkpoint
         cwd = tmp_path / case
         cwd.mkdir()
         env = {**_standin_env(cwd, slurm_cluster.env), "STANDIN_LOG": str(cwd / "argv.log")}
+        # The crash needs one node: its step then always ends with torchrun's 1 (on two, srun's
+        # --kill-on-bad-exit can make it 143), the code an exit-code-only rule would requeue.
         spec = train_spec(
-            f"ctr-torchrun-{case}", launcher="torchrun", container=ContainerSpec(image=IMAGE)
+            f"ctr-torchrun-{case}",
+            launcher="torchrun",
+            container=ContainerSpec(image=IMAGE),
+            nodes=2 if case == "preempted" else 1,
         )
         spec = spec.replace(args=[*spec.args, "--debug-hold-at-step", "3"])
         jobs[case] = (cwd, env, *submit_spec(spec, cwd, env))
