@@ -81,9 +81,10 @@ def same_state(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The uninterrupted 2-rank run: its gathered state and its run directory."""
+    """The uninterrupted 2-rank run, on forked ranks (the preempted torchrun run below ends equal
+    to it): its gathered state and its run directory."""
     d = tmp_path_factory.mktemp("fsdp-ref")
-    done = torchrun(2, d / "run", d / "state.pt")
+    done = forked(2, d / "run", d / "state.pt")
     assert done.returncode == 0, done.stdout + done.stderr
     return d / "state.pt", d / "run"
 

@@ -1,5 +1,6 @@
 """The project's trainer started by ``hpc-ddp launch`` on two "hosts" ends with the same weights as
-the same job under ``torchrun --standalone`` on one host (same world size, same seed).
+the same job on one host (same world size, same seed): its 2 ranks forked from one interpreter,
+which end as ``torchrun --standalone``'s do (tests/test_spawn.py), for a third of the start-up.
 
 The two hosts node0/node1 are pdsh's and clush's ``exec`` workers on this machine (no second
 physical host exists here); the master address is 127.0.0.1.
@@ -8,18 +9,17 @@ physical host exists here); the master address is 127.0.0.1.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from launch_support import (
-    VENV,
     Launch,
     assert_no_processes_left,
     hpc_ddp,
     kill_leftovers,
     launch_args,
 )
+from trainer_helpers import forked_cmd, run
 
 TRAIN = ["--synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
          "--epochs", "2", "--batch-size", "32", "--seed", "7"]  # fmt: skip
@@ -31,15 +31,11 @@ def _result(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """``torchrun --standalone --nproc-per-node=2``: the single-host run to match."""
+    """``hpc-ddp train --nproc-per-node 2``: the single-host run to match."""
     tmp = tmp_path_factory.mktemp("ref")
     (tmp / "data").mkdir()
-    proc = subprocess.run(
-        [str(VENV / "bin" / "torchrun"), "--standalone", "--nproc-per-node=2",
-         "-m", "hpc_ddp.train", *TRAIN, "--run-dir", str(tmp / "run"),
-         "--data-dir", str(tmp / "data")],
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    args = [*TRAIN, "--run-dir", str(tmp / "run"), "--data-dir", str(tmp / "data")]
+    proc = run(forked_cmd(2, args), timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = _result(tmp / "run")
     assert result["status"] == "finished" and result["world_size"] == 2
@@ -47,7 +43,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize(("tool", "mode"), [("pdsh", "torchrun"), ("clush", "processes")])
-def test_two_host_launch_matches_single_host_torchrun(
+def test_two_host_launch_matches_a_single_host_run(
     tool: str, mode: str, reference: dict, tmp_path: Path
 ) -> None:
     launch: Launch = launch_args(tool, tmp_path, mode=mode)
