@@ -283,45 +283,54 @@ def test_slurm_preempted_on_w_ranks_resumes_on_another_number_of_ranks(
     slurm_cluster, tmp_path: Path
 ) -> None:
     """2 nodes x 2 tasks preempted (a real `scancel --signal=USR1` mid-epoch 2) and resubmitted
-    as 1 x 2; 1 x 2 resubmitted as 2 x 2; both pairs at once. Every sample of every epoch was
-    trained on exactly once across the interruption (2000 samples: no padding, a short last
-    batch), by the script's own per-sample log; the run said where it resumed; it learns as
-    an uninterrupted run does (held-out accuracy)."""
-    pairs = {"4to2": (2, 1), "2to4": (1, 2)}  # first job's nodes, the resubmission's
-    jobs = {}
-    for name, (nodes, _) in pairs.items():
-        cwd = tmp_path / name
-        cwd.mkdir()
-        job_id, log = slurm_cluster.sbatch(
-            _elastic_job(cwd, "first", nodes), output=cwd / "first.out", cwd=cwd
-        )
-        jobs[name] = (job_id, log)
+    as 1 x 2; beside it, 2 forked ranks preempted the same way (USR1 to their parent, which
+    hands it on) and resumed on 4: the world shrinks on Slurm and grows, the sample accounting
+    being the library's whatever started the ranks. Every sample of every epoch was trained on
+    exactly once across the interruption (2000 samples: no padding, a short last batch), by the
+    script's own per-sample log; the run said where it resumed; it learns as an uninterrupted
+    run does (held-out accuracy)."""
+    pairs = {"4to2": (4, 2), "2to4": (2, 4)}  # the first run's ranks, the resumed run's
+    for name in pairs:
+        (tmp_path / name).mkdir()
+    slurm_dir, forked_dir = tmp_path / "4to2", tmp_path / "2to4"
+    job_id, slurm_log = slurm_cluster.sbatch(
+        _elastic_job(slurm_dir, "first", 2), output=slurm_dir / "first.out", cwd=slurm_dir
+    )
+    forked_log = forked_dir / "first.out"
+    slowed = ["0.1", ELASTIC, "--epochs", "2", "--run-dir", str(forked_dir / "run")]
+    forked = start(forked_script(2, SLOW, slowed), forked_log)
     signalled: set[str] = set()
 
     def signal_each_at_epoch_1() -> bool:
-        for job_id, log in jobs.values():
-            if job_id not in signalled and log.exists() and "epoch 1:" in log.read_text():
-                slurm_cluster.run(["scancel", "--signal=USR1", job_id])
-                signalled.add(job_id)
-        return len(signalled) == len(jobs)
+        if "4to2" not in signalled and slurm_log.exists() and "epoch 1:" in slurm_log.read_text():
+            slurm_cluster.run(["scancel", "--signal=USR1", job_id])
+            signalled.add("4to2")
+        if "2to4" not in signalled and forked_log.exists() and "epoch 1:" in forked_log.read_text():
+            forked.send_signal(signal.SIGUSR1)
+            signalled.add("2to4")
+        return len(signalled) == len(pairs)
 
-    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both jobs", interval_s=0.1)
-    second = {}
-    for name, (job_id, log) in jobs.items():
-        wait_for(lambda j=job_id: slurm_cluster.job_state(j) in TERMINAL, 120, f"{name} to stop")
-        step = int(PREEMPTED.search(log.read_text())[1])
-        world = 2 * pairs[name][0]
-        assert step % ELASTIC_STEPS[world] != 0, log.read_text()  # mid-epoch
-        cwd = tmp_path / name
-        job = _elastic_job(cwd, "second", pairs[name][1])
-        second[name] = (step, world, *slurm_cluster.sbatch(job, output=cwd / "second.out", cwd=cwd))
+    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both runs", interval_s=0.1)
+    wait_for(lambda: slurm_cluster.job_state(job_id) in TERMINAL, 120, "4to2 to stop")
+    rc, forked_text = finish(forked, forked_log)
+    assert rc == 75, forked_text
+    first = {"4to2": slurm_log.read_text(), "2to4": forked_text}
+    steps = {name: int(PREEMPTED.search(text)[1]) for name, text in first.items()}
+    for name, (world, _) in pairs.items():
+        assert steps[name] % ELASTIC_STEPS[world] != 0, first[name]  # mid-epoch
+    second_id, second_log = slurm_cluster.sbatch(
+        _elastic_job(slurm_dir, "second", 1), output=slurm_dir / "second.out", cwd=slurm_dir
+    )
+    grown = run(forked_script(4, ELASTIC, ["--epochs", "2", "--run-dir", str(forked_dir / "run")]))
+    wait_for(lambda: slurm_cluster.job_state(second_id) in TERMINAL, 180, "4to2 to end")
+    assert slurm_cluster.job_state(second_id) == "COMPLETED", second_log.read_text()
+    assert grown.returncode == 0, grown.stdout + grown.stderr
+    resumed = {"4to2": second_log.read_text(), "2to4": grown.stdout + grown.stderr}
     accuracy = {}
-    for name, (step, world, job_id, log) in second.items():
-        wait_for(lambda j=job_id: slurm_cluster.job_state(j) in TERMINAL, 180, f"{name} to end")
-        text, new_world = log.read_text(), 2 * pairs[name][1]
-        assert slurm_cluster.job_state(job_id) == "COMPLETED", text
-        at = (step - ELASTIC_STEPS[world]) * 32 * world  # samples of epoch 2 before the signal
-        assert f"resumed from {world} to {new_world} ranks at sample {at} of epoch 2" in text
+    for name, (world, new_world) in pairs.items():
+        at = (steps[name] - ELASTIC_STEPS[world]) * 32 * world  # samples of epoch 2 before it
+        said = f"resumed from {world} to {new_world} ranks at sample {at} of epoch 2"
+        assert said in resumed[name], resumed[name]
         seen = _trained_on(tmp_path / name / "run")
         assert sorted(seen) == [0, 1]
         for epoch, indices in seen.items():
