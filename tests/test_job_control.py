@@ -75,10 +75,11 @@ def test_status_logs_cancel_sbatch_jobs(slurm_cluster, tmp_path: Path) -> None:
     and requeues itself, the requeued job is cancelled before it runs again), one with --now."""
     env = slurm_cluster.env
     jobs = {}
-    for name in ("ctl-ckpt", "ctl-now"):
+    # ctl-now asks nothing of a second node: one node, two fewer torch processes.
+    for name, nodes in (("ctl-ckpt", 2), ("ctl-now", 1)):
         cwd = tmp_path / name
         cwd.mkdir()
-        spec = train_spec(name, per_rank_logs=True)
+        spec = train_spec(name, per_rank_logs=True, nodes=nodes)
         spec = spec.replace(args=[*spec.args, *HOLD])
         jobs[name] = (cwd, *submit_spec(spec, cwd, env))
     for name, (cwd, _, _) in jobs.items():
@@ -163,7 +164,7 @@ def test_status_logs_cancel_submitit_job_on_slurm(slurm_cluster, tmp_path: Path)
     env = slurm_cluster.env
     (tmp_path / "data").mkdir()
     args = train_args(str(tmp_path / "data"), str(tmp_path / "run"), *HOLD)
-    spec = JobSpec(name="ctl-sub", nodes=2, procs_per_node=2, time="30", args=args)
+    spec = JobSpec(name="ctl-sub", nodes=1, procs_per_node=2, time="30", args=args)
     folder = tmp_path / "submitit"
     job = hpc_ddp.submit(spec, "submitit", folder=folder, cluster_env=env, wait=False)
     wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "trainer holding")
