@@ -35,6 +35,26 @@ from hpc_ddp.localslurm.orphans import reap
 # working. A test that checks a thread count sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# On a machine with NVIDIA GPUs the tests not marked ``gpu`` still mean CPU ranks, as in CI: each
+# test's processes see no GPU (CUDA_VISIBLE_DEVICES empty, set before its fixtures run), else a
+# 2-rank CPU test is refused on a 1-GPU host and a "GPU path on the CPU" test runs on the GPU.
+# This process's own CUDA state was fixed when the test modules counted the GPUs at collection.
+_HOST_HAS_GPU = Path("/proc/driver/nvidia").exists() or Path("/dev/nvidia0").exists()
+_VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not _HOST_HAS_GPU:
+        return
+    if item.get_closest_marker("gpu") is None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif _VISIBLE_GPUS is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = _VISIBLE_GPUS
+
+
 # Tests import the deployment layer directly: they register the trainer's hook as the layers
 # above it do (hpc_ddp/programs.py), whether or not the installed metadata holds its entry point
 # (tests/test_program_hook.py checks the entry point itself).
