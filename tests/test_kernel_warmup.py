@@ -8,6 +8,7 @@ draws from the random number generators and what it leaves behind is checked for
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,15 @@ def test_a_failed_warmup_is_logged_and_finish_returns(caplog) -> None:
         raise RuntimeError("no optimizer today")
 
     warmup = KernelWarmup([torch.device("cpu")], broken, None).launch()
-    with caplog.at_level("WARNING", logger="hpc_ddp"):
-        warmup.finish()
+    # hpc_ddp's logger does not propagate (hpc_ddp/log.py): caplog listens on it directly, as
+    # pytest before 9 does not.
+    hpc_logger = logging.getLogger("hpc_ddp")
+    hpc_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="hpc_ddp"):
+            warmup.finish()
+    finally:
+        hpc_logger.removeHandler(caplog.handler)
     assert isinstance(warmup.error, RuntimeError)
     assert "the CUDA warm-up failed" in caplog.text and "no optimizer today" in caplog.text
 
