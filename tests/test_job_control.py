@@ -233,21 +233,6 @@ def test_a_result_is_awaited_only_from_a_task_that_could_write_it(
     assert result_lag(state, {"JobState": state, "ExitCode": exit_code}) == lag
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_cancel_checkpoints_a_torchrun_job(slurm_cluster, tmp_path: Path) -> None:
-    """The torchrun layout: the signal reaches the node tasks (the torchrun_task shells), which
-    hand it to torchrun's workers; torchrun itself ignores it, the workers checkpoint."""
-    spec = train_spec("ctl-tr", launcher="torchrun")
-    spec = spec.replace(args=[*spec.args, *HOLD])
-    job_id, out = submit_spec(spec, tmp_path, slurm_cluster.env)
-    wait_for(lambda: progress_status(tmp_path / "run") == "holding", 120, "torchrun holding")
-    job = hpc_ddp.attach_job(job_id, cluster_env=slurm_cluster.env)
-    assert hpc_ddp.cancel_job(job, timeout_s=200) == "CANCELLED"
-    assert _latest(tmp_path / "run") == "step-00000003", out.read_text()
-    assert "restart 1" not in out.read_text()
-
-
 # --- hostile folders and processes -----------------------------------------------------------
 def _ended_pid() -> str:
     """The pid of a process that has ended: a local job's id whose controller is gone."""
