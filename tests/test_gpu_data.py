@@ -271,6 +271,7 @@ def test_gpu_resident_run_never_imports_torchvision(tmp_path: Path) -> None:
                 "augment": True,
                 "data_path": "auto" if path == "gpu" else "torchvision",
                 "memory_format": memory_format,
+                "plot": False,
             }
             for memory_format in sorted(STEP_LINES)
         ]

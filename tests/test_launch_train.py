@@ -22,7 +22,7 @@ from launch_support import (
 from trainer_helpers import forked_cmd, run
 
 TRAIN = ["--synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64",
-         "--epochs", "2", "--batch-size", "32", "--seed", "7"]  # fmt: skip
+         "--epochs", "2", "--batch-size", "32", "--seed", "7", "--no-plot"]  # fmt: skip
 
 
 def _result(run_dir: Path) -> dict:
