@@ -12,6 +12,11 @@
 # tests/durations.json (tests/quick_tier.py); `--record-durations` on a full run rewrites it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite starts thousands of interpreters: each reuses the modules compiled before it (and
+# pytest its rewritten test modules) only where bytecode may be written, into the __pycache__
+# directories git ignores. With PYTHONDONTWRITEBYTECODE set, every one of them compiled them
+# again (benchmarks/NOTES.md).
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 parallel=()
