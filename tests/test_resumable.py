@@ -284,8 +284,9 @@ def test_slurm_preempted_on_w_ranks_resumes_on_another_number_of_ranks(
 ) -> None:
     """2 nodes x 2 tasks preempted (a real `scancel --signal=USR1` mid-epoch 2) and resubmitted
     as 1 x 2; beside it, 2 forked ranks preempted the same way (USR1 to their parent, which
-    hands it on) and resumed on 4: the world shrinks on Slurm and grows, the sample accounting
-    being the library's whatever started the ranks. Every sample of every epoch was trained on
+    hands it on) and resumed on 4: the world shrinks on Slurm and grows where the launcher is
+    not the question (which samples a resumed run takes is the library's arithmetic, whatever
+    started the ranks). Every sample of every epoch was trained on
     exactly once across the interruption (2000 samples: no padding, a short last batch), by the
     script's own per-sample log; the run said where it resumed; it learns as an uninterrupted
     run does (held-out accuracy)."""
