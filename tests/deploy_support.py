@@ -21,14 +21,14 @@ from hpc_ddp.deploy.sbatch.render import render
 from hpc_ddp.deploy.sbatch.submit import Finished, sbatch, wait_job
 
 
-def train_args(data_dir: str, run_dir: str, *extra: str) -> list[str]:
-    """A tiny, deterministic run: 512 synthetic samples, LeNet, 2 epochs of 8 steps at world 2,
-    no plot.png (tests/trainer_helpers.py says why)."""
+def train_args(data_dir: str, run_dir: str, *extra: str, plot: bool = False) -> list[str]:
+    """A tiny, deterministic run: 512 synthetic samples, LeNet, 2 epochs of 8 steps at world 2;
+    plot.png only with ``plot`` (tests/trainer_helpers.py says why)."""
     return [
         "--dataset", "cifar10", "--synthetic", "--synthetic-train-size", "512",
         "--synthetic-test-size", "128", "--data-dir", data_dir, "--model", "lenet",
         "--epochs", "2", "--batch-size", "32", "--checkpoint-every-steps", "2",
-        "--log-every", "1", "--no-plot", "--run-dir", run_dir, *extra,
+        "--log-every", "1", "--plot" if plot else "--no-plot", "--run-dir", run_dir, *extra,
     ]  # fmt: skip
 
 

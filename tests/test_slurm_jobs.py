@@ -222,8 +222,7 @@ def test_nested_submission_does_not_inherit_the_parent_layout(
 def _tiny_spec_file(tmp_path: Path, **kw: object) -> Path:
     data = dict(
         name="cli", nodes=2, procs_per_node=1, time="5", output="run/%x-%j.out",
-        python=sys.executable, setup=["mkdir -p data"],
-        args=[a for a in train_args("data", "run") if a != "--no-plot"],  # plot.png is named
+        python=sys.executable, setup=["mkdir -p data"], args=train_args("data", "run", plot=True),
     )  # fmt: skip
     data.update(kw)
     path = tmp_path / "job.json"

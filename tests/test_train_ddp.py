@@ -277,8 +277,8 @@ def test_ddp_options_change_no_result(tmp_path: Path, data_dir: Path) -> None:
     # steps, not one: DDP's default broadcast before step 2 is the first to send rank 0's
     # statistics (before step 1 both ranks hold the initial ones).
     ours, ours_ddp, theirs = tmp_path / "ours", tmp_path / "ours_ddp", tmp_path / "defaults"
-    # A BatchNorm model as small as the question allows: ResNet-18's runs were most of the
-    # suite's CPU time for this test.
+    # A BatchNorm model as small as the question allows: with ResNet-18, the model's arithmetic
+    # was most of this test's CPU time and answered nothing more.
     bn_model = f"{Path(__file__).parent / 'workers' / 'bn_model.py'}:small_bn"
     small = {"model": bn_model, "epochs": 1, "synthetic_train_size": 64}  # 2 ranks x 16 x 2
     done = run(forked_cmd(2, train_args(ours, data_dir, **small)), 300)
