@@ -309,10 +309,17 @@ def test_slurm_preempted_on_w_ranks_resumes_on_another_number_of_ranks(
         if "2to4" not in signalled and forked_log.exists() and "epoch 1:" in forked_log.read_text():
             forked.send_signal(signal.SIGUSR1)
             signalled.add("2to4")
+        elif "2to4" not in signalled and forked.poll() is not None:
+            text = forked_log.read_text() if forked_log.exists() else ""
+            raise AssertionError(f"the forked run ended before its signal:\n{text}")
         return len(signalled) == len(pairs)
 
-    wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both runs", interval_s=0.1)
-    wait_for(lambda: slurm_cluster.job_state(job_id) in TERMINAL, 120, "4to2 to stop")
+    try:
+        wait_for(signal_each_at_epoch_1, 120, "epoch 1 in both runs", interval_s=0.1)
+        wait_for(lambda: slurm_cluster.job_state(job_id) in TERMINAL, 120, "4to2 to stop")
+    except BaseException:
+        forked.kill()
+        raise
     rc, forked_text = finish(forked, forked_log)
     assert rc == 75, forked_text
     first = {"4to2": slurm_log.read_text(), "2to4": forked_text}
