@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from .checkpointer import Checkpointer
+from hpc_ddp.checkpoint import Checkpointer
 
 
 def _time(fn: Callable[[], object], repeat: int) -> list[float]:
