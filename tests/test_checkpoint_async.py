@@ -33,7 +33,7 @@ from trainer_helpers import (
 )
 
 from hpc_ddp.checkpoint import Checkpointer, CheckpointError, UnsafeCheckpointContentError
-from hpc_ddp.checkpoint.asyncsave import SaveWorker, start_snapshot
+from hpc_ddp.checkpoint.asyncsave import SaveWorker, pin_pieces, start_snapshot
 from hpc_ddp.slurm_client import wait_for
 
 DEADLINE_S = 60
@@ -212,6 +212,19 @@ def test_snapshot_copies_every_tensor_and_keeps_container_types() -> None:
     live["l"][0].add_(1)
     assert torch.equal(snap["m"]["w"], torch.ones(3)) and torch.equal(snap["l"][0], torch.zeros(2))
     assert snap["m"]["w"].data_ptr() != live["m"]["w"].data_ptr()
+
+
+def test_pinned_memory_is_taken_in_pieces_of_whole_tensors_under_the_limit() -> None:
+    """A first save pins its pack piece by piece (CUDA holds up the training thread's launches
+    while it pins): never a piece over the limit unless one tensor alone is; every tensor in
+    exactly one piece, in order. The GPU test checks the values the pieces hold."""
+    assert pin_pieces([4, 4, 4, 4], 8) == [(0, 2), (2, 4)]
+    assert pin_pieces([3, 20, 3, 3, 0], 8) == [(0, 1), (1, 2), (2, 5)]
+    assert pin_pieces([20], 8) == [(0, 1)] and pin_pieces([], 8) == []
+    sizes = [(i * 37) % 41 for i in range(200)]  # 0-40 bytes, in no order
+    pieces = pin_pieces(sizes, 64)
+    assert [i for a, b in pieces for i in range(a, b)] == list(range(len(sizes)))
+    assert all(sum(sizes[a:b]) <= 64 for a, b in pieces)
 
 
 # ------------------------------------------------------------------ trainer: 2 Gloo ranks

@@ -408,11 +408,18 @@ def test_graphed_step_replays_and_matches_eager() -> None:
 
 
 @need(1)
-def test_async_snapshot_packs_give_back_every_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("piece_bytes", [8 << 20, 16], ids=["one-piece", "many-pieces"])
+def test_async_snapshot_packs_give_back_every_tensor(
+    tmp_path: Path, piece_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A GPU-staged snapshot packs its CUDA tensors by dtype (one copy each) and gives every
     tensor back with its own dtype, shape and values (0-dim, empty, non-contiguous, int64),
-    CPU tensors copied apart; the copy saves and loads like the state it came from."""
+    CPU tensors copied apart, whether a pack's pinned memory is one piece or many (16 bytes:
+    a piece a tensor); the copy saves and loads like the state it came from."""
+    from hpc_ddp.checkpoint import asyncsave
     from hpc_ddp.checkpoint.asyncsave import start_snapshot
+
+    monkeypatch.setattr(asyncsave, "PIN_PIECE_BYTES", piece_bytes)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     live = {

@@ -13,6 +13,7 @@ import copy
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,16 @@ _IMMUTABLE = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 # A snapshot is staged in GPU memory when it takes at most this share of the free memory.
 DEVICE_STAGING_SHARE = 0.25
+
+# The background thread takes a pack's pinned host memory in pieces of at most this size (or one
+# tensor, if larger), pausing after each piece that CUDA had to pin anew: while CUDA pins memory
+# it holds up every other thread's kernel launches, so pinning a whole state at once held the
+# training thread up at a process's first save for as long as pinning took, which grows with the
+# state; small pieces with a pause between them let its launches through (benchmarks/NOTES.md,
+# the first save's pinned allocation). Later saves reuse the pieces from torch's cache of pinned
+# blocks, with no pause.
+PIN_PIECE_BYTES = 8 << 20
+PIN_PAUSE_S = 0.001
 
 
 @dataclass
@@ -46,14 +57,48 @@ class _Pack:
     shapes: list[torch.Size]
 
     def host_views(self, stream: torch.cuda.Stream) -> list[torch.Tensor]:
-        """Copy the buffer into pinned host memory on ``stream`` (one allocation, one copy) and
-        return the tensors as views of it, in their own shapes."""
-        host = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=True)
-        with torch.cuda.stream(stream):
-            host.copy_(self.flat, non_blocking=True)
-        self.flat.record_stream(stream)  # its memory is reused only after this copy
-        parts = host.split([shape.numel() for shape in self.shapes])
-        return [part.view(shape) for part, shape in zip(parts, self.shapes, strict=True)]
+        """Copy the buffer into pinned host memory on ``stream``, a piece of whole tensors at a
+        time (``pin_pieces``: an allocation and a copy each), and return the tensors as views
+        of it, in their own shapes."""
+        numels = [shape.numel() for shape in self.shapes]
+        size = self.flat.element_size()
+        views: list[torch.Tensor] = []
+        start = 0
+        for first, last in pin_pieces([n * size for n in numels], PIN_PIECE_BYTES):
+            parts = numels[first:last]
+            host = _pin(sum(parts), self.flat.dtype)
+            with torch.cuda.stream(stream):
+                host.copy_(self.flat[start : start + host.numel()], non_blocking=True)
+            start += host.numel()
+            pairs = zip(host.split(parts), self.shapes[first:last], strict=True)
+            views += [part.view(shape) for part, shape in pairs]
+        self.flat.record_stream(stream)  # its memory is reused only after these copies
+        return views
+
+
+def pin_pieces(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive tensors of ``sizes`` bytes cut into pieces of at most ``limit`` bytes, each
+    (first tensor, one past its last); a tensor larger than ``limit`` is a piece of its own."""
+    pieces: list[tuple[int, int]] = []
+    first, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > first and total + size > limit:
+            pieces.append((first, i))
+            first, total = i, 0
+        total += size
+    if first < len(sizes):
+        pieces.append((first, len(sizes)))
+    return pieces
+
+
+def _pin(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory for ``numel`` elements, then a pause if CUDA pinned it anew (torch's
+    cache of pinned blocks answers in microseconds): other threads launch their kernels."""
+    t0 = time.perf_counter()
+    host = torch.empty(numel, dtype=dtype, pin_memory=True)
+    if time.perf_counter() - t0 > PIN_PAUSE_S / 4:
+        time.sleep(PIN_PAUSE_S)
+    return host
 
 
 @dataclass
@@ -91,8 +136,8 @@ def start_snapshot(obj: Any, *, device_staging: bool | None = None) -> Snapshot:
     By default (``device_staging=None``) they are packed in GPU memory when the snapshot fits in
     DEVICE_STAGING_SHARE of the free memory: one ``torch.cat`` per device and dtype, a few
     kernel launches in all; :meth:`Snapshot.ready`, on the background save's thread, moves each
-    pack to pinned host memory on a side stream, where allocating that memory (the largest part
-    of a first save on the training thread: benchmarks/NOTES.md) does not stall training.
+    pack to pinned host memory on a side stream, off the training thread (allocating that memory
+    is the largest part of a first save: benchmarks/NOTES.md), in pieces (``PIN_PIECE_BYTES``).
     Otherwise each tensor is copied straight into pinned host memory on the training stream.
     Whoever reads the copy calls :meth:`Snapshot.ready` first.
 
