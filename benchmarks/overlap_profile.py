@@ -45,6 +45,7 @@ from hpc_ddp.runtime import captured_step, grad_buckets
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
+VARIANTS = ("none", "buckets", "tail", "after", "bf16", "small")  # the module docstring's list
 
 
 @contextmanager
@@ -133,9 +134,9 @@ def _model(name: str, classes: int) -> torch.nn.Module:
 
 def _step_ms(
     args: argparse.Namespace, variant: str, dev: torch.device
-) -> tuple[list[float], list[float]]:
-    """(GPU ms a step per round, the buckets' MiB in reduce order) of a fresh model and
-    captured step under ``variant``."""
+) -> tuple[list[float], list[float], dict[str, float] | None]:
+    """(GPU ms a step per round, the buckets' MiB in reduce order, the trace's split or None) of
+    a fresh model and captured step under ``variant``."""
     patches = _variant(variant, args.tail_mib)
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, device=dev)
@@ -151,14 +152,15 @@ def _step_ms(
         for _ in range(args.warmup):
             step(x, y)
         rounds = [_timed(lambda: step(x, y), args.steps, dev) for _ in range(3)]
+        split = None
         if args.trace and variant == "buckets":
             path = f"{args.trace}.rank{dist.get_rank()}.json"
             _trace(lambda: step(x, y), path)
-            args.split = trace_split(path)
+            split = trace_split(path)
         buckets = step.buckets
-        mib = [] if buckets is None else [(b - a) / MIB for a, b in _byte_bounds(buckets)]
+        mib = [] if buckets is None else _bucket_mib(buckets)
         step.close()
-    return rounds, mib
+    return rounds, mib, split
 
 
 def _trace(step: Callable[[], object], path: str) -> None:
@@ -221,12 +223,10 @@ def trace_split(path: str, steps: int = 5) -> dict[str, float]:
     }
 
 
-def _byte_bounds(buckets: grad_buckets.BucketedAllReduce) -> list[tuple[int, int]]:
+def _bucket_mib(buckets: grad_buckets.BucketedAllReduce) -> list[float]:
+    """Each bucket's size in MiB, in the order they are reduced."""
     size = buckets.flat.element_size()
-    offsets = [0]
-    for p in buckets.params:
-        offsets.append(offsets[-1] + p.numel() * size)
-    return [(offsets[a], offsets[b]) for a, b in buckets.bounds]
+    return [sum(p.numel() for p in buckets.params[a:b]) * size / MIB for a, b in buckets.bounds]
 
 
 def _timed(step: Callable[[], object], steps: int, dev: torch.device) -> float:
@@ -255,13 +255,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="replays a round")
     p.add_argument("--warmup", type=int, default=30, help="steps before the rounds")
     p.add_argument("--tail-mib", type=float, default=1.0)
-    p.add_argument("--variants", default="none,buckets,tail,after,bf16,small")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     p.add_argument("--high-priority", action="store_true", help="NCCL on a high-priority stream")
     p.add_argument("--tag", default="", help="a label for this launch (its NCCL settings)")
     p.add_argument("--json", help="append the record here (rank 0)")
     p.add_argument("--trace", help="buckets: write PATH.rankN.json, a kernel trace of 5 steps")
     p.add_argument("--cpu", action="store_true", help="Gloo on the CPU: a check, not a figure")
     args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+    if args.cpu and args.trace:
+        p.error("--trace records CUDA kernels: leave it out with --cpu")
     if args.cpu:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -281,15 +286,15 @@ def main() -> None:
         "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
     }  # fmt: skip
     for variant in args.variants.split(","):
-        ms, mib = _step_ms(args, variant, dev)
+        ms, mib, split = _step_ms(args, variant, dev)
+        if split is not None:
+            record["trace_ms"] = {k: round(v, 4) for k, v in split.items()}
         record["bucket_mib"][variant] = [round(m, 2) for m in mib]
         rounds = torch.tensor(ms, device=dev)
         slowest = [torch.zeros_like(rounds) for _ in range(world)]
         dist.all_gather(slowest, rounds)
         per_round = torch.stack(slowest).max(0).values.tolist()
         record["ms"][variant] = round(statistics.median(per_round), 4)
-    if getattr(args, "split", None):
-        record["trace_ms"] = {k: round(v, 4) for k, v in args.split.items()}
     if dist.get_rank() == 0:
         print("OVERLAP " + json.dumps(record), flush=True)
         if args.json:
